@@ -1,0 +1,390 @@
+r"""Wall time of one FedAvg round through TFF against plain Keras (issue 2).
+
+  uv run python benchmarks/round_overhead.py [--rounds=5] \
+      [--data_dir=../shared/data/femnist]
+
+For the same 10 FEMNIST writers and LEAF CNN (1 epoch, batch 20, SGD with
+learning rate 0.05, server learning rate 1), one round of:
+
+  keras          plain Keras in this process: for each client, set the global
+                 weights, `model.fit(dataset, epochs=1)` with a model compiled
+                 once, then average the weights with NumPy (by example counts);
+  train_locally  the same with our client math, `client_work.train_locally`,
+                 called in this process without TFF (isolates the math from the
+                 runtime);
+  ours           `algorithms.build_algorithm("fedavg", ...)` through the TFF C++
+                 runtime of `runtime.execution_context`;
+  tff_stock      `tff.learning.algorithms.build_weighted_fed_avg` (a Keras model
+                 via `from_keras_model`), in the same context;
+
+the TFF variants with max_concurrent_computation_calls=1 (clients one after
+another) and -1 (no limit). Each variant runs `--warmup_rounds` rounds that are
+not timed, then `--rounds` timed rounds; the table gives the median, its ratio
+to plain Keras, and, as a check that every variant does the same work, the
+largest weight difference to Keras after the first round (all start from the
+same weights and see the same unshuffled batches).
+
+The table, the machine and the command are written to the section
+"## Round overhead (issue 2)" of `--results` (other sections are kept).
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import datetime
+import platform
+import re
+import shlex
+import statistics
+import time
+from typing import Callable
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+# TensorFlow before absl parses flags (see tff_ens/main.py).
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tasks import femnist
+from tff_ens import algorithms
+from tff_ens import client_work
+from tff_ens import runtime
+from tff_ens import training
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTION = "## Round overhead (issue 2)"
+
+flags.DEFINE_string(
+    "data_dir", os.path.join(_REPO_ROOT, "..", "shared", "data", "femnist"),
+    "LEAF FEMNIST directory.")
+flags.DEFINE_integer("rounds", 5, "Timed rounds per variant (median over).")
+flags.DEFINE_integer("warmup_rounds", 2, "Untimed rounds before those.")
+flags.DEFINE_integer("clients", 10, "Writers per round (the first, sorted).")
+flags.DEFINE_integer("batch_size", 20, "Client batch size.")
+flags.DEFINE_float("learning_rate", 0.05, "Client SGD learning rate.")
+flags.DEFINE_list("max_concurrent", ["1", "-1"],
+                  "max_concurrent_computation_calls of the TFF worker to try.")
+flags.DEFINE_string(
+    "results", os.path.join(_REPO_ROOT, "benchmarks", "RESULTS.md"),
+    "Markdown file to write the section to; empty to only print.")
+
+FLAGS = flags.FLAGS
+
+
+class Variant:
+  """One way of running a round, timed round by round.
+
+  `run_round()` runs one round from the variant's current state. The first
+  round (a warm-up) starts from the shared initial weights; `weights_fn()`
+  then gives the weights that `weight_diff` compares with Keras' after its
+  first round.
+  """
+
+  def __init__(self, name: str, run_round: Callable[[], None],
+               weights_fn: Callable[[], list[np.ndarray]]):
+    self.name = name
+    self._run_round = run_round
+    self._weights_fn = weights_fn
+    self.rounds_run = 0
+    self.seconds: list[float] = []
+    self.loads: list[float] = []  # 1-min load average before a timed round.
+    self.weight_diff: float | None = None
+
+  def run(self, timed: bool, reference: list[np.ndarray] | None = None):
+    if timed:
+      self.loads.append(os.getloadavg()[0])
+    start = time.perf_counter()
+    self._run_round()
+    if timed:
+      self.seconds.append(time.perf_counter() - start)
+    self.rounds_run += 1
+    if self.rounds_run == 1 and reference is not None:
+      self.weight_diff = max_difference(self.weights(), reference)
+
+  def weights(self) -> list[np.ndarray]:
+    return self._weights_fn()
+
+  @property
+  def median(self) -> float:
+    return statistics.median(self.seconds)
+
+
+def flat_weights(weights) -> list[np.ndarray]:
+  """Trainable then non-trainable arrays of a `ModelWeights` (Keras order)."""
+  return [np.asarray(w) for w in list(weights.trainable) +
+          list(weights.non_trainable)]
+
+
+def max_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+def average(weight_lists: list[list[np.ndarray]], counts: list[int]):
+  """Example-weighted mean of the clients' weights (FedAvg's server step)."""
+  total = float(sum(counts))
+  return [sum(w[i] * (n / total) for w, n in zip(weight_lists, counts))
+          for i in range(len(weight_lists[0]))]
+
+
+def run_interleaved(variants: list[Variant], warmup: int, rounds: int,
+                    reference: list[np.ndarray]):
+  """Warms up each variant (once overall), then times them round-robin.
+
+  Round-robin spreads a change of the machine's load (other jobs) over all
+  variants instead of biasing the ones measured during it.
+  """
+  for variant in variants:
+    while variant.rounds_run < warmup:
+      variant.run(timed=False, reference=reference)
+  for _ in range(rounds):
+    for variant in variants:
+      variant.run(timed=True, reference=reference)
+
+
+def keras_variant(model_fn, datasets, counts, lr) -> Variant:
+  """Plain Keras: fit each client from the global weights, average (NumPy)."""
+  model = model_fn()
+  model.compile(
+      optimizer=tf.keras.optimizers.SGD(lr),
+      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy"])
+  weights = [model.get_weights()]
+
+  def run_round():
+    updated = []
+    for dataset in datasets:
+      model.set_weights(weights[0])
+      model.fit(dataset, epochs=1, verbose=0)
+      updated.append(model.get_weights())
+    weights[0] = average(updated, counts)
+
+  return Variant("keras", run_round, lambda: weights[0])
+
+
+def train_locally_variant(model_fn, datasets, counts, lr) -> Variant:
+  """Our client math (`train_locally`) in this process, averaged with NumPy."""
+  model = model_fn()
+  config = client_work.LocalTrainingConfig(learning_rate=lr)
+  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=lr)
+  n_trainable = len(model.trainable_weights)
+  weights = [model.get_weights()]
+
+  def run_round():
+    initial = client_work.ModelWeights(
+        [tf.constant(w) for w in weights[0][:n_trainable]],
+        [tf.constant(w) for w in weights[0][n_trainable:]])
+    updated = []
+    for dataset in datasets:
+      result, _ = client_work.train_locally(
+          model, optimizer, initial, dataset, tf.constant(lr, tf.float32),
+          config)
+      updated.append([w - d for w, d in zip(weights[0],
+                                            flat_weights(result.update))])
+    weights[0] = average(updated, counts)
+
+  return Variant("train_locally (no TFF)", run_round, lambda: weights[0])
+
+
+def process_variant(name, initialize, next_fn, weights_fn,
+                    keras_initial) -> Variant:
+  """A TFF process from `initialize()` (in the current TFF context)."""
+  state = [initialize()]
+  initial_diff = max_difference(flat_weights(weights_fn(state[0])),
+                                keras_initial)
+  if initial_diff > 0:
+    print(f"warning: {name} starts {initial_diff:g} away from Keras' weights")
+
+  def run_round():
+    state[0] = next_fn(state[0])
+
+  return Variant(name, run_round, lambda: flat_weights(weights_fn(state[0])))
+
+
+def machine_description() -> dict[str, str]:
+  """nproc, the CPU model (first CPU of /proc/cpuinfo) and the RAM."""
+  cpuinfo = {}
+  with open("/proc/cpuinfo") as f:
+    for line in f:
+      if not line.strip():
+        break  # The first CPU only.
+      key, _, value = line.partition(":")
+      cpuinfo[key.strip()] = value.strip()
+  cpu = cpuinfo.get("model name", platform.processor() or "unknown")
+  if "cpu family" in cpuinfo and "model" in cpuinfo:
+    cpu += f" (family {cpuinfo['cpu family']}, model {cpuinfo['model']})"
+  ram = "unknown"
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemTotal:"):
+        ram = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+        break
+  return {"nproc": str(len(os.sched_getaffinity(0))), "cpu": cpu, "ram": ram}
+
+
+def machine_busy_seconds() -> float:
+  """CPU seconds all processes of the machine have used since boot."""
+  with open("/proc/stat") as f:
+    fields = [int(v) for v in f.readline().split()[1:]]
+  # user nice system idle iowait irq softirq steal ...: all but idle, iowait.
+  busy = sum(fields[:8]) - fields[3] - fields[4]
+  return busy / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+  """CPU seconds of this process and its reaped children (the TFF workers)."""
+  t = os.times()
+  return t.user + t.system + t.children_user + t.children_system
+
+
+def table(variants: list[Variant], baseline: float) -> list[str]:
+  rows = ["| variant | median s/round | min | max | rounds | ratio to plain "
+          "Keras | max abs weight diff to Keras after round 1 | median load "
+          "avg |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for v in variants:
+    diff = "-" if v.weight_diff is None else f"{v.weight_diff:.1e}"
+    rows.append(
+        f"| {v.name} | {v.median:.3f} | {min(v.seconds):.3f} | "
+        f"{max(v.seconds):.3f} | {len(v.seconds)} | {v.median / baseline:.2f} "
+        f"| {diff} | {statistics.median(v.loads):.2f} |")
+  return rows
+
+
+def write_section(path: str, text: str):
+  """Replaces (or appends) this benchmark's section of `path`."""
+  if os.path.exists(path):
+    with open(path) as f:
+      content = f.read()
+  else:
+    content = "# Benchmarks\n"
+  pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)",
+                       re.MULTILINE | re.DOTALL)
+  if pattern.search(content):
+    content = pattern.sub(lambda _: text, content, count=1)
+  else:
+    content = content.rstrip("\n") + "\n\n" + text
+  with open(path, "w") as f:
+    f.write(content.rstrip("\n") + "\n")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  load_at_start = os.getloadavg()
+  started = datetime.datetime.now().astimezone()
+  wall_start, busy_start, own_start = (time.perf_counter(),
+                                       machine_busy_seconds(), own_seconds())
+  logging.set_verbosity(logging.WARNING)  # TFF's keras_utils logs at INFO.
+  data = femnist.load_data(FLAGS.data_dir)
+  writers = data.train.client_ids[:FLAGS.clients]
+  if len(writers) < FLAGS.clients:
+    raise app.UsageError(f"--clients={FLAGS.clients}: the data has only "
+                         f"{len(writers)} training writers")
+  counts = [data.train.num_examples(c) for c in writers]
+  datasets = [
+      tf.data.Dataset.from_tensor_slices((data.train.x[c], data.train.y[c]))
+      .batch(FLAGS.batch_size) for c in writers]
+  element_spec = training.batch_element_spec(femnist)
+  model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
+  lr, warmup, rounds = FLAGS.learning_rate, FLAGS.warmup_rounds, FLAGS.rounds
+  print(f"{len(writers)} writers, {sum(counts)} examples a round", flush=True)
+
+  ours = algorithms.build_algorithm(
+      "fedavg", model_fn, element_spec,
+      client_work.LocalTrainingConfig(learning_rate=lr))
+  indices = np.arange(len(writers))
+
+  def stock_model_fn():
+    return tff.learning.models.from_keras_model(
+        model_fn(), input_spec=element_spec,
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[tf.keras.metrics.SparseCategoricalAccuracy()])
+
+  stock = tff.learning.algorithms.build_weighted_fed_avg(
+      stock_model_fn,
+      client_optimizer_fn=tff.learning.optimizers.build_sgdm(lr))
+  # Keras models made before TFF traces `model_fn` in a graph are invalid
+  # after it ("Your Layer or Model is in an invalid state"): make them now.
+  keras = keras_variant(model_fn, datasets, counts, lr)
+  keras_initial = keras.weights()
+  keras.run(timed=False)  # Its first warm-up round: the reference.
+  keras_round1 = keras.weights()
+  local = train_locally_variant(model_fn, datasets, counts, lr)
+  in_process = [keras, local]
+  in_tff = []
+  # Keras and train_locally run in every block too, interleaved with the TFF
+  # variants (the worker idles meanwhile), so all ratios share the same load.
+  for max_concurrent in (int(v) for v in FLAGS.max_concurrent):
+    with runtime.execution_context(
+        max_concurrent_computation_calls=max_concurrent):
+      block = [
+          process_variant(
+              f"ours, max_concurrent={max_concurrent}",
+              ours.process.initialize,
+              lambda s: ours.next_fn(s, datasets, indices)[0],
+              lambda s: ours.models_fn(s)[0], keras_initial),
+          process_variant(
+              f"tff_stock, max_concurrent={max_concurrent}",
+              stock.initialize, lambda s: stock.next(s, datasets).state,
+              stock.get_model_weights, keras_initial)]
+      run_interleaved(in_process + block, warmup, rounds, keras_round1)
+      in_tff += block
+  variants = in_process + in_tff
+  for v in variants:
+    print(f"{v.name}: median {v.median:.3f} s "
+          f"({', '.join(f'{s:.2f}' for s in v.seconds)})")
+
+  rows = table(variants, keras.median)
+  print("\n".join(rows))
+  machine = machine_description()
+  nproc = int(machine["nproc"])
+  wall = time.perf_counter() - wall_start
+  others = (machine_busy_seconds() - busy_start) - (own_seconds() - own_start)
+  others_share = max(others, 0.0) / (wall * nproc)
+  print(f"other processes used {others:.0f} CPU s in {wall:.0f} s "
+        f"({others_share:.0%} of {nproc} cores)")
+  if FLAGS.results:
+    section = [
+        SECTION, "",
+        f"One FedAvg round of {len(writers)} fixed FEMNIST writers "
+        f"({sum(counts)} examples), LEAF CNN, 1 epoch, batch "
+        f"{FLAGS.batch_size}, SGD {lr}, server SGD 1.0: median wall time "
+        f"of the timed rounds after {warmup} warm-up rounds per variant. The "
+        "variants are timed round-robin, once per TFF context (max_concurrent "
+        "setting), so Keras and train_locally have a timed round in every "
+        "block; ratios are to the median of all plain-Keras rounds. Variants "
+        "are described in `benchmarks/round_overhead.py`; `max_concurrent` is "
+        "the TFF worker's `max_concurrent_computation_calls` (-1: no limit).",
+        "",
+        f"- date: {started:%Y-%m-%d %H:%M %Z}",
+        f"- machine: nproc={machine['nproc']}, {machine['cpu']}, "
+        f"RAM {machine['ram']}; Python {platform.python_version()}, "
+        f"TensorFlow {tf.__version__}, TFF {tff.__version__}",
+        f"- command (from the repository root): "
+        f"`uv run python {shlex.join(sys.argv)}`",
+        "- load average (1, 5, 15 min) at start: " +
+        ", ".join(f"{v:.2f}" for v in load_at_start) +
+        "; at end: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
+        f"- CPU used by other processes during the run: {others:.0f} s in "
+        f"{wall:.0f} s, {others_share:.0%} of the {nproc} cores (machine "
+        "CPU time from /proc/stat less this process' and its TFF workers')",
+        "", *rows, "",
+        "The load average in the table is the median 1-minute one before the "
+        "variant's timed rounds; it includes this benchmark's own load (one "
+        "to two on its own).", ""]
+    if load_at_start[0] > 0.5 * nproc or others_share > 0.1:
+      section += [
+          "**Other jobs were running on the machine** (see the load average "
+          "at start and the CPU used by other processes): absolute times are "
+          "inflated and noisy and the ratios less so, but re-measure on an "
+          "idle machine before relying on small differences.", ""]
+    write_section(FLAGS.results, "\n".join(section))
+    print(f"wrote {FLAGS.results}")
+
+
+if __name__ == "__main__":
+  app.run(main)

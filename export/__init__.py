@@ -1,0 +1,1 @@
+"""TFLite export and on-device evaluation of trained tff-ens runs."""

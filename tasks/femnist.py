@@ -1,0 +1,353 @@
+"""FEMNIST: handwritten digits and letters (62 classes), one client per writer.
+
+Citations:
+  Caldas, Duddu, Wu, Li, Konecny, McMahan, Smith and Talwalkar, "LEAF: A Benchmark for
+  Federated Settings", arXiv:1812.01097, 2018 (the federated split by writer, the JSON
+  format and the CNN below).
+  Cohen, Afshar, Tapson and van Schaik, "EMNIST: an extension of MNIST to handwritten
+  letters", IJCNN 2017 (the images, from NIST Special Database 19).
+
+Load: `load_leaf` reads a directory as LEAF's preprocessing writes it (train/*.json and
+test/*.json, each {"users", "num_samples", "user_data": {writer: {"x", "y"}}}); `load_tff`
+converts TFF's copy (`tff.simulation.datasets.emnist`); `load_data` picks the first that is
+available. Preprocess: each writer's examples become float32 images [n, 28, 28, 1] in [0, 1]
+(1.0 is the background, as in both sources) and int32 labels in 0..61 (digits, then upper
+case, then lower case letters: CLASS_LABELS[label]).
+
+Test writers with training data form the test split; test writers without training data are
+"new clients", never seen in training (for new-client evaluation or as unlabeled server data).
+"""
+
+import collections
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import socket
+import sqlite3
+from collections.abc import Iterable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tasks import resnet
+
+NUM_CLASSES = 62
+INPUT_SHAPE = (28, 28, 1)
+CLASS_LABELS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+DATA_DIR_ENV = "TFF_ENS_DATA_DIR"
+MODEL_NAMES = ("cnn", "resnet8", "resnet20")
+# TFF's downloader opens its URL without a timeout: without this, a network that drops
+# packets would hang the download instead of failing.
+DOWNLOAD_TIMEOUT_SECONDS = 30
+
+_PIXELS = INPUT_SHAPE[0] * INPUT_SHAPE[1]
+_LEAF_KEYS = ("users", "num_samples", "user_data")
+# The features of TFF's emnist protos (tff.simulation.datasets.emnist._add_proto_parsing).
+_TFF_FEATURES = {"pixels": tf.io.FixedLenFeature((28, 28), tf.float32),
+                 "label": tf.io.FixedLenFeature((), tf.int64)}
+
+
+class DataError(ValueError):
+  """A one-line, user-facing problem with the input data (names the file/dir and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientArrays:
+  """Examples of a set of clients, held in memory.
+
+  Attributes:
+    client_ids: the writer ids, sorted.
+    x: writer id -> float32 images [n, 28, 28, 1], values in [0, 1], 1.0 = background.
+    y: writer id -> int32 labels [n], in 0..61.
+  """
+  client_ids: tuple[str, ...]
+  x: dict[str, np.ndarray]
+  y: dict[str, np.ndarray]
+
+  def num_examples(self, client_id: str | None = None) -> int:
+    """The number of examples of `client_id`, or of all clients if it is None."""
+    if client_id is not None:
+      return len(self.y[client_id])
+    return sum(len(self.y[c]) for c in self.client_ids)
+
+  def concatenated(self) -> tuple[np.ndarray, np.ndarray]:
+    """All clients' images and labels, in `client_ids` order."""
+    if not self.client_ids:
+      return np.zeros((0, *INPUT_SHAPE), np.float32), np.zeros((0,), np.int32)
+    return (np.concatenate([self.x[c] for c in self.client_ids]),
+            np.concatenate([self.y[c] for c in self.client_ids]))
+
+  def to_client_data(self) -> tff.simulation.datasets.ClientData:
+    """A TFF ClientData whose elements are OrderedDict(x=float32[28, 28, 1], y=int32[]).
+
+    TFF's in-memory ClientData copies the arrays; its `serializable_dataset_fn` (used by
+    `dataset_computation` and `create_tf_dataset_from_all_clients`) embeds all clients'
+    data in one TF graph, which must stay under 2 GB.
+    """
+    if not self.client_ids:
+      raise ValueError("no clients: a TFF ClientData needs at least one")
+    return tff.simulation.datasets.TestClientData({
+        c: collections.OrderedDict(x=self.x[c], y=self.y[c]) for c in self.client_ids})
+
+  def subset(self, client_ids: Iterable[str]) -> "ClientArrays":
+    """The clients `client_ids` (each must be one of this set's clients)."""
+    ids = tuple(sorted(set(client_ids)))
+    unknown = [c for c in ids if c not in self.x]
+    if unknown:
+      raise KeyError(f"unknown client ids: {', '.join(unknown[:5])}")
+    return ClientArrays(ids, {c: self.x[c] for c in ids}, {c: self.y[c] for c in ids})
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedData:
+  """The splits of a federated FEMNIST.
+
+  Attributes:
+    train: writers with training data.
+    test: test examples of the writers that have training data (the same writers as
+      `train`, without those that have no test data).
+    new_clients: writers that have test data only, never seen in training.
+    source: where the data came from, "leaf:<absolute directory>" or "tff:emnist".
+  """
+  train: ClientArrays
+  test: ClientArrays
+  new_clients: ClientArrays
+  source: str
+
+
+def _client_arrays(examples: dict[str, tuple[np.ndarray, np.ndarray]]) -> ClientArrays:
+  ids = tuple(sorted(examples))
+  return ClientArrays(ids, {c: examples[c][0] for c in ids}, {c: examples[c][1] for c in ids})
+
+
+def _split_by_writer(train, test, source: str) -> FederatedData:
+  """FederatedData from writer -> (x, y) dicts of the train and test files."""
+  return FederatedData(
+      train=_client_arrays(train),
+      test=_client_arrays({c: v for c, v in test.items() if c in train}),
+      new_clients=_client_arrays({c: v for c, v in test.items() if c not in train}),
+      source=source)
+
+
+def _leaf_writer(path: str, writer: str, count, data) -> tuple[np.ndarray, np.ndarray]:
+  """One writer's (x, y) from a LEAF file, checked; raises DataError naming file and writer."""
+  where = f"{path}: writer {writer!r}"
+  if not isinstance(data, dict) or "x" not in data or "y" not in data:
+    raise DataError(f"{where}: user_data entry needs keys x and y; regenerate the file with LEAF")
+  try:
+    x = np.asarray(data["x"], dtype=np.float32)
+  except (ValueError, TypeError):
+    rows = data["x"] if isinstance(data["x"], list) else []
+    lengths = sorted({len(r) if isinstance(r, list) else 1 for r in rows})
+    raise DataError(f"{where}: each x row must be a list of {_PIXELS} numbers (28x28 pixels), "
+                    f"found row lengths {lengths[:5]}; regenerate the file with LEAF") from None
+  y = np.asarray(data["y"] if isinstance(data["y"], list) else [None], dtype=object)
+  if y.size and not all(isinstance(v, int) and not isinstance(v, bool) for v in y):
+    raise DataError(f"{where}: labels must be integers in 0..{NUM_CLASSES - 1}, found "
+                    f"{str(data['y'])[:40]}; regenerate the file with LEAF")
+  y = y.astype(np.int64)
+  if count != len(y):
+    raise DataError(f"{where}: num_samples says {count} but y has {len(y)} labels; "
+                    "regenerate the file with LEAF")
+  if len(x) != len(y):
+    raise DataError(f"{where}: {len(x)} images but {len(y)} labels; regenerate the file with LEAF")
+  if not len(y):
+    return np.zeros((0, *INPUT_SHAPE), np.float32), y.astype(np.int32)
+  if x.ndim != 2 or x.shape[1] != _PIXELS:
+    raise DataError(f"{where}: each x row must have {_PIXELS} values (28x28 pixels), "
+                    f"got shape {list(x.shape)}; regenerate the file with LEAF")
+  bad = y[(y < 0) | (y >= NUM_CLASSES)]
+  if bad.size:
+    raise DataError(f"{where}: labels must be integers in 0..{NUM_CLASSES - 1}, found "
+                    f"{bad[:3].tolist()}; regenerate the file with LEAF")
+  if np.isnan(x).any():
+    raise DataError(f"{where}: NaN pixel values; regenerate the file with LEAF")
+  if x.min() < 0 or x.max() > 1:
+    raise DataError(f"{where}: pixel values must be in [0, 1], found {x.min()}..{x.max()}; "
+                    "regenerate the file with LEAF")
+  return x.reshape(-1, *INPUT_SHAPE), y.astype(np.int32)
+
+
+def _load_leaf_file(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """writer -> (x, y) of one LEAF JSON file, skipping writers without examples."""
+  try:
+    with open(path, "rb") as f:
+      content = json.load(f)
+  except json.JSONDecodeError as e:
+    problem = "empty" if not e.doc.strip() else f"not valid JSON ({e.msg} at char {e.pos})"
+    raise DataError(f"{path}: {problem}; the file may be truncated: copy it again or "
+                    "regenerate it with LEAF") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise DataError(f"{path}: cannot be read ({e}); check the file") from None
+  missing = [k for k in _LEAF_KEYS if not isinstance(content, dict) or k not in content]
+  if missing:
+    raise DataError(f"{path}: missing key(s) {', '.join(missing)}: a LEAF file is a JSON object "
+                    "with users, num_samples and user_data; regenerate it with LEAF")
+  users, counts, user_data = (content[k] for k in _LEAF_KEYS)
+  if len(users) != len(counts):
+    raise DataError(f"{path}: {len(users)} users but {len(counts)} num_samples entries; "
+                    "regenerate the file with LEAF")
+  examples = {}
+  for writer, count in zip(users, counts):
+    if writer not in user_data:
+      raise DataError(f"{path}: writer {writer!r} is in users but not in user_data; "
+                      "regenerate the file with LEAF")
+    x, y = _leaf_writer(path, writer, count, user_data[writer])
+    if len(y):
+      examples[writer] = (x, y)
+  return examples
+
+
+def _load_leaf_split(data_dir: str, split: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """writer -> (x, y) over all JSON files of data_dir/split; a writer may be in one file only."""
+  split_dir = os.path.join(data_dir, split)
+  if not os.path.isdir(split_dir):
+    raise DataError(f"{data_dir} has no {split}/ subdirectory: pass a LEAF femnist directory "
+                    "with train/*.json and test/*.json")
+  paths = sorted(glob.glob(os.path.join(split_dir, "*.json")))
+  if not paths:
+    raise DataError(f"{split_dir} has no *.json files: copy LEAF's {split} files into it")
+  examples, file_of = {}, {}
+  for path in paths:
+    for writer, arrays in _load_leaf_file(path).items():
+      if writer in examples:
+        raise DataError(f"writer {writer!r} appears in two {split} files, {file_of[writer]} and "
+                        f"{path}: remove one of the copies")
+      examples[writer], file_of[writer] = arrays, path
+  return examples
+
+
+def load_leaf(data_dir: str) -> FederatedData:
+  """Loads a LEAF femnist directory (data_dir/train/*.json, data_dir/test/*.json).
+
+  Raises DataError, with a one-line message that names the file or directory, if the data
+  is missing or malformed.
+  """
+  data_dir = os.path.abspath(os.path.expanduser(data_dir))
+  if not os.path.exists(data_dir):
+    raise DataError(f"FEMNIST data directory {data_dir} does not exist: pass a LEAF femnist "
+                    "directory with train/ and test/")
+  if not os.path.isdir(data_dir):
+    raise DataError(f"FEMNIST data directory {data_dir} is not a directory: pass a LEAF "
+                    "femnist directory with train/ and test/")
+  return _split_by_writer(_load_leaf_split(data_dir, "train"),
+                          _load_leaf_split(data_dir, "test"), f"leaf:{data_dir}")
+
+
+def _read_tff_split(database: str, split: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """writer -> (x, y) of one split ("all_train", "all_test") of TFF's emnist database.
+
+  Reads the `examples` table that TFF's `SqlClientData` documents in one scan and parses
+  the tf.train.Example protos as `tff.simulation.datasets.emnist` does, in batches: going
+  through `create_tf_dataset_for_client` costs ~0.3 s per writer (~30 min for the 3,400
+  writers' train and test), this seconds.
+  """
+  pieces = collections.defaultdict(list)
+  with contextlib.closing(sqlite3.connect(database)) as connection:
+    cursor = connection.execute(
+        "SELECT client_id, serialized_example_proto FROM examples WHERE split_name = ?",
+        (split,))
+    while rows := cursor.fetchmany(10_000):
+      ids, protos = zip(*rows)
+      parsed = tf.io.parse_example(list(protos), _TFF_FEATURES)
+      x = parsed["pixels"].numpy().reshape(-1, *INPUT_SHAPE)
+      y = parsed["label"].numpy().astype(np.int32)
+      ids = np.asarray(ids)
+      for c in np.unique(ids):
+        pieces[c].append((x[ids == c], y[ids == c]))
+  return {str(c): tuple(map(np.concatenate, zip(*pieces.pop(c)))) for c in sorted(pieces)}
+
+
+def load_tff(cache_dir: str | None = None) -> FederatedData:
+  """Loads TFF's FEMNIST (emnist, only_digits=False), downloading it if it is not cached.
+
+  TFF caches the database as `emnist_all.sqlite` in `cache_dir` (default ~/.tff). TFF splits
+  every writer's examples into train and test, so there are no test-only writers and
+  `new_clients` is empty. Held in memory, the 3,400 writers' 749,068 examples take ~2.4 GB.
+
+  Raises DataError (one line) if the data can neither be found in the cache nor downloaded,
+  or if the cached database cannot be read.
+  """
+  cache_dir = os.path.expanduser(cache_dir or os.path.join("~", ".tff"))
+  database = os.path.join(cache_dir, "emnist_all.sqlite")
+  cached = os.path.exists(database)
+  timeout = socket.getdefaulttimeout()
+  socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)
+  try:
+    # Downloads (if needed) and checks the database's tables.
+    tff.simulation.datasets.emnist.load_data(only_digits=False, cache_dir=cache_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    if not cached and os.path.exists(database):  # Else a partial download would pass for cached.
+      os.remove(database)
+    if cached:
+      raise DataError(f"{database}: not TFF's FEMNIST database ({_one_line(e)}); delete it so "
+                      "TFF downloads it again") from e
+    raise DataError(
+        "no FEMNIST data found: pass --data_dir=DIR (a LEAF femnist directory with train/ and "
+        f"test/), set {DATA_DIR_ENV}, or allow network access so TFF can download it into "
+        f"{cache_dir} ({_one_line(e)})") from e
+  finally:
+    socket.setdefaulttimeout(timeout)
+  try:
+    return _split_by_writer(_read_tff_split(database, "all_train"),
+                            _read_tff_split(database, "all_test"), "tff:emnist")
+  except (tf.errors.OpError, sqlite3.Error) as e:
+    raise DataError(f"{database}: cannot be read as TFF's FEMNIST ({_one_line(e)}); delete it "
+                    "so TFF downloads it again") from e
+
+
+def _one_line(error: Exception) -> str:
+  return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+def load_data(data_dir: str | None = None) -> FederatedData:
+  """Loads FEMNIST from `data_dir`, else from $TFF_ENS_DATA_DIR, else TFF's copy.
+
+  `data_dir` and the environment variable name a LEAF directory (see `load_leaf`); TFF's
+  copy is read from its cache or downloaded (see `load_tff`). Raises DataError with a
+  one-line message saying how to provide the data when none is reachable.
+  """
+  data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
+  if data_dir:
+    return load_leaf(data_dir)
+  return load_tff()
+
+
+def _build_cnn(seed: int) -> tf.keras.Model:
+  """LEAF's FEMNIST CNN (Caldas et al. 2018): two 5x5 conv + 2x2 max-pool, dense 2048."""
+  seeds = resnet.seed_stream(seed)
+  init = lambda: tf.keras.initializers.GlorotUniform(seed=next(seeds))
+  layers = tf.keras.layers
+  return tf.keras.Sequential([
+      tf.keras.Input(shape=INPUT_SHAPE),
+      layers.Conv2D(32, 5, padding="same", activation="relu", kernel_initializer=init()),
+      layers.MaxPool2D(2),
+      layers.Conv2D(64, 5, padding="same", activation="relu", kernel_initializer=init()),
+      layers.MaxPool2D(2),
+      layers.Flatten(),
+      layers.Dense(2048, activation="relu", kernel_initializer=init()),
+      layers.Dense(NUM_CLASSES, kernel_initializer=init()),
+  ], name="femnist_cnn")
+
+
+def build_model(name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Model:
+  """An un-compiled model from 28x28x1 images to NUM_CLASSES logits (no softmax).
+
+  Args:
+    name: one of MODEL_NAMES: "cnn" (LEAF's CNN, which has no normalization layers, so
+      only norm="batch", the default, is accepted), "resnet8" or "resnet20".
+    seed: the weights are a deterministic function of it.
+    norm: "batch" or "group" normalization in the ResNets.
+  """
+  if name == "cnn":
+    if norm != "batch":
+      raise ValueError(f"model 'cnn' has no normalization layers: norm={norm!r} applies only "
+                       "to resnet8 and resnet20")
+    return _build_cnn(seed)
+  if name in ("resnet8", "resnet20"):
+    return resnet.build_resnet(int(name[len("resnet"):]), input_shape=INPUT_SHAPE,
+                               num_classes=NUM_CLASSES, norm=norm, seed=seed)
+  raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")

@@ -1,0 +1,377 @@
+"""Tests of `tff_ens.fed_ensemble` (Shi et al., arXiv:2107.10663, Algorithm 1).
+
+The assignment P[i, t mod K], the one-model-down / one-update-up types, the
+per-slot server update on a hand-made example, an end-to-end round checked
+against per-client training computed separately, and checkpoint/resume.
+"""
+
+import asyncio
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import algorithms
+from tff_ens import client_work
+from tff_ens import fed_ensemble
+
+ModelWeights = tff.learning.models.ModelWeights
+Config = client_work.LocalTrainingConfig
+
+SPEC = (tf.TensorSpec([None, 2, 2, 1], tf.float32), tf.TensorSpec([None], tf.int32))
+LR = 0.5
+
+
+def member_model(k, batch_norm=True):
+  """Member k: Flatten(2x2x1) -> [BatchNorm] -> Dense(3), initialized by k."""
+  layers = [tf.keras.layers.Input((2, 2, 1)), tf.keras.layers.Flatten()]
+  if batch_norm:
+    layers.append(tf.keras.layers.BatchNormalization())
+  layers.append(tf.keras.layers.Dense(
+      3,
+      kernel_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=10 * k),
+      bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=10 * k + 1)))
+  return tf.keras.Sequential(layers)
+
+
+def member_shapes():
+  model = member_model(0)
+  return [tuple(v.shape) for v in model.trainable_variables + model.non_trainable_variables]
+
+
+def one_batch(x, y):
+  return tf.data.Dataset.from_tensors(
+      (np.asarray(x, np.float32).reshape(-1, 2, 2, 1), np.asarray(y, np.int32)))
+
+
+CLIENT_DATA = [
+    ([[1.0, 0.0, -1.0, 2.0], [0.5, -0.5, 1.0, 0.0]], [0, 2]),
+    ([[-1.0, 2.0, 0.0, 1.0], [2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 1.0, 3.0]], [1, 1, 0]),
+    ([[0.0, 1.0, 1.0, -2.0], [1.0, 1.0, 1.0, 1.0]], [2, 0]),
+]
+
+
+def assign(seed, client, round_num, k, assignment="permutation"):
+  return int(fed_ensemble.assigned_model(seed, client, round_num, k, assignment))
+
+
+def block_row(seed, client, block, k):
+  return [assign(seed, client, t, k) for t in range(block * k, block * k + k)]
+
+
+# ---------------------------------------------------------------- assignment
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_each_block_of_k_rounds_is_a_permutation(k):
+  rows = {}
+  for seed, client, block in itertools.product([0, 1, 1234], range(8), range(3)):
+    row = block_row(seed, client, block, k)
+    assert sorted(row) == list(range(k)), (seed, client, block, row)
+    rows[seed, client, block] = tuple(row)
+  # Different clients draw different permutations (not one shared row).
+  for seed, block in itertools.product([0, 1, 1234], range(3)):
+    assert len({rows[seed, c, block] for c in range(8)}) > 1
+  if k > 2:
+    # Blocks are re-drawn: a client's row changes between blocks somewhere.
+    assert any(len({rows[seed, c, b] for b in range(3)}) > 1
+               for seed in [0, 1, 1234] for c in range(8))
+    # And the seed matters.
+    assert any(rows[0, c, b] != rows[1, c, b] for c in range(8) for b in range(3))
+
+
+def test_rows_are_redrawn_between_blocks_and_clients_k5():
+  # Over 8 clients x 4 blocks, a K=5 row (1 of 120) repeats only by chance:
+  # most of the 32 rows must be distinct.
+  rows = {tuple(block_row(7, c, b, 5)) for c in range(8) for b in range(4)}
+  assert len(rows) >= 20
+
+
+def test_assignment_is_deterministic_and_tensor_inputs_agree():
+  for client, round_num in [(0, 0), (3, 4), (17, 11), (123456, 29)]:
+    a = assign(5, client, round_num, 3)
+    assert assign(5, client, round_num, 3) == a
+    # As TFF calls it: tensors (seed int64, index and round int32).
+    b = int(fed_ensemble.assigned_model(
+        tf.constant(5, tf.int64), tf.constant(client, tf.int32),
+        tf.constant(round_num, tf.int32), 3))
+    assert b == a
+  row = fed_ensemble.permutation_row(5, 3, 1, 3).numpy().tolist()
+  assert [assign(5, 3, t, 3) for t in range(3, 6)] == row
+
+
+def test_random_assignment_is_in_range_and_not_a_permutation():
+  k = 3
+  values = np.array([[assign(0, client, t, k, "random") for t in range(2 * k)]
+                     for client in range(10)])
+  assert values.min() >= 0 and values.max() < k
+  assert set(values.ravel()) == set(range(k))
+  blocks = values.reshape(10, 2, k)
+  not_permutations = [b for b in blocks.reshape(-1, k) if sorted(b) != list(range(k))]
+  assert not_permutations  # 20 blocks, each a permutation with prob. 2/9.
+  assert values.tolist() == [[assign(0, client, t, k, "random") for t in range(2 * k)]
+                             for client in range(10)]
+
+
+def test_unknown_assignment_and_bad_size_raise():
+  with pytest.raises(ValueError, match="cyclic"):
+    fed_ensemble.assigned_model(0, 0, 0, 3, "cyclic")
+  with pytest.raises(ValueError, match="ensemble_size"):
+    fed_ensemble.build_fed_ensemble(member_model, SPEC, Config(), ensemble_size=0)
+  with pytest.raises(ValueError, match="cyclic"):
+    fed_ensemble.build_fed_ensemble(member_model, SPEC, Config(), ensemble_size=2,
+                                    assignment="cyclic")
+
+
+# ------------------------------------------------------------- server update
+
+
+def test_server_update_hand_example():
+  k = 3
+  stacked = ModelWeights(
+      [tf.constant([[1.0, 1.0], [2.0, -3.0], [0.5, 0.25]])],
+      [tf.constant([10.0, 20.0, 30.0])])
+  accumulator = (tf.nest.map_structure(tf.zeros_like, stacked), tf.zeros([k]))
+  clients = [  # (update, weight, key)
+      (ModelWeights([tf.constant([1.0, 2.0])], [tf.constant(0.5)]), 1.0, 0),
+      (ModelWeights([tf.constant([3.0, -2.0])], [tf.constant(1.5)]), 3.0, 0),
+      (ModelWeights([tf.constant([4.0, 4.0])], [tf.constant(2.0)]), 2.0, 2),
+  ]
+  for update, weight, key in clients:
+    accumulator = fed_ensemble.scatter_add_update(
+        accumulator, update, tf.constant(weight), tf.constant(key))
+  sums, weights = accumulator
+  np.testing.assert_allclose(weights, [4.0, 0.0, 2.0])
+  np.testing.assert_allclose(sums.trainable[0], [[10.0, -4.0], [0.0, 0.0], [8.0, 8.0]])
+  np.testing.assert_allclose(sums.non_trainable[0], [5.0, 0.0, 4.0])
+
+  new = fed_ensemble.apply_slot_means(stacked, sums, weights)
+  # Slot 0: (1 * u1 + 3 * u2) / 4 = [2.5, -1], non-trainable (0.5 + 4.5) / 4.
+  np.testing.assert_allclose(new.trainable[0][0], [1.0 - 2.5, 1.0 + 1.0])
+  np.testing.assert_allclose(new.non_trainable[0][0], 10.0 - 1.25)
+  # Slot 2: the single client's update.
+  np.testing.assert_allclose(new.trainable[0][2], [0.5 - 4.0, 0.25 - 4.0])
+  np.testing.assert_allclose(new.non_trainable[0][2], 30.0 - 2.0)
+  # Slot 1: nobody trained it; bit-identical.
+  assert np.array_equal(new.trainable[0][1].numpy(), [2.0, -3.0])
+  assert new.non_trainable[0][1].numpy() == 20.0
+
+
+def test_unstack_members():
+  stacked = ModelWeights([np.arange(6.0).reshape(3, 2), np.arange(3.0)],
+                         [np.arange(12.0).reshape(3, 2, 2)])
+  members = fed_ensemble.unstack_members(stacked)
+  assert len(members) == 3
+  for i, m in enumerate(members):
+    assert isinstance(m, ModelWeights)
+    np.testing.assert_array_equal(m.trainable[0], [2 * i, 2 * i + 1])
+    assert m.trainable[1] == i
+    np.testing.assert_array_equal(m.non_trainable[0], stacked.non_trainable[0][i])
+
+
+# ------------------------------------------------------------------- process
+
+
+@pytest.fixture(scope="module")
+def built():
+  return fed_ensemble.build_fed_ensemble(
+      member_model, SPEC, Config(learning_rate=LR), ensemble_size=3, seed=4)
+
+
+def _intrinsics(computation):
+  found = []
+
+  def visit(comp):
+    if isinstance(comp, tff.framework.Intrinsic):
+      found.append((comp.uri, comp.type_signature))
+    return comp, False
+
+  tff.framework.transform_postorder(computation.to_building_block(), visit)
+  return found
+
+
+def _leaves(type_spec):
+  if isinstance(type_spec, tff.TensorType):
+    return [type_spec]
+  return [leaf for t in type_spec for leaf in _leaves(t)]
+
+
+def test_state_holds_k_stacked_members(built):
+  state_type = built.process.next.type_signature.parameter[0]
+  members = state_type.member.members
+  assert [tuple(t.shape) for t in _leaves(members)] == [
+      (3,) + s for s in member_shapes()]
+
+
+def test_a_client_downloads_one_member_and_uploads_one_update(built):
+  shapes = member_shapes()
+  intrinsics = _intrinsics(built.process.next)
+  # Server -> clients: one federated_select of one member per client ...
+  selects = [t for uri, t in intrinsics if uri == "federated_select"]
+  assert len(selects) == 1
+  keys_type = selects[0].parameter[0]
+  assert keys_type.member == tff.TensorType(np.int32, [1])  # One key: one model.
+  selected = selects[0].result
+  assert selected.placement is tff.CLIENTS
+  assert isinstance(selected.member, tff.SequenceType)
+  assert [tuple(t.shape) for t in _leaves(selected.member.element)] == shapes
+  # ... and broadcasts of a few scalars only (round, seed; learning rate).
+  broadcasts = [t for uri, t in intrinsics if uri == "federated_broadcast"]
+  assert broadcasts
+  for b in broadcasts:
+    assert all(t.shape == () for t in _leaves(b.result.member))
+  assert sum(algorithms.type_size_bytes(b.result) for b in broadcasts) == 4 + 8 + 4
+
+  # Clients -> server: one update of one member's shape, its weight and the key.
+  (aggregate,) = [t for uri, t in intrinsics if uri == "federated_aggregate"]
+  update, weight, key = aggregate.parameter[0].member
+  assert [tuple(t.shape) for t in _leaves(update)] == shapes
+  assert weight == tff.TensorType(np.float32)
+  assert key == tff.TensorType(np.int32, [1])
+
+  # The declared per-client types say the same.
+  model = built.download_type.model
+  assert [tuple(t.shape) for t in _leaves(model)] == shapes
+  upload = built.upload_type
+  assert [tuple(t.shape) for t in _leaves(upload.client_result[0].update)] == shapes
+  assert upload.key == tff.TensorType(np.int32, [1])
+
+
+def _trained_update(initial, x, y):
+  result, _ = client_work.train_locally(
+      member_model(0), tff.learning.optimizers.build_sgdm(learning_rate=LR),
+      initial, one_batch(x, y), tf.constant(LR), Config(learning_rate=LR))
+  return float(result.update_weight), tf.nest.map_structure(np.asarray, result.update)
+
+
+def _flat(weights):
+  return [np.asarray(t) for t in tf.nest.flatten(weights)]
+
+
+def test_initial_members_are_the_members_initializations(built):
+  members = fed_ensemble.unstack_members(built.process.initialize()["members"])
+  assert len(members) == 3
+  for k, m in enumerate(members):
+    model = member_model(k)
+    expected = [v.numpy() for v in model.trainable_variables + model.non_trainable_variables]
+    for got, e in zip(_flat(m), expected, strict=True):
+      np.testing.assert_array_equal(got, e)
+
+
+def test_round_trains_only_the_assigned_members(built):
+  seed, k = 4, 3
+  indices = [0, 5]
+  keys = [assign(seed, i, 0, k) for i in indices]
+  assert keys[0] != keys[1], "pick indices whose round-0 models differ"
+  data = CLIENT_DATA[:2]
+  state = built.process.initialize()
+  before = fed_ensemble.unstack_members(state["members"])
+  new_state, metrics = built.process.next(
+      state, [one_batch(x, y) for x, y in data], [np.int32(i) for i in indices])
+  after = fed_ensemble.unstack_members(new_state["members"])
+  assert len(after) == k and all(isinstance(m, ModelWeights) for m in after)
+
+  for member in range(k):
+    trainers = [c for c, key in enumerate(keys) if key == member]
+    if not trainers:  # Nobody trained it: bit-identical.
+      for got, was in zip(_flat(after[member]), _flat(before[member]), strict=True):
+        assert np.array_equal(got, was)
+      continue
+    # Trained: the example-weighted mean of its trainers' models.
+    results = [_trained_update(before[member], *data[c]) for c in trainers]
+    total = sum(w for w, _ in results)
+    expected = tf.nest.map_structure(
+        lambda w0, *us: w0 - sum(w * u for (w, _), u in zip(results, us)) / total,
+        before[member], *[u for _, u in results])
+    for got, e, was in zip(_flat(after[member]), _flat(expected), _flat(before[member]),
+                           strict=True):
+      np.testing.assert_allclose(got, e, rtol=1e-5, atol=1e-6)
+    assert any(not np.array_equal(g, w) for g, w in
+               zip(_flat(after[member]), _flat(before[member])))
+
+  assert metrics["aggregator"]["members_trained"] == len(set(keys))
+  assert metrics["client_work"]["num_examples"] == 5.0
+  assert new_state["assignment"]["round"] == 1
+  assert new_state["assignment"]["seed"] == seed
+  assert new_state["client_work"] == 1
+
+
+def test_two_clients_on_one_member_are_weighted_by_examples(built):
+  seed, k = 4, 3
+  # Two clients with the same round-0 model.
+  pairs = [(i, j) for i in range(30) for j in range(i + 1, 30)
+           if assign(seed, i, 0, k) == assign(seed, j, 0, k)]
+  i, j = pairs[0]
+  member = assign(seed, i, 0, k)
+  data = CLIENT_DATA[:2]  # 2 and 3 examples.
+  state = built.process.initialize()
+  before = fed_ensemble.unstack_members(state["members"])
+  new_state, metrics = built.process.next(
+      state, [one_batch(x, y) for x, y in data], [np.int32(i), np.int32(j)])
+  after = fed_ensemble.unstack_members(new_state["members"])
+  (wa, ua), (wb, ub) = [_trained_update(before[member], *d) for d in data]
+  assert (wa, wb) == (2.0, 3.0)
+  expected = tf.nest.map_structure(lambda w, a, b: w - (2 * a + 3 * b) / 5,
+                                   before[member], ua, ub)
+  for got, e in zip(_flat(after[member]), _flat(expected), strict=True):
+    np.testing.assert_allclose(got, e, rtol=1e-5, atol=1e-6)
+  for other in set(range(k)) - {member}:
+    for got, was in zip(_flat(after[other]), _flat(before[other])):
+      assert np.array_equal(got, was)
+  assert metrics["aggregator"]["members_trained"] == 1
+
+
+def _run(process, state, rounds):
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
+  indices = [np.int32(i) for i in (2, 7, 11)]
+  for _ in range(rounds):
+    state, _ = process.next(state, datasets, indices)
+  return state
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(built, tmp_path):
+  process = built.process
+  uninterrupted = _run(process, process.initialize(), 4)
+
+  state = _run(process, process.initialize(), 2)
+  manager = tff.program.FileProgramStateManager(str(tmp_path))
+  asyncio.run(manager.save(state, 2))
+  del state
+  loaded = asyncio.run(manager.load(2, process.initialize()))
+  assert loaded["assignment"]["round"] == 2
+  resumed = _run(process, loaded, 2)
+
+  flat_a, flat_b = tf.nest.flatten(uninterrupted), tf.nest.flatten(resumed)
+  assert len(flat_a) == len(flat_b)
+  for a, b in zip(flat_a, flat_b):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+  assert resumed["assignment"]["round"] == 4
+  assert resumed["client_work"] == 4
+  # Four rounds with 3 clients and K=3 trained every member at least once.
+  initial = fed_ensemble.unstack_members(process.initialize()["members"])
+  final = fed_ensemble.unstack_members(resumed["members"])
+  for m0, m1 in zip(initial, final):
+    assert any(not np.allclose(a, b) for a, b in zip(_flat(m0), _flat(m1)))
+
+
+# ------------------------------------------------------------ communication
+
+
+def test_fed_ensemble_bytes_equal_fedavg_bytes():
+  model_fn = member_model
+  ensemble = algorithms.build_algorithm(
+      "fedensemble", model_fn, SPEC, Config(), ensemble_size=3)
+  fedavg = algorithms.build_algorithm("fedavg", model_fn, SPEC, Config())
+  # BatchNorm(4): 4 x 4 values; Dense: 4 x 3 + 3.
+  num_params = 4 * 4 + 4 * 3 + 3
+  down, up = ensemble.bytes_per_client_round()
+  fedavg_down, fedavg_up = fedavg.bytes_per_client_round()
+  # One member (not K), the round and seed (int32, int64), the learning rate.
+  assert down == 4 * num_params + 4 + 8 + 4
+  # One update, its weight, four float32 metric sums, the int32[1] key.
+  assert up == 4 * num_params + 4 + 16 + 4
+  assert abs(down - fedavg_down) <= 16
+  assert abs(up - fedavg_up) <= 16
+  assert down < 2 * 4 * num_params  # Far from K models.

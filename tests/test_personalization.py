@@ -1,0 +1,138 @@
+"""Tests of `tff_ens.personalization` (Shi et al., arXiv:2107.10663, eq. 3-4)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tff_ens import personalization
+
+
+class TestPersonalizationWeights:
+
+  def test_hand_example(self):
+    # softmax(-[1, 2, 3] / 1) = [1, e^-1, e^-2] / (1 + e^-1 + e^-2).
+    z = 1 + math.exp(-1) + math.exp(-2)
+    np.testing.assert_allclose(
+        personalization.personalization_weights(np.array([1.0, 2.0, 3.0]), 1.0),
+        [1 / z, math.exp(-1) / z, math.exp(-2) / z], rtol=1e-12)
+    np.testing.assert_allclose(
+        personalization.personalization_weights(np.array([1.0, 2.0, 3.0]), 1.0),
+        [0.66524096, 0.24472847, 0.09003057], rtol=1e-7)
+    # tau = 2 halves the loss gaps: [1, e^-0.5, e^-1] / sum.
+    z2 = 1 + math.exp(-0.5) + math.exp(-1)
+    np.testing.assert_allclose(
+        personalization.personalization_weights([1.0, 2.0, 3.0], 2.0),
+        [1 / z2, math.exp(-0.5) / z2, math.exp(-1) / z2], rtol=1e-12)
+
+  def test_rows_sum_to_one_and_lower_loss_weighs_more(self):
+    losses = np.array([[0.3, 2.0, 1.1], [5.0, 4.0, 4.5], [1.0, 1.0, 1.0]])
+    for tau in (0.01, 0.3, 1.0, 10.0, float("inf")):
+      alpha = personalization.personalization_weights(losses, tau)
+      assert alpha.shape == (3, 3)
+      np.testing.assert_allclose(alpha.sum(-1), 1.0, rtol=1e-12)
+      assert (alpha >= 0).all()
+    alpha = personalization.personalization_weights(losses, 1.0)
+    assert alpha[0].argmax() == 0 and alpha[1].argmax() == 1
+    np.testing.assert_allclose(alpha[2], [1 / 3] * 3)
+
+  def test_infinite_temperature_is_uniform(self):
+    alpha = personalization.personalization_weights(np.array([0.1, 7.0, 3.0, 1e9]),
+                                                    float("inf"))
+    np.testing.assert_array_equal(alpha, [0.25] * 4)
+
+  def test_small_temperature_picks_the_argmin(self):
+    losses = np.array([[2.0, 0.5, 0.6], [900.0, 1000.0, 950.0]])
+    alpha = personalization.personalization_weights(losses, 1e-4)
+    np.testing.assert_allclose(alpha, [[0, 1, 0], [1, 0, 0]], atol=1e-12)
+    assert np.isfinite(alpha).all()  # No overflow for large losses.
+
+  @pytest.mark.parametrize("tau", [0.0, -1.0, -1e-9])
+  def test_nonpositive_temperature_raises(self, tau):
+    with pytest.raises(ValueError, match="positive"):
+      personalization.personalization_weights(np.array([1.0, 2.0]), tau)
+
+  @pytest.mark.xfail(strict=True, reason=(
+      "BUG tff_ens/personalization.py:34-36: the np.isinf check comes before "
+      "the `temperature <= 0` check, so temperature=-inf returns uniform "
+      "weights instead of raising ValueError."))
+  def test_negative_infinite_temperature_raises(self):
+    with pytest.raises(ValueError):
+      personalization.personalization_weights(np.array([1.0, 2.0]), float("-inf"))
+
+  @pytest.mark.xfail(strict=True, reason=(
+      "BUG tff_ens/personalization.py:36: `nan <= 0` is False, so "
+      "temperature=nan is accepted and returns NaN weights."))
+  def test_nan_temperature_raises(self):
+    with pytest.raises(ValueError):
+      personalization.personalization_weights(np.array([1.0, 2.0]), float("nan"))
+
+
+def test_member_losses_hand():
+  # K = 2 members, n = 2 examples, 3 classes; labels 0 and 2.
+  member_probs = np.array([
+      [[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]],
+      [[0.2, 0.4, 0.4], [0.0, 1.0, 0.0]],   # Probability 0: clipped to 1e-12.
+  ])
+  y = np.array([0, 2])
+  np.testing.assert_allclose(
+      personalization.member_losses(member_probs, y),
+      [-(math.log(0.5) + math.log(0.8)) / 2,
+       -(math.log(0.2) + math.log(1e-12)) / 2], rtol=1e-12)
+
+
+def test_weighted_probabilities():
+  member_probs = np.array([[[1.0, 0.0]], [[0.0, 1.0]]])
+  np.testing.assert_allclose(
+      personalization.weighted_probabilities(member_probs, np.array([0.25, 0.75])),
+      [[0.25, 0.75]])
+
+
+def _client(n, label, wrong, other, right_member, k=2):
+  """n examples of class `label`; member `right_member` puts 0.6 on it and
+  0.3 on `wrong`, every other member 0.05 on it and 0.9 on `wrong`."""
+  probs = np.zeros((k, n, 3))
+  for member in range(k):
+    p = (0.6, 0.3, 0.1) if member == right_member else (0.05, 0.9, 0.05)
+    probs[member, :, label], probs[member, :, wrong], probs[member, :, other] = p
+  return probs, np.full(n, label)
+
+
+class TestChooseTemperature:
+
+  def test_small_temperature_when_each_client_has_its_own_best_member(self):
+    # Member 0 is right only on client "a", member 1 only on client "b".
+    a_probs, a_y = _client(6, label=0, wrong=1, other=2, right_member=0)
+    b_probs, b_y = _client(6, label=2, wrong=0, other=1, right_member=1)
+    # Hand check: losses -ln 0.6 and -ln 0.05 differ by ln 12 = 2.4849; the
+    # right member gets a = sigmoid(2.4849 / tau), and the ensemble is right
+    # iff 0.6a + 0.05(1-a) > 0.3a + 0.9(1-a), i.e. a > 0.85 / 1.15, i.e.
+    # tau < 2.4849 / ln(0.85 / 0.30) = 2.386. So 0.01 ... 1.0 all score 1 on
+    # both clients, 3, 10 and inf score 0, and ties go to the largest: 1.0.
+    assert math.log(12) / math.log(0.85 / 0.30) == pytest.approx(2.386, abs=1e-3)
+    tau = personalization.choose_temperature(
+        {"a": a_probs, "b": b_probs}, {"a": a_y, "b": b_y})
+    assert tau == 1.0
+    # The uniform ensemble would be wrong everywhere here.
+    uniform = personalization.weighted_probabilities(a_probs, np.array([0.5, 0.5]))
+    assert (uniform.argmax(-1) != a_y).all()
+
+  def test_infinite_temperature_when_members_are_identical(self):
+    probs, y = _client(6, label=1, wrong=0, other=2, right_member=0, k=1)
+    same = np.concatenate([probs] * 3)  # K = 3 identical members.
+    mixed_y = y.copy()
+    mixed_y[::2] = 0  # Some examples right, some wrong: scores below 1.
+    tau = personalization.choose_temperature({"a": same}, {"a": mixed_y})
+    assert tau == float("inf")
+
+  def test_clients_with_fewer_than_two_examples_are_ignored(self):
+    probs, y = _client(1, label=0, wrong=1, other=2, right_member=0)
+    assert personalization.choose_temperature({"a": probs}, {"a": y}) == float("inf")
+
+  def test_is_deterministic_for_a_seed(self):
+    rng = np.random.default_rng(3)
+    probs = {c: rng.dirichlet(np.ones(4), size=(3, 10)) for c in "abc"}
+    labels = {c: rng.integers(0, 4, 10) for c in "abc"}
+    first = personalization.choose_temperature(probs, labels, seed=5)
+    assert personalization.choose_temperature(probs, labels, seed=5) == first
+    assert first in personalization.TEMPERATURE_GRID

@@ -1,0 +1,375 @@
+"""Tests of `tff_ens.runtime` with real TFF workers and computations (no mocks)."""
+
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import numpy as np
+import portpicker
+import psutil
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import runtime
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every worker pid a test saw, checked once more when the module ends.
+_SEEN_WORKER_PIDS = set()
+
+
+@tff.tensorflow.computation(np.int32)
+def _double(x):
+  return x * 2
+
+
+@tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
+def _sum_of_doubles(xs):
+  return tff.federated_sum(tff.federated_map(_double, xs))
+
+
+@tff.tensorflow.computation(np.int32)
+def _busy_double(x):
+  """`x * 2`, after ~0.4 GFLOP of work that cannot be folded away."""
+  m = tf.random.stateless_normal([200, 200], seed=tf.stack([x, 0]))
+  for _ in range(25):
+    m = tf.linalg.normalize(m @ m)[0]
+  return x * 2 + tf.cast(tf.math.is_nan(tf.reduce_sum(m)), tf.int32)
+
+
+@tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
+def _busy_sum_of_doubles(xs):
+  return tff.federated_sum(tff.federated_map(_busy_double, xs))
+
+
+@tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
+def _doubles_at_clients(xs):
+  return tff.federated_map(_double, xs)
+
+
+def _is_worker(proc: psutil.Process) -> bool:
+  try:
+    return any('data/worker_binary' in arg for arg in proc.cmdline())
+  except (psutil.NoSuchProcess, psutil.ZombieProcess):
+    return False
+
+
+def _worker_children() -> list[psutil.Process]:
+  """Live worker_binary processes descending from this process."""
+  workers = [c for c in psutil.Process().children(recursive=True)
+             if _is_worker(c)]
+  _SEEN_WORKER_PIDS.update(w.pid for w in workers)
+  return workers
+
+
+def _is_gone(pid: int) -> bool:
+  try:
+    return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
+    return True
+
+
+def _is_live_worker(pid: int) -> bool:
+  try:
+    return not _is_gone(pid) and _is_worker(psutil.Process(pid))
+  except psutil.NoSuchProcess:
+    return False
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while not _is_gone(pid):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.05)
+  return True
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+  """Fails the test (instead of hanging) if the block takes too long."""
+
+  def on_alarm(signum, frame):
+    del signum, frame
+    raise TimeoutError(f'no result within {seconds} s')
+
+  previous = signal.signal(signal.SIGALRM, on_alarm)
+  signal.alarm(seconds)
+  try:
+    yield
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _no_stray_workers():
+  assert not _worker_children(), 'worker_binary children before the tests'
+  yield
+  assert not _worker_children()
+  stray = [pid for pid in _SEEN_WORKER_PIDS if _is_live_worker(pid)]
+  assert not stray, f'worker_binary processes left running: {stray}'
+
+
+@pytest.fixture
+def two_workers():
+  """Two worker services on free 127.0.0.1 ports, always stopped afterwards."""
+  processes = []
+  try:
+    addresses = []
+    for _ in range(2):
+      port = portpicker.pick_unused_port()
+      processes.append(runtime.start_worker(port))
+      _SEEN_WORKER_PIDS.add(processes[-1].pid)
+      addresses.append(f'127.0.0.1:{port}')
+    yield addresses, processes
+  finally:
+    for process in processes:
+      runtime.stop_worker(process)
+
+
+def test_worker_binary_path_is_the_one_in_the_tff_wheel():
+  path = runtime.worker_binary_path()
+  assert path.endswith(os.path.join('tensorflow_federated', 'data',
+                                    'worker_binary'))
+  assert os.access(path, os.X_OK)
+
+
+def test_local_context_runs_computations_and_stops_its_worker():
+  with _deadline(120), runtime.execution_context():
+    assert _sum_of_doubles([1, 2, 3]) == 12
+    assert _double(21) == 42
+    # Ours is the only worker: TFF's default context did not start one.
+    (worker,) = _worker_children()
+    # Its output goes to /dev/null, not to pytest's pipes.
+    for fd in (1, 2):
+      assert os.readlink(f'/proc/{worker.pid}/fd/{fd}') == '/dev/null'
+  assert _is_gone(worker.pid)
+  assert not _worker_children()
+
+
+def test_previous_context_is_restored():
+  before = tff.framework.get_context_stack().current
+  with runtime.execution_context():
+    assert tff.framework.get_context_stack().current is not before
+  assert tff.framework.get_context_stack().current is before
+
+
+@pytest.mark.parametrize('error', [ValueError, KeyboardInterrupt])
+def test_exception_in_block_stops_worker(error):
+  with _deadline(120), pytest.raises(error):
+    with runtime.execution_context(max_concurrent_computation_calls=1):
+      assert _sum_of_doubles([4, 5]) == 18
+      (worker,) = _worker_children()
+      raise error('boom')
+  assert _is_gone(worker.pid)
+
+
+def test_computation_fails_instead_of_hanging_when_worker_dies():
+  with _deadline(60), runtime.execution_context():
+    assert _sum_of_doubles([1]) == 2
+    (worker,) = _worker_children()
+    worker.kill()
+    with pytest.raises(RuntimeError, match='exited with code'):
+      _sum_of_doubles([5])  # Same cardinality: the cached executor fails first.
+
+
+_CHILD_PREAMBLE = """
+import signal
+import time
+import numpy as np
+import psutil
+import tensorflow as tf
+import tensorflow_federated as tff
+from tff_ens import runtime
+
+# KeyboardInterrupt on SIGINT even if pytest runs with SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+@tff.tensorflow.computation(np.int32)
+def slow(x):  # x, after a few seconds of matrix products.
+  m = tf.random.stateless_normal([300, 300], seed=tf.stack([x, 0]))
+  body = lambda i, m: (i + 1, tf.linalg.normalize(m @ m)[0])
+  _, m = tf.while_loop(lambda i, m: i < 3000, body, (0, m))
+  return x + tf.cast(tf.math.is_nan(tf.reduce_sum(m)), tf.int32)
+
+@tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
+def total(xs):
+  return tff.federated_sum(xs)
+
+@tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
+def slow_total(xs):
+  return tff.federated_sum(tff.federated_map(slow, xs))
+"""
+
+
+@contextlib.contextmanager
+def _child_in_block(body: str):
+  """Runs `body` in a child Python inside `execution_context()`.
+
+  Yields the child (stdout piped) and its worker's pid, which the child prints
+  before running `body`; kills the child at the end.
+  """
+  code = _CHILD_PREAMBLE + textwrap.dedent("""
+      with runtime.execution_context():
+        assert total([1, 2, 3]) == 6
+        (worker,) = [c for c in psutil.Process().children()
+                     if 'data/worker_binary' in ' '.join(c.cmdline())]
+        print(worker.pid, flush=True)
+  """) + textwrap.indent(textwrap.dedent(body), '  ')
+  with tempfile.TemporaryFile() as child_stderr:
+    child = subprocess.Popen(
+        [sys.executable, '-c', code],
+        cwd=_REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=child_stderr,
+        text=True,
+    )
+    try:
+      with _deadline(180):
+        line = child.stdout.readline()
+      if not line:
+        child_stderr.seek(0)
+        pytest.fail(f'child failed: {child_stderr.read()[-3000:]!r}')
+      worker_pid = int(line)
+      _SEEN_WORKER_PIDS.add(worker_pid)
+      assert _is_worker(psutil.Process(worker_pid))
+      yield child, worker_pid
+    finally:
+      child.kill()
+      child.wait()
+      child.stdout.close()
+
+
+def test_worker_dies_when_its_parent_is_sigkilled():
+  with _child_in_block('time.sleep(600)') as (child, worker_pid):
+    child.kill()
+    child.wait()
+    assert _wait_gone(worker_pid, timeout_s=5)
+    # Nothing else holds the child's stdout pipe open (the worker did not
+    # inherit it), so reading it ends.
+    with _deadline(5):
+      child.stdout.read()
+
+
+def test_sigint_during_a_computation_stops_the_worker():
+  body = """
+      import atexit
+      # Runs after the block's exit, before PDEATHSIG could do the work.
+      atexit.register(lambda: print(
+          'worker', 'alive' if psutil.pid_exists(worker.pid) else 'gone'))
+      try:
+        slow_total([1, 2, 3, 4])
+      except KeyboardInterrupt:
+        print('interrupted', flush=True)
+        raise
+  """
+  with _child_in_block(body) as (child, worker_pid):
+    time.sleep(1)  # Let the computation start.
+    child.send_signal(signal.SIGINT)
+    with _deadline(30):
+      assert child.stdout.read() == 'interrupted\nworker gone\n'
+      child.wait()
+    assert child.returncode != 0
+    assert _is_gone(worker_pid)
+
+
+def test_two_workers_split_clients_and_agree_with_local(two_workers):
+  addresses, processes = two_workers
+  clients = list(range(1, 7))
+  with _deadline(120), runtime.execution_context():
+    local = _busy_sum_of_doubles(clients)
+  assert local == 42
+  with _deadline(120), runtime.execution_context(workers=addresses):
+    assert _busy_sum_of_doubles(clients) == local  # Warm-up (compilation).
+    workers = [psutil.Process(p.pid) for p in processes]
+    cpu_before = [sum(w.cpu_times()[:2]) for w in workers]
+    assert _busy_sum_of_doubles(clients) == local
+    cpu_used = [sum(w.cpu_times()[:2]) - b
+                for w, b in zip(workers, cpu_before)]
+    assert _double(5) == 10
+  # Each worker computed some of the clients.
+  assert min(cpu_used) > 0.2 * max(cpu_used), cpu_used
+  # Our workers are still serving; the context only disconnected.
+  assert all(p.poll() is None for p in processes)
+
+
+def test_two_workers_refuse_clients_placed_results(two_workers):
+  addresses, _ = two_workers
+  with _deadline(60), runtime.execution_context(workers=addresses):
+    with pytest.raises(ValueError, match='CLIENTS-placed'):
+      _doubles_at_clients([1, 2, 3])
+  with _deadline(60), runtime.execution_context(workers=addresses[:1]):
+    assert _doubles_at_clients([1, 2, 3]) == [2, 4, 6]
+
+
+def test_two_workers_run_a_tff_learning_round_like_local(two_workers):
+  addresses, _ = two_workers
+
+  def model_fn():
+    keras_model = tf.keras.Sequential([
+        tf.keras.layers.Input((4,)),
+        tf.keras.layers.Dense(3),
+    ])
+    return tff.learning.models.from_keras_model(
+        keras_model,
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        input_spec=collections.OrderedDict(
+            x=tf.TensorSpec([None, 4], tf.float32),
+            y=tf.TensorSpec([None], tf.int32),
+        ),
+    )
+
+  def client_data(seed):
+    rng = np.random.default_rng(seed)
+    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=rng.normal(size=(12, 4)).astype(np.float32),
+        y=rng.integers(0, 3, 12).astype(np.int32),
+    )).batch(4)
+
+  process = tff.learning.algorithms.build_weighted_fed_avg(
+      model_fn, client_optimizer_fn=tff.learning.optimizers.build_sgdm(0.1))
+  data = [client_data(i) for i in range(5)]
+  # `get_model_weights` is a computation too: outside a block it would run in
+  # TFF's default context, which starts a worker of its own.
+  with _deadline(300), runtime.execution_context():
+    state = process.initialize()
+    local = process.next(state, data)
+    local_weights = process.get_model_weights(local.state).trainable
+  with _deadline(300), runtime.execution_context(workers=addresses):
+    merged = process.next(state, data)
+    merged_weights = process.get_model_weights(merged.state).trainable
+  tf.nest.map_structure(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+      local_weights, merged_weights,
+  )
+  assert (local.metrics['client_work']['train']['num_examples']
+          == merged.metrics['client_work']['train']['num_examples'] == 60)
+
+
+def test_unreachable_worker_gives_one_line_error_quickly():
+  address = f'127.0.0.1:{portpicker.pick_unused_port()}'
+  start = time.monotonic()
+  with _deadline(60):
+    with pytest.raises(RuntimeError) as error:
+      with runtime.execution_context(workers=[address]):
+        pytest.fail('entered the block without a worker')
+  assert time.monotonic() - start < 30
+  message = str(error.value)
+  assert address in message
+  assert '\n' not in message
+
+
+def test_concurrency_limit_is_for_local_workers_only(two_workers):
+  addresses, _ = two_workers
+  with pytest.raises(ValueError, match='start_worker'):
+    with runtime.execution_context(workers=addresses,
+                                   max_concurrent_computation_calls=2):
+      pass

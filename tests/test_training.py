@@ -1,0 +1,176 @@
+"""End-to-end runs of the training loop and the CLI on the real FEMNIST slice."""
+
+import csv
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tff_ens import training
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA_DIR = str(ROOT.parent / "shared" / "data" / "femnist")
+
+# Small but real: 4 writers a round, batch 20, a few rounds.
+QUICK = training.ExperimentConfig(
+    data_dir=DATA_DIR, rounds=4, clients_per_round=4, eval_every=2,
+    checkpoint_every=2, client_lr=0.1, seed=3)
+
+
+def run_cli(*args, timeout=600):
+  return subprocess.run(
+      [sys.executable, "-m", "tff_ens.main", *args], cwd=ROOT,
+      capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(output_dir):
+  with open(os.path.join(output_dir, training.METRICS_FILE)) as f:
+    return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def fedavg_run(tmp_path_factory):
+  config = dataclasses.replace(
+      QUICK, output_dir=str(tmp_path_factory.mktemp("fedavg")))
+  return config, training.run_experiment(config)
+
+
+def test_fedavg_learns_and_writes_outputs(fedavg_run):
+  config, summary = fedavg_run
+  rows = read_metrics(config.output_dir)
+  assert [int(r["round"]) for r in rows] == [1, 2, 3, 4]
+  assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+  assert rows[1]["test_accuracy"] and not rows[0]["test_accuracy"]
+  assert summary["test_accuracy"] > 3 / 62  # well above chance
+  for key in ("task", "algorithm", "rounds", "seed", "test_accuracy",
+              "test_loss", "ece", "per_client_accuracy",
+              "new_client_accuracy", "bytes_down_per_client_round",
+              "bytes_up_per_client_round", "seconds_per_round", "config"):
+    assert key in summary, key
+  with open(os.path.join(config.output_dir, training.SUMMARY_FILE)) as f:
+    assert json.load(f)["test_accuracy"] == summary["test_accuracy"]
+  assert os.path.exists(os.path.join(config.output_dir, "model.keras"))
+  assert os.listdir(os.path.join(config.output_dir, "tensorboard"))
+  assert os.listdir(os.path.join(config.output_dir, training.CHECKPOINT_DIR))
+
+
+def test_bytes_per_round_are_the_model_size(fedavg_run):
+  _, summary = fedavg_run
+  cnn_parameters = 6_603_710
+  # Down: the model and the round's learning rate. Up: the update, its
+  # weight and four metric sums.
+  assert summary["bytes_down_per_client_round"] == 4 * cnn_parameters + 4
+  assert summary["bytes_up_per_client_round"] == 4 * cnn_parameters + 4 * 5
+
+
+def test_same_seed_same_numbers(fedavg_run, tmp_path):
+  config, summary = fedavg_run
+  again = training.run_experiment(
+      dataclasses.replace(config, output_dir=str(tmp_path / "again")))
+  assert again["test_accuracy"] == pytest.approx(summary["test_accuracy"],
+                                                 abs=1e-3)
+  first = [float(r["train_loss"]) for r in read_metrics(config.output_dir)]
+  second = [float(r["train_loss"]) for r in read_metrics(tmp_path / "again")]
+  np.testing.assert_allclose(first, second, rtol=1e-4)
+
+
+def test_sampling_is_a_function_of_seed_and_round():
+  a = training.sample_clients(105, 10, seed=1, round_num=7)
+  assert len(set(a)) == 10
+  np.testing.assert_array_equal(
+      a, training.sample_clients(105, 10, seed=1, round_num=7))
+  assert not np.array_equal(
+      a, training.sample_clients(105, 10, seed=2, round_num=7))
+  assert not np.array_equal(
+      a, training.sample_clients(105, 10, seed=1, round_num=8))
+
+
+@pytest.mark.parametrize("algorithm", ["fedprox", "fedavgm"])
+def test_variants_learn(algorithm, tmp_path):
+  summary = training.run_experiment(dataclasses.replace(
+      QUICK, algorithm=algorithm, rounds=3, output_dir=str(tmp_path)))
+  assert summary["algorithm"] == algorithm
+  assert summary["test_accuracy"] > 2 / 62
+
+
+def test_fedensemble_run_reports_ensemble_metrics(tmp_path):
+  summary = training.run_experiment(dataclasses.replace(
+      QUICK, algorithm="fedensemble", ensemble_size=2, rounds=2,
+      output_dir=str(tmp_path)))
+  assert summary["ensemble_size"] == 2
+  assert len(summary["member_test_accuracy"]) == 2
+  for key in ("personalized_accuracy", "entropy_error_auroc",
+              "personalization_temperature"):
+    assert key in summary
+  assert sorted(os.listdir(tmp_path / "members")) == [
+      "member_0.keras", "member_1.keras"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rounds=0), "--rounds must be a positive integer"),
+    (dict(algorithm="fedsgd"), "unknown --algorithm=fedsgd"),
+    (dict(task="mnist"), "unknown task 'mnist'"),
+    (dict(model="vgg"), "unknown --model=vgg"),
+    (dict(clients_per_round=106), "exceeds the 105 training writers"),
+    (dict(lr_schedule="cosine"), "unknown lr_schedule"),
+])
+def test_bad_flags_raise_one_line_errors(change, message, tmp_path):
+  config = dataclasses.replace(QUICK, output_dir=str(tmp_path / "out"),
+                               **change)
+  with pytest.raises(training.UsageError, match=message) as error:
+    training.run_experiment(config)
+  assert "\n" not in str(error.value)
+
+
+def test_output_dir_of_another_run_is_refused_and_kept(fedavg_run):
+  config, _ = fedavg_run
+  metrics_path = os.path.join(config.output_dir, training.METRICS_FILE)
+  before = pathlib.Path(metrics_path).read_bytes()
+  with pytest.raises(training.UsageError, match="holds a different run"):
+    training.run_experiment(dataclasses.replace(config, client_lr=0.2))
+  with pytest.raises(training.UsageError, match="pass --resume"):
+    training.run_experiment(config)
+  assert pathlib.Path(metrics_path).read_bytes() == before
+
+
+def test_cli_missing_data_dir_is_one_line(tmp_path):
+  result = run_cli("--task=femnist", f"--data_dir={tmp_path}/nowhere",
+                   f"--output_dir={tmp_path}/out")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+  assert "nowhere" in result.stderr.strip().splitlines()[-1]
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
+  config, summary = fedavg_run
+  output_dir = tmp_path / "killed"
+  flags = [f"--{k}={v}" for k, v in dataclasses.asdict(config).items()
+           if k not in ("output_dir", "resume") and v is not None]
+  process = subprocess.Popen(
+      [sys.executable, "-m", "tff_ens.main", *flags,
+       f"--output_dir={output_dir}"], cwd=ROOT,
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  first_checkpoint = output_dir / training.CHECKPOINT_DIR / "round_2"
+  deadline = time.time() + 300
+  while not first_checkpoint.exists() and time.time() < deadline:
+    if process.poll() is not None:
+      pytest.fail("the run ended before it could be killed")
+    time.sleep(0.2)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert not (output_dir / training.SUMMARY_FILE).exists()
+
+  result = run_cli(*flags, f"--output_dir={output_dir}", "--resume")
+  assert result.returncode == 0, result.stderr[-2000:]
+  with open(output_dir / training.SUMMARY_FILE) as f:
+    resumed = json.load(f)
+  assert resumed["test_accuracy"] == pytest.approx(summary["test_accuracy"],
+                                                   abs=0.005)
+  assert [int(r["round"]) for r in read_metrics(output_dir)] == [1, 2, 3, 4]

@@ -1,0 +1,1 @@
+"""tff-ens: ensemble federated learning on TensorFlow Federated."""

@@ -1,0 +1,141 @@
+"""The algorithms the CLI can run, behind one small interface.
+
+Each algorithm is a TFF process built by its own module's `build_*` function;
+`FederatedAlgorithm` adds what the training loop needs around it: how to call
+`next` for a cohort, which models the state holds (one, or K for ensembles),
+and the per-client computation whose types define the communication cost.
+"""
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import client_work as client_work_lib
+from tff_ens import fed_ensemble
+from tff_ens import fedavg
+
+ModelWeights = tff.learning.models.ModelWeights
+
+ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble")
+LOCAL_OBJECTIVES = ("sgd", "fedprox")
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedAlgorithm:
+  """A built algorithm: its TFF process and how the training loop drives it.
+
+  Attributes:
+    name: the algorithm's flag value.
+    process: the TFF process (`initialize`, `next`).
+    download_type: what one client receives in a round (a TFF type).
+    upload_type: what one client sends in a round.
+    next_fn: `(state, client_datasets, client_indices) -> (state, metrics)`;
+      `client_indices` are the cohort's positions in the task's client list.
+    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate.
+  """
+
+  name: str
+  process: tff.templates.IterativeProcess
+  download_type: tff.Type
+  upload_type: tff.Type
+  next_fn: Callable[[Any, list, np.ndarray], tuple[Any, dict]]
+  models_fn: Callable[[Any], list[ModelWeights]]
+
+  def bytes_per_client_round(self) -> tuple[int, int]:
+    """(bytes down, bytes up) for one client in one round, from the types."""
+    return (type_size_bytes(self.download_type),
+            type_size_bytes(self.upload_type))
+
+
+def type_size_bytes(type_spec: tff.Type) -> int:
+  """Bytes of the tensors in a TFF type; sequences (local data) count 0."""
+  if isinstance(type_spec, tff.TensorType):
+    if None in type_spec.shape:
+      raise ValueError(f"cannot size a tensor of unknown shape: {type_spec}")
+    return int(np.prod(type_spec.shape, dtype=np.int64) *
+               np.dtype(type_spec.dtype).itemsize)
+  if isinstance(type_spec, tff.StructType):
+    return sum(type_size_bytes(t) for t in type_spec)
+  if isinstance(type_spec, tff.FederatedType):
+    return type_size_bytes(type_spec.member)
+  if isinstance(type_spec, tff.SequenceType):
+    return 0
+  raise TypeError(f"unexpected type in a client computation: {type_spec}")
+
+
+def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
+                    element_spec,
+                    local_config: client_work_lib.LocalTrainingConfig, *,
+                    proximal_mu: float = 0.01,
+                    local_objective: str = "sgd",
+                    server_learning_rate: float = 1.0,
+                    server_momentum: float = 0.9,
+                    ensemble_size: int = 5,
+                    assignment: str = "permutation",
+                    seed: int = 0) -> FederatedAlgorithm:
+  """Builds algorithm `name`.
+
+  Args:
+    name: one of `ALGORITHMS`.
+    model_fn: `k -> Keras model` initialized for (ensemble member) k; single
+      model algorithms use k = 0.
+    element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
+    local_config: client training.
+    proximal_mu: FedProx's mu, used by `fedprox` and by
+      `local_objective="fedprox"`.
+    local_objective: "sgd" or "fedprox": the clients' objective for
+      `fedensemble`.
+    server_learning_rate: server step on the averaged update (FedAvg family).
+    server_momentum: server momentum of `fedavgm`.
+    ensemble_size: K of `fedensemble`.
+    assignment: "permutation" or "random" (`fedensemble`).
+    seed: seed of `fedensemble`'s permutations.
+  """
+  if name not in ALGORITHMS:
+    raise ValueError(f"unknown algorithm {name!r}: choose one of "
+                     f"{', '.join(ALGORITHMS)}")
+  if local_objective not in LOCAL_OBJECTIVES:
+    raise ValueError(f"unknown local objective {local_objective!r}: choose "
+                     f"one of {', '.join(LOCAL_OBJECTIVES)}")
+  if name == "fedprox" or local_objective == "fedprox":
+    local_config = dataclasses.replace(local_config, proximal_mu=proximal_mu)
+  if name == "fedensemble":
+    return _build_fed_ensemble(model_fn, element_spec, local_config,
+                               ensemble_size, assignment, seed)
+  process, client_work = fedavg.build_fedavg(
+      lambda: model_fn(0), element_spec, local_config,
+      server_learning_rate=server_learning_rate,
+      server_momentum=server_momentum if name == "fedavgm" else 0.0)
+
+  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
+    del client_indices  # FedAvg's clients are interchangeable.
+    output = process.next(state, list(datasets))
+    return output.state, output.metrics
+
+  # A client receives the client computation's parameters but for its own
+  # data (a sequence, sized 0) and sends back the computation's result.
+  client_update = client_work.client_update.type_signature
+  return FederatedAlgorithm(
+      name=name, process=process, download_type=client_update.parameter,
+      upload_type=client_update.result, next_fn=next_fn,
+      models_fn=lambda state: [process.get_model_weights(state)])
+
+
+def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
+                        assignment, seed) -> FederatedAlgorithm:
+  built = fed_ensemble.build_fed_ensemble(
+      model_fn, element_spec, local_config, ensemble_size=ensemble_size,
+      seed=seed, assignment=assignment)
+
+  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
+    return built.process.next(state, list(datasets),
+                              [np.int32(i) for i in client_indices])
+
+  return FederatedAlgorithm(
+      name="fedensemble", process=built.process,
+      download_type=built.download_type, upload_type=built.upload_type,
+      next_fn=next_fn,
+      models_fn=lambda state: fed_ensemble.unstack_members(state["members"]))

@@ -1,0 +1,261 @@
+"""Local training shared by every algorithm whose clients train one model.
+
+FedAvg, FedProx, FedAvgM, Fed-ensemble, FedBE and FedDF all run the same client
+work: SGD with momentum and weight decay on the client's data, starting from the
+model the client received, returning the change of its weights. FedProx is the
+same client work with a proximal term (a parameter here, not a second copy).
+
+TFF 0.87 ships this client work in two near copies (`model_delta_client_work`
+with a learning rate in its state, `proximal_client_work` without one); neither
+combines weight decay, a proximal term and a round-dependent learning rate, and
+both leave batch-norm statistics out of the update. So the math is written here
+once, as plain TensorFlow (`train_locally`), wrapped in a thin TFF process.
+"""
+
+import collections
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+ModelWeights = tff.learning.models.ModelWeights
+
+LR_SCHEDULES = ("constant", "step")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTrainingConfig:
+  """Hyperparameters of local training.
+
+  Attributes:
+    learning_rate: base client learning rate.
+    momentum: heavy-ball momentum of client SGD (0 is plain SGD).
+    weight_decay: coupled L2 weight decay, added to the gradient as
+      `weight_decay * w` (PyTorch's `SGD(weight_decay=...)`, used by FedBE).
+    proximal_mu: FedProx's mu; 0 gives FedAvg's local objective.
+    lr_schedule: "constant", or "step": the rate times 0.1 at 30% and again at
+      60% of `total_rounds` (FedBE's schedule).
+    total_rounds: number of rounds the schedule spans.
+  """
+
+  learning_rate: float = 0.05
+  momentum: float = 0.0
+  weight_decay: float = 0.0
+  proximal_mu: float = 0.0
+  lr_schedule: str = "constant"
+  total_rounds: int = 1
+
+  def __post_init__(self):
+    if self.lr_schedule not in LR_SCHEDULES:
+      raise ValueError(
+          f"unknown lr_schedule {self.lr_schedule!r}: choose one of "
+          f"{', '.join(LR_SCHEDULES)}")
+    for name in ("learning_rate", "total_rounds"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    for name in ("momentum", "weight_decay", "proximal_mu"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def learning_rate_at(round_num: tf.Tensor, config: LocalTrainingConfig):
+  """Client learning rate of round `round_num` (0-based).
+
+  Step schedule of FedBE (Chen & Chao, ICLR 2021, Sec. 5 "Implementation"):
+  the rate is multiplied by 0.1 at 30% and at 60% of the rounds.
+  """
+  base = tf.constant(config.learning_rate, tf.float32)
+  if config.lr_schedule == "constant":
+    return base
+  progress = tf.cast(round_num, tf.float32) / float(config.total_rounds)
+  decays = (tf.cast(progress >= 0.3, tf.float32) +
+            tf.cast(progress >= 0.6, tf.float32))
+  return base * tf.pow(0.1, decays)
+
+
+def local_objective_gradient(gradient, weight, initial_weight,
+                             config: LocalTrainingConfig):
+  """Gradient of the local objective for one weight tensor.
+
+  h(w) = F(w) + weight_decay/2 ||w||^2 + mu/2 ||w - w0||^2, the FedProx local
+  objective (Li et al., MLSys 2020, eq. 2) with coupled weight decay; its
+  gradient is grad F + weight_decay * w + mu * (w - w0).
+  """
+  if config.weight_decay:
+    gradient += config.weight_decay * weight
+  if config.proximal_mu:
+    gradient += config.proximal_mu * (weight - initial_weight)
+  return gradient
+
+
+def weights_delta(initial: ModelWeights, final: ModelWeights) -> ModelWeights:
+  """`initial - final` for trainable and non-trainable (e.g. BN) weights."""
+  return tf.nest.map_structure(tf.subtract, initial, final)
+
+
+def zero_if_non_finite(update, weight):
+  """Drops an update with NaN or Inf anywhere: zeros it and its weight.
+
+  Returns the update, its weight and 1.0 if it was rejected (0.0 otherwise).
+  """
+  finite = tf.reduce_all([
+      tf.reduce_all(tf.math.is_finite(t)) for t in tf.nest.flatten(update)])
+  update = tf.nest.map_structure(
+      lambda t: tf.where(finite, t, tf.zeros_like(t)), update)
+  weight = tf.where(finite, weight, 0.0)
+  return update, weight, 1.0 - tf.cast(finite, tf.float32)
+
+
+@tf.function
+def train_locally(model: tf.keras.Model, optimizer, initial_weights,
+                  dataset: tf.data.Dataset, learning_rate,
+                  config: LocalTrainingConfig):
+  """Runs local SGD on `dataset` from `initial_weights` (FedAvg's ClientUpdate).
+
+  McMahan et al., AISTATS 2017, Algorithm 1, ClientUpdate; with the FedProx
+  objective of `local_objective_gradient`.
+
+  Args:
+    model: a Keras model producing logits; its weights are overwritten.
+    optimizer: a `tff.learning.optimizers.Optimizer` (functional SGD/SGDM).
+    initial_weights: `ModelWeights` of tensors to start from.
+    dataset: batches of `(x, y)`.
+    learning_rate: scalar learning rate for this round.
+    config: the `LocalTrainingConfig`.
+
+  Returns:
+    `(ClientResult(update=initial - final ModelWeights, update_weight=number
+    of examples), metrics)` where metrics holds sums over examples:
+    `loss`, `correct`, `num_examples`, and `rejected` (1 if the update was not
+    finite and so was zeroed with weight 0).
+  """
+  model_weights = ModelWeights.from_model(model)
+  tf.nest.map_structure(lambda v, t: v.assign(t), model_weights,
+                        initial_weights)
+  trainable = model_weights.trainable
+  specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable)
+  opt_state = optimizer.set_hparams(
+      optimizer.initialize(specs), {"learning_rate": learning_rate})
+  loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=tf.keras.losses.Reduction.SUM)
+
+  def step(carry, batch):
+    opt_state, loss_sum, correct, count = carry
+    x, y = batch
+    with tf.GradientTape() as tape:
+      logits = model(x, training=True)
+      batch_loss = loss_fn(y, logits)
+      n = tf.cast(tf.shape(y)[0], tf.float32)
+      mean_loss = batch_loss / n
+    grads = tape.gradient(mean_loss, trainable)
+    grads = [local_objective_gradient(g, w, w0, config)
+             for g, w, w0 in zip(grads, trainable, initial_weights.trainable)]
+    opt_state, new_weights = optimizer.next(
+        opt_state, tuple(trainable), tuple(grads))
+    for v, t in zip(trainable, new_weights):
+      v.assign(t)
+    hits = tf.reduce_sum(tf.cast(
+        tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
+                 tf.cast(y, tf.int32)), tf.float32))
+    return opt_state, loss_sum + batch_loss, correct + hits, count + n
+
+  zero = tf.constant(0.0)
+  _, loss_sum, correct, count = dataset.reduce(
+      (opt_state, zero, zero, zero), step)
+  final = tf.nest.map_structure(tf.identity, model_weights)
+  update, weight, rejected = zero_if_non_finite(
+      weights_delta(initial_weights, final), count)
+  metrics = collections.OrderedDict(
+      loss=loss_sum, correct=correct, num_examples=count, rejected=rejected)
+  return tff.learning.templates.ClientResult(update, weight), metrics
+
+
+def finalize_train_metrics(sums):
+  """Turns summed client metrics into the round's training metrics."""
+  n = tf.maximum(sums["num_examples"], 1.0)
+  return collections.OrderedDict(
+      train_loss=sums["loss"] / n,
+      train_accuracy=sums["correct"] / n,
+      num_examples=sums["num_examples"],
+      rejected_updates=sums["rejected"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientWork:
+  """The TFF client-work stage and the per-client computation inside it.
+
+  `client_update` is what one client runs: its parameter (less the local
+  dataset) is what the client downloads, its result what it uploads.
+  """
+
+  process: tff.learning.templates.ClientWorkProcess
+  client_update: tff.Computation
+
+
+def weights_type_of(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
+  """TFF type of `ModelWeights` of the model built by `model_fn`."""
+  with tf.Graph().as_default():
+    model = model_fn()
+    return tff.types.tensorflow_to_type(tf.nest.map_structure(
+        lambda v: tf.TensorSpec(v.shape, v.dtype),
+        ModelWeights.from_model(model)))
+
+
+def build_client_work(model_fn: Callable[[], tf.keras.Model],
+                      element_spec,
+                      config: LocalTrainingConfig) -> ClientWork:
+  """Builds the client-work stage: `train_locally` at every client.
+
+  The stage's state is the 0-based round number (server-placed), from which
+  the round's learning rate is computed and broadcast.
+
+  Args:
+    model_fn: no-arg function building a fresh Keras model (logits output).
+    element_spec: `tf.TensorSpec`s of one batch `(x, y)` of client data.
+    config: the `LocalTrainingConfig`.
+  """
+  data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
+  weights_type = weights_type_of(model_fn)
+  optimizer = tff.learning.optimizers.build_sgdm(
+      learning_rate=config.learning_rate, momentum=config.momentum or None)
+
+  @tff.tensorflow.computation(weights_type, data_type, tf.float32)
+  def client_update(initial_weights, dataset, learning_rate):
+    return train_locally(model_fn(), optimizer, initial_weights, dataset,
+                         learning_rate, config)
+
+  @tff.tensorflow.computation(tf.int32)
+  def round_learning_rate(round_num):
+    return learning_rate_at(round_num, config)
+
+  @tff.tensorflow.computation(tf.int32)
+  def increment(round_num):
+    return round_num + 1
+
+  metrics_type = client_update.type_signature.result[1]
+
+  @tff.tensorflow.computation(metrics_type)
+  def finalize(sums):
+    return finalize_train_metrics(sums)
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_value(0, tff.SERVER)
+
+  @tff.federated_computation(
+      init_fn.type_signature.result,
+      tff.FederatedType(weights_type, tff.CLIENTS),
+      tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, weights, client_data):
+    learning_rate = tff.federated_broadcast(
+        tff.federated_map(round_learning_rate, state))
+    results, metrics = tff.federated_map(
+        client_update, (weights, client_data, learning_rate))
+    measurements = tff.federated_map(finalize, tff.federated_sum(metrics))
+    return tff.templates.MeasuredProcessOutput(
+        tff.federated_map(increment, state), results, measurements)
+
+  return ClientWork(
+      tff.learning.templates.ClientWorkProcess(init_fn, next_fn),
+      client_update)

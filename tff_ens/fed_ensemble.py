@@ -1,0 +1,290 @@
+"""Fed-ensemble: K models trained at the communication cost of one.
+
+Shi, Liang, Wang, Li, Jin: "Fed-ensemble: Ensemble Models in Federated
+Learning for Improved Generalization and Uncertainty Quantification", IEEE
+T-ASE 2023 (arXiv:2107.10663), Algorithm 1.
+
+The server keeps K models. Every K rounds each client i draws a random
+permutation P[i, :] of 0..K-1; in round t it trains model P[i, t mod K]. The
+algorithm is FedAvg's four stages with two swapped:
+
+* distributor: the client computes its key P[i, t mod K] and downloads only
+  that model with `tff.federated_select` (one model in the type signature);
+* client work: unchanged, the same `client_work.build_client_work`;
+* aggregator: each client uploads one update and its key; a
+  `tff.federated_aggregate` adds it into slot `key` of K accumulators, so
+  model k is averaged over the clients that trained it;
+* finalizer: model k moves by its slot's mean update; a model no client
+  trained this round stays as it was.
+
+The K models live stacked (leading dimension K) in the server state, and the
+assignment is a stateless function of (seed, client index, round), so a
+checkpoint of the state is complete.
+"""
+
+import collections
+import dataclasses
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import client_work as client_work_lib
+
+ModelWeights = tff.learning.models.ModelWeights
+
+ASSIGNMENTS = ("permutation", "random")
+
+
+def _client_seed(seed, client_index, block):
+  """A stateless-RNG seed unique to (run seed, client, block of rounds)."""
+  return tf.stack([tf.cast(seed, tf.int64) * 1_000_003 +
+                   tf.cast(client_index, tf.int64), tf.cast(block, tf.int64)])
+
+
+def permutation_row(seed, client_index, block, ensemble_size: int):
+  """P[i, :] for block `block` = floor(t / K): a random permutation of 0..K-1.
+
+  Shi et al., Algorithm 1, line 4: each client draws an independent
+  permutation every K rounds.
+  """
+  scores = tf.random.stateless_uniform(
+      [ensemble_size], seed=_client_seed(seed, client_index, block))
+  return tf.argsort(scores)
+
+
+def assigned_model(seed, client_index, round_num, ensemble_size: int,
+                   assignment: str = "permutation"):
+  """The model client `client_index` trains in round `round_num` (0-based).
+
+  "permutation": P[i, t mod K] (Shi et al., Algorithm 1, line 6), so every
+  client trains every model once in each block of K rounds. "random": a
+  uniformly random model per client and round (the paper's Table VII
+  ablation).
+  """
+  if assignment == "permutation":
+    row = permutation_row(seed, client_index, round_num // ensemble_size,
+                          ensemble_size)
+    return row[round_num % ensemble_size]
+  if assignment == "random":
+    return tf.random.stateless_uniform(
+        [], seed=_client_seed(seed, client_index, -1 - round_num),
+        maxval=ensemble_size, dtype=tf.int32)
+  raise ValueError(f"unknown assignment {assignment!r}: choose one of "
+                   f"{', '.join(ASSIGNMENTS)}")
+
+
+def scatter_add_update(accumulator, update, weight, key):
+  """Adds `weight * update` into slot `key` of the K-slot accumulator.
+
+  Implements the per-model sums of Shi et al., Algorithm 1, line 9:
+  sum over clients i with P[i, t mod K] = k of n_i * w_i.
+  """
+  sums, weights = accumulator
+  index = tf.reshape(key, [1, 1])
+  sums = tf.nest.map_structure(
+      lambda s, u: tf.tensor_scatter_nd_add(s, index, (weight * u)[None]),
+      sums, update)
+  weights = tf.tensor_scatter_nd_add(weights, index, tf.reshape(weight, [1]))
+  return sums, weights
+
+
+def apply_slot_means(stacked_weights, sums, weights):
+  """Model k minus its slot's mean update; untouched if nobody trained it.
+
+  Shi et al., Algorithm 1, line 9: theta_k <- weighted mean of the returned
+  models that started from theta_k (as `theta_k - mean delta`).
+  """
+  trained = weights > 0
+
+  def apply(w, s):
+    shape = [-1] + [1] * (len(w.shape) - 1)
+    mean = s / tf.reshape(tf.maximum(weights, 1e-12), shape)
+    return tf.where(tf.reshape(trained, shape), w - mean, w)
+
+  return tf.nest.map_structure(apply, stacked_weights, sums)
+
+
+def unstack_members(stacked: ModelWeights) -> list[ModelWeights]:
+  """The K `ModelWeights` of a stacked (leading dim K) state value."""
+  k = len(stacked.trainable[0])
+  return [ModelWeights(trainable=[t[i] for t in stacked.trainable],
+                       non_trainable=[t[i] for t in stacked.non_trainable])
+          for i in range(k)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FedEnsembleProcess:
+  """The built Fed-ensemble process and the types that cross the network.
+
+  `download_type` is what one client receives in a round, `upload_type` what
+  it sends; both come from the computations' type signatures.
+  """
+
+  process: tff.templates.IterativeProcess
+  download_type: tff.Type
+  upload_type: tff.Type
+
+
+def build_fed_ensemble(
+    member_model_fn: Callable[[int], tf.keras.Model],
+    element_spec,
+    local_config: client_work_lib.LocalTrainingConfig,
+    *,
+    ensemble_size: int,
+    seed: int = 0,
+    assignment: str = "permutation",
+) -> FedEnsembleProcess:
+  """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
+
+  `next(state, client_data, client_indices)`: `client_data` are the cohort's
+  datasets, `client_indices` (int32 at CLIENTS) each client's fixed index in
+  the population, from which it derives its permutation row.
+
+  Args:
+    member_model_fn: `k -> Keras model` with member k's initialization (all
+      members share one architecture).
+    element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
+    local_config: client training (FedAvg's, or FedProx with `proximal_mu`).
+    ensemble_size: K.
+    seed: seed of the permutations.
+    assignment: "permutation" or "random".
+  """
+  if ensemble_size < 1:
+    raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
+  if assignment not in ASSIGNMENTS:
+    raise ValueError(f"unknown assignment {assignment!r}: choose one of "
+                     f"{', '.join(ASSIGNMENTS)}")
+  k = ensemble_size
+  architecture_fn = lambda: member_model_fn(0)
+  weights_type = client_work_lib.weights_type_of(architecture_fn)
+  client_work = client_work_lib.build_client_work(
+      architecture_fn, element_spec, local_config)
+  data_type = client_work.process.next.type_signature.parameter[2]
+
+  @tff.tensorflow.computation
+  def initial_members():
+    members = [ModelWeights.from_model(member_model_fn(i)) for i in range(k)]
+    return tf.nest.map_structure(lambda *ts: tf.stack(ts), *members)
+
+  stacked_type = initial_members.type_signature.result
+
+  # Distributor: state = (seed, 0-based round).
+  @tff.tensorflow.computation(
+      collections.OrderedDict(round=np.int32, seed=np.int64), np.int32)
+  def client_key(assignment_state, client_index):
+    key = assigned_model(assignment_state["seed"], client_index,
+                         assignment_state["round"], k, assignment)
+    return tf.reshape(key, [1])
+
+  # Selected values are unnamed flat tuples: TFF 0.87's federated_select fails
+  # on structs whose names are not in alphabetical order, as in ModelWeights.
+  @tff.tensorflow.computation(stacked_type, np.int32)
+  def select_member(stacked, key):
+    return tuple(tf.gather(t, key) for t in tf.nest.flatten(stacked))
+
+  selected_type = select_member.type_signature.result
+
+  @tff.tensorflow.computation(tff.SequenceType(selected_type))
+  def to_model_weights(selected):
+    flat = selected.reduce(
+        tuple(tf.zeros(t.shape, t.dtype) for t in selected_type),
+        lambda _, x: x)
+    return tf.nest.pack_sequence_as(
+        tff.types.type_to_tf_tensor_specs(weights_type), list(flat))
+
+  @tff.tensorflow.computation(
+      collections.OrderedDict(round=np.int32, seed=np.int64))
+  def next_round(assignment_state):
+    return collections.OrderedDict(round=assignment_state["round"] + 1,
+                                   seed=assignment_state["seed"])
+
+  # Aggregator: per-slot sums with federated_aggregate.
+  update_type = client_work.process.next.type_signature.result.result.member
+  update_type = update_type.update
+
+  @tff.tensorflow.computation
+  def zero_slots():
+    specs = tff.types.type_to_tf_tensor_specs(update_type)
+    return (tf.nest.map_structure(
+        lambda s: tf.zeros([k] + s.shape.as_list(), s.dtype), specs),
+            tf.zeros([k], tf.float32))
+
+  accumulator_type = zero_slots.type_signature.result
+
+  @tff.tensorflow.computation(
+      accumulator_type, (update_type, np.float32, tff.TensorType(np.int32, [1])))
+  def accumulate(accumulator, value):
+    update, weight, key = value
+    return scatter_add_update(accumulator, update, weight, key[0])
+
+  @tff.tensorflow.computation(accumulator_type, accumulator_type)
+  def merge(a, b):
+    return tf.nest.map_structure(tf.add, a, b)
+
+  @tff.tensorflow.computation(accumulator_type)
+  def report(accumulator):
+    return accumulator
+
+  @tff.tensorflow.computation(stacked_type, accumulator_type)
+  def finalize(stacked, accumulator):
+    sums, weights = accumulator
+    return apply_slot_means(stacked, sums, weights)
+
+  @tff.tensorflow.computation(accumulator_type)
+  def members_trained(accumulator):
+    return tf.reduce_sum(tf.cast(accumulator[1] > 0, tf.int32))
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_zip(collections.OrderedDict(
+        members=tff.federated_eval(initial_members, tff.SERVER),
+        assignment=tff.federated_value(
+            collections.OrderedDict(round=np.int32(0), seed=np.int64(seed)),
+            tff.SERVER),
+        client_work=client_work.process.initialize()))
+
+  state_type = init_fn.type_signature.result
+
+  @tff.federated_computation(
+      state_type, data_type,
+      tff.FederatedType(np.int32, tff.CLIENTS))
+  def next_fn(state, client_data, client_indices):
+    # Distributor: each client derives its key, downloads one model.
+    keys = tff.federated_map(client_key, (
+        tff.federated_broadcast(state.assignment), client_indices))
+    selected = tff.federated_select(
+        keys, tff.federated_value(np.int32(k - 1), tff.SERVER),
+        state.members, select_member)
+    start_weights = tff.federated_map(to_model_weights, selected)
+    # Client work: FedAvg's.
+    work = client_work.process.next(state.client_work, start_weights,
+                                    client_data)
+    # Aggregator: one update and its key per client, summed into K slots.
+    slots = tff.federated_aggregate(
+        tff.federated_zip((work.result.update, work.result.update_weight,
+                           keys)),
+        zero_slots(), accumulate, merge, report)
+    # Finalizer: per-model mean update.
+    members = tff.federated_map(finalize, (state.members, slots))
+    new_state = tff.federated_zip(collections.OrderedDict(
+        members=members,
+        assignment=tff.federated_map(next_round, state.assignment),
+        client_work=work.state))
+    metrics = tff.federated_zip(collections.OrderedDict(
+        client_work=work.measurements,
+        aggregator=tff.federated_zip(collections.OrderedDict(
+            members_trained=tff.federated_map(members_trained, slots)))))
+    return new_state, metrics
+
+  client_update_type = client_work.client_update.type_signature
+  download = tff.StructType([
+      ("model", selected_type),
+      ("assignment", state_type.member.assignment),
+      ("learning_rate", client_update_type.parameter.learning_rate)])
+  upload = tff.StructType([
+      ("client_result", client_update_type.result),
+      ("key", client_key.type_signature.result)])
+  return FedEnsembleProcess(
+      tff.templates.IterativeProcess(init_fn, next_fn), download, upload)

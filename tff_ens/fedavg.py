@@ -1,0 +1,117 @@
+"""FedAvg, FedProx and FedAvgM as TFF learning processes.
+
+One builder: FedProx is FedAvg with a proximal term in the shared client work
+(`LocalTrainingConfig.proximal_mu`), FedAvgM is FedAvg with server momentum in
+the finalizer (Hsu et al. 2019). The four stages are composed by
+`tff.learning.templates.compose_learning_process`.
+"""
+
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import client_work as client_work_lib
+
+ModelWeights = tff.learning.models.ModelWeights
+
+
+def build_initial_weights_fn(model_fn: Callable[[], tf.keras.Model]):
+  """A TFF computation returning the initial `ModelWeights` of `model_fn`."""
+
+  @tff.tensorflow.computation
+  def initial_weights():
+    return ModelWeights.from_model(model_fn())
+
+  return initial_weights
+
+
+def build_server_optimizer(learning_rate: float = 1.0, momentum: float = 0.0):
+  """Server optimizer: SGD with rate 1 is FedAvg; momentum > 0 is FedAvgM."""
+  return tff.learning.optimizers.build_sgdm(
+      learning_rate=learning_rate, momentum=momentum or None)
+
+
+def build_finalizer(server_optimizer, weights_type: tff.Type):
+  """Finalizer applying the averaged update to trainable and BN weights.
+
+  Trainable weights take a server optimizer step with the averaged delta as
+  gradient (Reddi et al., ICLR 2021, Algorithm 1: FedOpt); non-trainable
+  weights (batch-norm statistics) become the average of the clients' ones,
+  i.e. `w - mean(w - w_i)`. TFF's `build_apply_optimizer_finalizer` leaves
+  non-trainable weights unchanged, which freezes batch-norm statistics at
+  their initial values, hence this finalizer.
+  """
+  trainable_type = weights_type.trainable
+
+  @tff.tensorflow.computation
+  def init_optimizer():
+    return server_optimizer.initialize(
+        tuple(tff.types.type_to_tf_tensor_specs(trainable_type)))
+
+  optimizer_state_type = init_optimizer.type_signature.result
+
+  @tff.tensorflow.computation(optimizer_state_type, weights_type, weights_type)
+  def apply_update(optimizer_state, weights, update):
+    optimizer_state, trainable = server_optimizer.next(
+        optimizer_state, tuple(weights.trainable), tuple(update.trainable))
+    non_trainable = tf.nest.map_structure(
+        tf.subtract, weights.non_trainable, update.non_trainable)
+    return optimizer_state, ModelWeights(list(trainable), non_trainable)
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_eval(init_optimizer, tff.SERVER)
+
+  @tff.federated_computation(
+      init_fn.type_signature.result,
+      tff.FederatedType(weights_type, tff.SERVER),
+      tff.FederatedType(weights_type, tff.SERVER))
+  def next_fn(state, weights, update):
+    state, new_weights = tff.federated_map(
+        apply_update, (state, weights, update))
+    return tff.templates.MeasuredProcessOutput(
+        state, new_weights, tff.federated_value((), tff.SERVER))
+
+  return tff.learning.templates.FinalizerProcess(init_fn, next_fn)
+
+
+def build_fedavg(
+    model_fn: Callable[[], tf.keras.Model],
+    element_spec,
+    local_config: client_work_lib.LocalTrainingConfig,
+    *,
+    server_learning_rate: float = 1.0,
+    server_momentum: float = 0.0,
+    aggregator_factory: Optional[
+        tff.aggregators.WeightedAggregationFactory] = None,
+) -> tuple[tff.learning.templates.LearningProcess, client_work_lib.ClientWork]:
+  """Builds FedAvg (McMahan et al. 2017), FedProx or FedAvgM.
+
+  Args:
+    model_fn: builds a fresh Keras model with logits output.
+    element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
+    local_config: client training; `proximal_mu > 0` makes it FedProx.
+    server_learning_rate: server step size on the averaged delta.
+    server_momentum: server momentum; > 0 makes it FedAvgM.
+    aggregator_factory: a weighted `tff.aggregators` factory for the updates
+      (DP, clipping, compression); the weighted mean by default.
+
+  Returns:
+    The learning process and its client work (for communication accounting).
+  """
+  weights_type = client_work_lib.weights_type_of(model_fn)
+  client_work = client_work_lib.build_client_work(
+      model_fn, element_spec, local_config)
+  factory = aggregator_factory or tff.aggregators.MeanFactory()
+  process = tff.learning.templates.compose_learning_process(
+      build_initial_weights_fn(model_fn),
+      tff.learning.templates.build_broadcast_process(weights_type),
+      client_work.process,
+      factory.create(weights_type, tff.TensorType(np.float32)),
+      build_finalizer(
+          build_server_optimizer(server_learning_rate, server_momentum),
+          weights_type),
+  )
+  return process, client_work

@@ -1,0 +1,306 @@
+"""TFF execution contexts whose C++ worker processes have a bounded lifetime.
+
+Importing `tensorflow_federated` installs `set_sync_local_cpp_execution_context()`
+as the default context. We do not use it (nor its constructor
+`tff.backends.native.create_sync_local_cpp_execution_context`): on the first
+computation call it starts `worker_binary` with the caller's stdout/stderr (so
+the child holds pytest's or a parent's pipes open) and only stops it in a
+`__del__`, so the worker can outlive Python, e.g. when the parent is SIGKILLed.
+
+Here `execution_context()` starts its own worker (or connects to running ones,
+see `start_worker` and `python -m tff_ens.worker`), installs a context built
+from public `tff.framework` pieces for the duration of a `with` block, and
+stops the worker on exit. Workers are started with their output away from the
+parent's pipes and with `PR_SET_PDEATHSIG=SIGKILL`, so they die with the
+thread that started them even if Python is killed.
+
+Note: TFF's context stack is thread-local; the context is current only in the
+thread that entered the block.
+"""
+
+from collections.abc import Iterator, Sequence
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from typing import Optional
+
+import grpc
+import portpicker
+import tensorflow_federated as tff
+
+# The local worker maps a ~300 MB binary and starts serving in well under a
+# second; the timeout only matters when something is wrong.
+_START_TIMEOUT_S = 60.0
+# How long to wait for a gRPC connection to an already-running worker.
+_CONNECT_TIMEOUT_S = 10.0
+# Grace period between SIGINT and SIGKILL when stopping a worker.
+_STOP_GRACE_S = 5.0
+# As in TFF's `executor_factory.py`: allow messages up to 2 GB.
+_GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
+_GRPC_CHANNEL_OPTIONS = [
+    ('grpc.max_message_length', _GRPC_MAX_MESSAGE_BYTES),
+    ('grpc.max_receive_message_length', _GRPC_MAX_MESSAGE_BYTES),
+    ('grpc.max_send_message_length', _GRPC_MAX_MESSAGE_BYTES),
+]
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def worker_binary_path() -> str:
+  """Path of the `worker_binary` shipped in the TFF wheel (as TFF finds it)."""
+  path = os.path.join(os.path.dirname(tff.__file__), 'data', 'worker_binary')
+  if not os.path.isfile(path):
+    raise RuntimeError(f'Expected a TFF worker binary at {path}.')
+  return path
+
+
+def _die_with_parent(parent_pid: int):
+  """A `preexec_fn` making the child get SIGKILL when its parent dies."""
+
+  def preexec() -> None:
+    # Ignored signals stay ignored across exec, and a parent started in the
+    # background by a shell ignores SIGINT: `stop_worker` needs it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+      raise OSError(ctypes.get_errno(), 'prctl(PR_SET_PDEATHSIG) failed')
+    # The parent may have died between fork() and prctl(): then no signal
+    # will ever come.
+    if os.getppid() != parent_pid:
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  return preexec
+
+
+def start_worker(
+    port: int,
+    *,
+    max_concurrent_computation_calls: int = -1,
+    log_path: Optional[str] = None,
+) -> subprocess.Popen:
+  """Starts a TFF C++ worker service on `port` (all interfaces).
+
+  The worker's stdout/stderr go to `log_path` (appended) or to /dev/null, never
+  to the caller's pipes. It is killed when the calling *thread* exits
+  (Linux `PR_SET_PDEATHSIG` follows the thread that forked), so call this from
+  a thread that outlives the worker, e.g. the main thread. Stop it with
+  `stop_worker`. This does not wait until the worker serves; the first
+  `execution_context(workers=...)` that uses it does.
+
+  Args:
+    port: TCP port to serve on.
+    max_concurrent_computation_calls: Worker flag bounding how many calls of one
+      computation (e.g. one per client) run in parallel; nonpositive means no
+      limit.
+    log_path: Optional file for the worker's output.
+
+  Returns:
+    The worker process.
+  """
+  args = [
+      worker_binary_path(),
+      f'--port={port}',
+      f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
+  ]
+  with contextlib.ExitStack() as stack:
+    if log_path is None:
+      output = subprocess.DEVNULL
+    else:
+      output = stack.enter_context(open(log_path, 'ab'))
+    return subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=output,
+        close_fds=True,
+        preexec_fn=_die_with_parent(os.getpid()),
+    )
+
+
+def stop_worker(process: subprocess.Popen) -> None:
+  """Stops a worker: SIGINT, then SIGKILL after a grace period; reaps it."""
+  try:
+    if process.poll() is None:
+      process.send_signal(signal.SIGINT)
+      process.wait(timeout=_STOP_GRACE_S)
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait()
+
+
+def _wait_until_serving(
+    stub: tff.framework.RemoteExecutorGrpcStub,
+    address: str,
+    process: Optional[subprocess.Popen],
+) -> None:
+  """Blocks until `stub` is connected, or raises a one-line RuntimeError.
+
+  Polls `stub.is_ready` as TFF does. (A `grpc.channel_ready_future` would add a
+  second connectivity subscription, which makes grpc's polling thread raise
+  "Channel closed!" if the channel is closed soon after.)
+
+  Args:
+    stub: Stub of the worker.
+    address: The worker's address, for the error message.
+    process: The worker process if we started it (its exit ends the wait early
+      and the timeout is the start-up one), else None.
+  """
+  timeout = _CONNECT_TIMEOUT_S if process is None else _START_TIMEOUT_S
+  deadline = time.monotonic() + timeout
+  while True:
+    if process is not None and process.poll() is not None:
+      raise RuntimeError(
+          f'TFF worker {process.args[0]} for {address} exited with code '
+          f'{process.returncode}.'
+      )
+    if stub.is_ready:
+      return
+    if time.monotonic() > deadline:
+      raise RuntimeError(
+          f'TFF worker at {address} is unreachable (no gRPC connection within'
+          f' {timeout:g} s).'
+      )
+    time.sleep(0.05)
+
+
+def _executor_factory(
+    stub: tff.framework.RemoteExecutorGrpcStub,
+    address: str,
+    process: Optional[subprocess.Popen],
+    executors: list[tff.framework.RemoteExecutor],
+) -> tff.framework.ResourceManagingExecutorFactory:
+  """Executor factory over one worker, as TFF's `local_cpp_executor_factory`."""
+
+  def stack_fn(cardinalities):
+    # TFF retries calls that fail with gRPC UNAVAILABLE forever, re-creating
+    # the executor each time; checking here turns a dead worker into an error.
+    _wait_until_serving(stub, address, process)
+    # As TFF: computations with no CLIENTS-placed argument get 0 clients.
+    cardinalities.setdefault(tff.CLIENTS, 0)
+    executor = tff.framework.RemoteExecutor(stub)
+    executor.set_cardinalities(cardinalities)
+    executors.append(executor)
+    return executor
+
+  return tff.framework.ResourceManagingExecutorFactory(stack_fn)
+
+
+def _is_per_client(type_spec: tff.types.Type) -> bool:
+  return (
+      isinstance(type_spec, tff.FederatedType)
+      and type_spec.placement is tff.CLIENTS
+      and not type_spec.all_equal
+  )
+
+
+def _compile_to_mergeable_form(comp):
+  """TFF's mergeable-form compiler, refusing computations with per-client results.
+
+  TFF 0.87's `MergeableCompExecutionContext` concatenates CLIENTS-placed results
+  in the order the workers finish, not in client order; refuse rather than
+  return them silently permuted.
+  """
+  if tff.types.contains(comp.type_signature.result, _is_per_client):
+    raise ValueError(
+        'Computations returning CLIENTS-placed values cannot run on several '
+        'workers (TFF 0.87 returns them out of client order); use one worker.'
+    )
+  return tff.backends.native.compile_to_mergeable_comp_form(comp)
+
+
+@contextlib.contextmanager
+def execution_context(
+    *,
+    workers: Sequence[str] = (),
+    max_concurrent_computation_calls: int = -1,
+) -> Iterator[None]:
+  """Installs a TFF C++ execution context for the duration of the block and shuts it down on exit.
+
+  With no `workers`, starts a local `worker_binary` (see `start_worker`) on a
+  free port and stops it on exit. With `workers` ("host:port" of running TFF
+  worker services, e.g. `start_worker` or `python -m tff_ens.worker`), connects
+  to them: one worker is used directly; with several, each computation is
+  compiled to TFF's mergeable form and its clients are split across the
+  workers. That needs computations with no aggregation depending on another
+  (`tff.learning` processes are fine) and without CLIENTS-placed results.
+
+  On exit, normal or by exception (KeyboardInterrupt included), the previous
+  context is current again, the workers' executors are released and a worker
+  started here is stopped and reaped. While the block runs, our context is on
+  top of the (thread-local) context stack, so the default context TFF
+  installed at import is never invoked and never starts its own worker.
+
+  Args:
+    workers: Addresses of running worker services; empty to start a local one.
+    max_concurrent_computation_calls: For the local worker: how many calls of
+      one computation (e.g. one per client) run in parallel; nonpositive means
+      no limit. On 2 cores all clients in parallel can be slower than a small
+      limit, so the training code picks it. Workers given in `workers` were
+      configured when they were started.
+
+  Raises:
+    RuntimeError: If a worker does not come up or is unreachable.
+    ValueError: If `max_concurrent_computation_calls` is set with `workers`.
+  """
+  if workers and max_concurrent_computation_calls > 0:
+    raise ValueError(
+        'max_concurrent_computation_calls is a flag of the worker process; '
+        'pass it to start_worker for workers given by address.'
+    )
+  process = None
+  channels = []
+  executors = []
+  try:
+    if workers:
+      addresses = list(workers)
+    else:
+      port = portpicker.pick_unused_port()
+      process = start_worker(
+          port,
+          max_concurrent_computation_calls=max_concurrent_computation_calls,
+      )
+      addresses = [f'localhost:{port}']
+    factories = []
+    for address in addresses:
+      channel = grpc.insecure_channel(address, _GRPC_CHANNEL_OPTIONS)
+      channels.append(channel)
+      stub = tff.framework.RemoteExecutorGrpcStub(channel)
+      _wait_until_serving(stub, address, process)
+      factories.append(_executor_factory(stub, address, process, executors))
+
+    transforms = dict(
+        transform_args=tff.tensorflow.transform_args,
+        transform_result=tff.tensorflow.transform_result,
+    )
+    # The same compiler and transforms as TFF's
+    # `create_sync_local_cpp_execution_context`.
+    compiler_fn = tff.backends.native.desugar_and_transform_to_native
+    if len(factories) == 1:
+      context = tff.framework.SyncExecutionContext(
+          factories[0], compiler_fn, **transforms
+      )
+    else:
+      context = tff.framework.MergeableCompExecutionContext(
+          async_contexts=[
+              tff.framework.AsyncExecutionContext(f, compiler_fn, **transforms)
+              for f in factories
+          ],
+          compiler_fn=_compile_to_mergeable_form,
+          **transforms,
+      )
+    with tff.framework.get_context_stack().install(context):
+      yield
+  finally:
+    try:
+      for executor in executors:
+        executor.close()  # Frees its state on the worker; never raises on RPC.
+      for channel in channels:
+        channel.close()
+    finally:
+      if process is not None:
+        stop_worker(process)

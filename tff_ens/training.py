@@ -1,0 +1,413 @@
+"""The training loop shared by every algorithm: sample, train, evaluate, save.
+
+Everything a run needs to continue lives in the checkpointed process state;
+client sampling and data shuffling are pure functions of `(seed, round)`, so a
+resumed run samples the same clients and ends in the same state as an
+uninterrupted one.
+
+Outputs in `output_dir`: `config.json`, `metrics.csv` (one row per round),
+TensorBoard events under `tensorboard/`, checkpoints under `checkpoints/`
+(`tff.program.FileProgramStateManager`, written atomically), the final
+model(s) in Keras format and `summary.json`.
+"""
+
+import asyncio
+import contextlib
+import csv
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import algorithms
+from tff_ens import client_work as client_work_lib
+from tff_ens import evaluation
+from tff_ens import fed_ensemble
+from tff_ens import personalization
+from tff_ens import runtime
+import tasks
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.csv"
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_PREFIX = "round_"
+
+# Keys that may differ between an interrupted run and its `--resume`.
+_RESUME_FREE_KEYS = ("resume",)
+
+
+class UsageError(ValueError):
+  """A bad flag value or output directory; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Everything that defines a run (written to `config.json`)."""
+
+  task: str = "femnist"
+  data_dir: str | None = None
+  algorithm: str = "fedavg"
+  model: str = "cnn"
+  norm: str = "batch"
+  rounds: int = 100
+  clients_per_round: int = 10
+  client_epochs: int = 1
+  batch_size: int = 20
+  client_lr: float = 0.05
+  client_momentum: float = 0.0
+  weight_decay: float = 0.0
+  lr_schedule: str = "constant"
+  proximal_mu: float = 0.01
+  server_lr: float = 1.0
+  server_momentum: float = 0.9
+  ensemble_size: int = 5
+  assignment: str = "permutation"
+  local_objective: str = "sgd"
+  personalization_temperature: float = 0.0
+  seed: int = 0
+  output_dir: str = "runs/femnist"
+  eval_every: int = 10
+  checkpoint_every: int = 10
+  max_concurrent_clients: int = 1
+  resume: bool = False
+
+  def validate(self):
+    for name in ("rounds", "clients_per_round", "client_epochs",
+                 "batch_size", "eval_every", "checkpoint_every",
+                 "ensemble_size"):
+      if getattr(self, name) <= 0:
+        raise UsageError(f"--{name} must be a positive integer, got "
+                         f"{getattr(self, name)}")
+    if self.algorithm not in algorithms.ALGORITHMS:
+      raise UsageError(f"unknown --algorithm={self.algorithm}: choose one of "
+                       f"{', '.join(algorithms.ALGORITHMS)}")
+    try:
+      task = tasks.get_task(self.task)
+    except ValueError as e:
+      raise UsageError(f"--task: {e}") from None
+    if self.model not in task.MODEL_NAMES:
+      raise UsageError(f"unknown --model={self.model} for task {self.task}: "
+                       f"choose one of {', '.join(task.MODEL_NAMES)}")
+    for name, value, choices in (
+        ("assignment", self.assignment, fed_ensemble.ASSIGNMENTS),
+        ("local_objective", self.local_objective,
+         algorithms.LOCAL_OBJECTIVES)):
+      if value not in choices:
+        raise UsageError(f"unknown --{name}={value}: choose one of "
+                         f"{', '.join(choices)}")
+    if self.personalization_temperature < 0:
+      raise UsageError("--personalization_temperature must be > 0, or 0 to "
+                       "choose it from training data")
+    try:
+      self.local_training_config()
+    except ValueError as e:
+      raise UsageError(str(e)) from None
+
+  def local_training_config(self) -> client_work_lib.LocalTrainingConfig:
+    return client_work_lib.LocalTrainingConfig(
+        learning_rate=self.client_lr, momentum=self.client_momentum,
+        weight_decay=self.weight_decay, lr_schedule=self.lr_schedule,
+        total_rounds=self.rounds)
+
+
+def sample_clients(num_clients: int, cohort_size: int, seed: int,
+                   round_num: int) -> np.ndarray:
+  """Indices of the clients of round `round_num`: a function of the seed only."""
+  rng = np.random.default_rng([seed, round_num])
+  return rng.choice(num_clients, size=cohort_size, replace=False)
+
+
+def client_dataset(x: np.ndarray, y: np.ndarray, *, epochs: int,
+                   batch_size: int, seed: int) -> tf.data.Dataset:
+  """One client's local training data: shuffled (seeded), repeated, batched."""
+  return (tf.data.Dataset.from_tensor_slices((x, y))
+          .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+          .repeat(epochs).batch(batch_size))
+
+
+def batch_element_spec(task) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+  return (tf.TensorSpec((None,) + tuple(task.INPUT_SHAPE), tf.float32),
+          tf.TensorSpec((None,), tf.int32))
+
+
+class _Outputs:
+  """The run's files: config, metrics (CSV and TensorBoard), checkpoints."""
+
+  def __init__(self, config: ExperimentConfig, initial_state):
+    self.dir = config.output_dir
+    self._loop = asyncio.new_event_loop()
+    self._prepare_dir(config)
+    self._checkpoints = tff.program.FileProgramStateManager(
+        os.path.join(self.dir, CHECKPOINT_DIR), prefix=CHECKPOINT_PREFIX,
+        keep_total=1)
+    self._structure = {"round": 0, "state": initial_state}
+    self._csv = tff.program.CSVFileReleaseManager(
+        os.path.join(self.dir, METRICS_FILE),
+        save_mode=tff.program.CSVSaveMode.WRITE, key_fieldname="round")
+    self._tensorboard = tff.program.TensorBoardReleaseManager(
+        os.path.join(self.dir, "tensorboard"))
+
+  def _prepare_dir(self, config: ExperimentConfig):
+    if os.path.exists(self.dir) and not os.path.isdir(self.dir):
+      raise UsageError(f"--output_dir={self.dir} is a file: choose a "
+                       "directory")
+    config_path = os.path.join(self.dir, CONFIG_FILE)
+    wanted = {k: v for k, v in dataclasses.asdict(config).items()
+              if k not in _RESUME_FREE_KEYS}
+    if os.path.exists(config_path):
+      with open(config_path) as f:
+        try:
+          saved = json.load(f)
+        except json.JSONDecodeError:
+          saved = None
+      saved = {k: v for k, v in (saved or {}).items()
+               if k not in _RESUME_FREE_KEYS}
+      if saved != wanted:
+        changed = sorted(k for k in set(saved) | set(wanted)
+                         if saved.get(k) != wanted.get(k))
+        raise UsageError(
+            f"--output_dir={self.dir} holds a different run (differs in "
+            f"{', '.join(changed)}): choose a new --output_dir")
+      checkpoints = os.path.join(self.dir, CHECKPOINT_DIR)
+      started = os.path.isdir(checkpoints) and any(
+          name.startswith(CHECKPOINT_PREFIX) for name in os.listdir(checkpoints))
+      if started and not config.resume:
+        raise UsageError(
+            f"--output_dir={self.dir} already holds this run: pass --resume "
+            "to continue it, or choose a new --output_dir")
+    try:
+      os.makedirs(self.dir, exist_ok=True)
+      _write_json_atomically(config_path, dataclasses.asdict(config))
+    except OSError as e:
+      raise UsageError(f"cannot write to --output_dir={self.dir} "
+                       f"({e.strerror}): choose a writable directory") from None
+
+  def latest_checkpoint(self) -> tuple[int, Any] | None:
+    """(round, state) of the last checkpoint, or None."""
+    versions = self._loop.run_until_complete(self._checkpoints.get_versions())
+    if not versions:
+      return None
+    saved = self._loop.run_until_complete(
+        self._checkpoints.load(versions[-1], self._structure))
+    return int(saved["round"]), saved["state"]
+
+  def save_checkpoint(self, round_num: int, state):
+    self._loop.run_until_complete(self._checkpoints.save(
+        {"round": round_num, "state": state}, round_num))
+
+  def release_metrics(self, round_num: int, row: dict):
+    async def release():
+      await asyncio.gather(self._csv.release(row, key=round_num),
+                           self._tensorboard.release(row, key=round_num))
+    self._loop.run_until_complete(release())
+
+  def metrics_rows(self) -> list[dict]:
+    with open(os.path.join(self.dir, METRICS_FILE)) as f:
+      return list(csv.DictReader(f))
+
+  def close(self):
+    self._loop.close()
+
+
+def _write_json_atomically(path: str, value):
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+class _Evaluator:
+  """Evaluates the process' model(s) on a task split with one Keras model."""
+
+  def __init__(self, model_fn):
+    self.model = model_fn()
+
+  def member_probabilities(self, models: list, split) -> dict[str, np.ndarray]:
+    """{client: [K, n, classes]} for the K models on each client's examples."""
+    x, _ = split.concatenated()
+    counts = [split.num_examples(c) for c in split.client_ids]
+    member_probs = []
+    for weights in models:
+      evaluation.assign_weights(self.model, weights)
+      member_probs.append(evaluation.predict_probabilities(self.model, x))
+    stacked = np.stack(member_probs)
+    return dict(zip(split.client_ids,
+                    np.split(stacked, np.cumsum(counts)[:-1], axis=1)))
+
+  def summary(self, models: list, split, prefix: str = "test",
+              member_probs: dict | None = None) -> dict:
+    """Metrics of the uniform average of `models` on `split`."""
+    member_probs = member_probs or self.member_probabilities(models, split)
+    probs = {c: p.mean(0) for c, p in member_probs.items()}
+    return evaluation.classification_summary(probs, split.y, prefix)
+
+  def ensemble_summary(self, models: list, data, member_test: dict,
+                       temperature: float, seed: int) -> dict:
+    """Fed-ensemble's metrics: members, personalized weights, uncertainty."""
+    clients = [c for c in data.test.client_ids if c in data.train.x]
+    member_train = self.member_probabilities(models, data.train)
+    if not temperature:
+      temperature = personalization.choose_temperature(
+          member_train, data.train.y, seed=seed)
+    all_members = np.concatenate([member_test[c] for c in clients], axis=1)
+    y = np.concatenate([data.test.y[c] for c in clients])
+    personalized = []
+    for c in clients:
+      alpha = personalization.personalization_weights(
+          personalization.member_losses(member_train[c], data.train.y[c]),
+          temperature)
+      personalized.append(evaluation.accuracy(
+          personalization.weighted_probabilities(member_test[c], alpha),
+          data.test.y[c]))
+    uncertainty = evaluation.ensemble_uncertainty(all_members)
+    wrong = uncertainty["probabilities"].argmax(-1) != y
+    return {
+        "ensemble_size": len(models),
+        "member_test_accuracy": [evaluation.accuracy(p, y)
+                                 for p in all_members],
+        "personalized_accuracy": float(np.mean(personalized)),
+        "personalization_temperature": temperature,
+        "entropy_error_auroc": evaluation.auroc(uncertainty["entropy"],
+                                                wrong),
+        "mean_mutual_information": float(
+            uncertainty["mutual_information"].mean()),
+    }
+
+
+@contextlib.contextmanager
+def _progress(config: ExperimentConfig, start_round: int):
+  """A tqdm bar on a terminal; plain log lines otherwise."""
+  if sys.stderr.isatty():
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(total=config.rounds, initial=start_round, unit="round",
+               dynamic_ncols=True)
+    try:
+      yield lambda r, row: (bar.update(1), bar.set_postfix(
+          {k: f"{row[k]:.4f}" for k in ("train_loss", "test_accuracy")
+           if k in row}))
+    finally:
+      bar.close()
+  else:
+    yield lambda r, row: logging.info(
+        "round %d/%d %s", r, config.rounds,
+        " ".join(f"{k}={v:.4f}" for k, v in row.items()
+                 if isinstance(v, float)))
+
+
+def run_experiment(config: ExperimentConfig) -> dict:
+  """Runs (or resumes) one experiment and returns its summary."""
+  config.validate()
+  task = tasks.get_task(config.task)
+  data = task.load_data(config.data_dir)
+  train_ids = data.train.client_ids
+  if config.clients_per_round > len(train_ids):
+    raise UsageError(
+        f"--clients_per_round={config.clients_per_round} exceeds the "
+        f"{len(train_ids)} training writers in the data: use at most "
+        f"{len(train_ids)}")
+  tf.keras.utils.set_random_seed(config.seed)
+  # Member k of an ensemble starts from its own seed; k = 0 for one model.
+  model_fn = lambda k=0: task.build_model(
+      config.model, seed=config.seed + 1009 * k, norm=config.norm)
+  with runtime.execution_context(
+      max_concurrent_computation_calls=config.max_concurrent_clients):
+    algorithm = algorithms.build_algorithm(
+        config.algorithm, model_fn, batch_element_spec(task),
+        config.local_training_config(), proximal_mu=config.proximal_mu,
+        local_objective=config.local_objective,
+        server_learning_rate=config.server_lr,
+        server_momentum=config.server_momentum,
+        ensemble_size=config.ensemble_size, assignment=config.assignment,
+        seed=config.seed)
+    state = algorithm.process.initialize()
+    outputs = _Outputs(config, state)
+    try:
+      return _train(config, data, algorithm, state, outputs,
+                    _Evaluator(model_fn))
+    finally:
+      outputs.close()
+
+
+def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
+  start_round = 0
+  if config.resume:
+    checkpoint = outputs.latest_checkpoint()
+    if checkpoint is not None:
+      start_round, state = checkpoint
+      logging.info("resuming from round %d", start_round)
+  train = data.train
+  with _progress(config, start_round) as report:
+    for round_num in range(start_round + 1, config.rounds + 1):
+      start = time.perf_counter()
+      cohort = sample_clients(len(train.client_ids), config.clients_per_round,
+                              config.seed, round_num)
+      seeds = np.random.default_rng([config.seed, round_num, 1]).integers(
+          2**31, size=len(cohort))
+      datasets = [
+          client_dataset(train.x[train.client_ids[i]],
+                         train.y[train.client_ids[i]],
+                         epochs=config.client_epochs,
+                         batch_size=config.batch_size, seed=int(s))
+          for i, s in zip(cohort, seeds)]
+      state, metrics = algorithm.next_fn(state, datasets, cohort)
+      row = {"train_loss": float(metrics["client_work"]["train_loss"]),
+             "train_accuracy": float(metrics["client_work"]["train_accuracy"]),
+             "seconds": time.perf_counter() - start}
+      if round_num % config.eval_every == 0 or round_num == config.rounds:
+        row.update(evaluator.summary(algorithm.models_fn(state), data.test))
+        row.pop("ece", None)
+        row.pop("per_client_accuracy", None)
+      outputs.release_metrics(round_num, row)
+      if (round_num % config.checkpoint_every == 0 or
+          round_num == config.rounds):
+        outputs.save_checkpoint(round_num, state)
+      report(round_num, row)
+  return _write_summary(config, data, algorithm, state, outputs, evaluator)
+
+
+def _write_summary(config, data, algorithm, state, outputs, evaluator):
+  models = algorithm.models_fn(state)
+  member_test = evaluator.member_probabilities(models, data.test)
+  summary = evaluator.summary(models, data.test, member_probs=member_test)
+  if len(models) > 1:
+    summary.update(evaluator.ensemble_summary(
+        models, data, member_test, config.personalization_temperature,
+        config.seed))
+  new_clients = evaluator.summary(models, data.new_clients, prefix="new")
+  down, up = algorithm.bytes_per_client_round()
+  seconds = [float(r["seconds"]) for r in outputs.metrics_rows()
+             if r.get("seconds")]
+  summary.update(
+      task=config.task, algorithm=config.algorithm, rounds=config.rounds,
+      seed=config.seed,
+      new_client_accuracy=new_clients.get("new_accuracy", float("nan")),
+      bytes_down_per_client_round=down, bytes_up_per_client_round=up,
+      seconds_per_round=statistics.median(seconds) if seconds else None,
+      config=dataclasses.asdict(config))
+  _save_models(outputs.dir, evaluator.model, models)
+  _write_json_atomically(os.path.join(outputs.dir, SUMMARY_FILE), summary)
+  return summary
+
+
+def _save_models(output_dir: str, model: tf.keras.Model, models: list):
+  """Saves the final model(s): `model.keras`, or `members/member_k.keras`."""
+  if len(models) == 1:
+    paths = [os.path.join(output_dir, "model.keras")]
+  else:
+    os.makedirs(os.path.join(output_dir, "members"), exist_ok=True)
+    paths = [os.path.join(output_dir, "members", f"member_{k}.keras")
+             for k in range(len(models))]
+  for weights, path in zip(models, paths):
+    evaluation.assign_weights(model, weights)
+    tmp = path[:-len(".keras")] + ".tmp.keras"
+    model.save(tmp)
+    os.replace(tmp, path)

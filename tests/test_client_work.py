@@ -298,7 +298,9 @@ class TestTrainLocally:
       np.testing.assert_array_equal(t, np.zeros(t.shape))
     assert float(result.update_weight) == 0.0
     assert metrics["rejected"] == 1.0
-    assert metrics["num_examples"] == 3.0
+    # A rejected client's training metrics are dropped with its update.
+    assert metrics["num_examples"] == 0.0
+    assert metrics["loss"] == 0.0
 
   def test_empty_dataset_gives_zero_update_and_weight(self):
     model = linear_model()

@@ -52,17 +52,10 @@ class TestPersonalizationWeights:
     with pytest.raises(ValueError, match="positive"):
       personalization.personalization_weights(np.array([1.0, 2.0]), tau)
 
-  @pytest.mark.xfail(strict=True, reason=(
-      "BUG tff_ens/personalization.py:34-36: the np.isinf check comes before "
-      "the `temperature <= 0` check, so temperature=-inf returns uniform "
-      "weights instead of raising ValueError."))
   def test_negative_infinite_temperature_raises(self):
     with pytest.raises(ValueError):
       personalization.personalization_weights(np.array([1.0, 2.0]), float("-inf"))
 
-  @pytest.mark.xfail(strict=True, reason=(
-      "BUG tff_ens/personalization.py:36: `nan <= 0` is False, so "
-      "temperature=nan is accepted and returns NaN weights."))
   def test_nan_temperature_raises(self):
     with pytest.raises(ValueError):
       personalization.personalization_weights(np.array([1.0, 2.0]), float("nan"))

@@ -83,9 +83,9 @@ def local_objective_gradient(gradient, weight, initial_weight,
   gradient is grad F + weight_decay * w + mu * (w - w0).
   """
   if config.weight_decay:
-    gradient += config.weight_decay * weight
+    gradient = gradient + config.weight_decay * weight
   if config.proximal_mu:
-    gradient += config.proximal_mu * (weight - initial_weight)
+    gradient = gradient + config.proximal_mu * (weight - initial_weight)
   return gradient
 
 
@@ -128,7 +128,7 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
     `(ClientResult(update=initial - final ModelWeights, update_weight=number
     of examples), metrics)` where metrics holds sums over examples:
     `loss`, `correct`, `num_examples`, and `rejected` (1 if the update was not
-    finite and so was zeroed with weight 0).
+    finite and so was zeroed with weight 0; its other metrics are then 0).
   """
   model_weights = ModelWeights.from_model(model)
   tf.nest.map_structure(lambda v, t: v.assign(t), model_weights,
@@ -166,8 +166,12 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
   final = tf.nest.map_structure(tf.identity, model_weights)
   update, weight, rejected = zero_if_non_finite(
       weights_delta(initial_weights, final), count)
+  # A rejected client's training metrics are dropped with its update.
+  accepted = 1.0 - rejected
   metrics = collections.OrderedDict(
-      loss=loss_sum, correct=correct, num_examples=count, rejected=rejected)
+      loss=tf.where(accepted > 0, loss_sum, 0.0),
+      correct=correct * accepted, num_examples=count * accepted,
+      rejected=rejected)
   return tff.learning.templates.ClientResult(update, weight), metrics
 
 

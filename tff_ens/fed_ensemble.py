@@ -37,10 +37,12 @@ ModelWeights = tff.learning.models.ModelWeights
 ASSIGNMENTS = ("permutation", "random")
 
 
-def _client_seed(seed, client_index, block):
-  """A stateless-RNG seed unique to (run seed, client, block of rounds)."""
-  return tf.stack([tf.cast(seed, tf.int64) * 1_000_003 +
-                   tf.cast(client_index, tf.int64), tf.cast(block, tf.int64)])
+def _client_seed(seed, client_index, stream: int, counter):
+  """A stateless-RNG seed unique to (run seed, client, stream, counter)."""
+  key = tf.stack([tf.cast(seed, tf.int64), tf.cast(client_index, tf.int64)])
+  key = tf.random.experimental.stateless_fold_in(key, stream)
+  return tf.random.experimental.stateless_fold_in(
+      key, tf.cast(counter, tf.int64))
 
 
 def permutation_row(seed, client_index, block, ensemble_size: int):
@@ -50,7 +52,7 @@ def permutation_row(seed, client_index, block, ensemble_size: int):
   permutation every K rounds.
   """
   scores = tf.random.stateless_uniform(
-      [ensemble_size], seed=_client_seed(seed, client_index, block))
+      [ensemble_size], seed=_client_seed(seed, client_index, 0, block))
   return tf.argsort(scores)
 
 
@@ -69,7 +71,7 @@ def assigned_model(seed, client_index, round_num, ensemble_size: int,
     return row[round_num % ensemble_size]
   if assignment == "random":
     return tf.random.stateless_uniform(
-        [], seed=_client_seed(seed, client_index, -1 - round_num),
+        [], seed=_client_seed(seed, client_index, 1, round_num),
         maxval=ensemble_size, dtype=tf.int32)
   raise ValueError(f"unknown assignment {assignment!r}: choose one of "
                    f"{', '.join(ASSIGNMENTS)}")

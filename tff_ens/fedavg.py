@@ -104,7 +104,10 @@ def build_fedavg(
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = client_work_lib.build_client_work(
       model_fn, element_spec, local_config)
-  factory = aggregator_factory or tff.aggregators.MeanFactory()
+  # no_nan_division: a round where every update was rejected (total weight
+  # 0) leaves the model unchanged instead of turning it into NaN.
+  factory = aggregator_factory or tff.aggregators.MeanFactory(
+      no_nan_division=True)
   process = tff.learning.templates.compose_learning_process(
       build_initial_weights_fn(model_fn),
       tff.learning.templates.build_broadcast_process(weights_type),

@@ -31,10 +31,10 @@ def personalization_weights(losses: np.ndarray,
                             temperature: float) -> np.ndarray:
   """alpha = softmax(-losses / temperature) over the last axis (eq. 4)."""
   losses = np.asarray(losses, np.float64)
+  if not temperature > 0:
+    raise ValueError(f"temperature must be positive, got {temperature}")
   if np.isinf(temperature):
     return np.full(losses.shape, 1.0 / losses.shape[-1])
-  if temperature <= 0:
-    raise ValueError(f"temperature must be positive, got {temperature}")
   z = -losses / temperature
   z -= z.max(axis=-1, keepdims=True)
   e = np.exp(z)

@@ -239,9 +239,9 @@ class _Evaluator:
     for weights in models:
       evaluation.assign_weights(self.model, weights)
       member_probs.append(evaluation.predict_probabilities(self.model, x))
-    stacked = np.stack(member_probs)
-    return dict(zip(split.client_ids,
-                    np.split(stacked, np.cumsum(counts)[:-1], axis=1)))
+    stacked = np.stack(member_probs, axis=1)  # [n, K, classes]
+    return {c: np.moveaxis(p, 1, 0) for c, p in zip(
+        split.client_ids, evaluation.split_by_client(stacked, counts))}
 
   def summary(self, models: list, split, prefix: str = "test",
               member_probs: dict | None = None) -> dict:
@@ -389,7 +389,7 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator):
   summary.update(
       task=config.task, algorithm=config.algorithm, rounds=config.rounds,
       seed=config.seed,
-      new_client_accuracy=new_clients.get("new_accuracy", float("nan")),
+      new_client_accuracy=new_clients.get("new_accuracy"),
       bytes_down_per_client_round=down, bytes_up_per_client_round=up,
       seconds_per_round=statistics.median(seconds) if seconds else None,
       config=dataclasses.asdict(config))

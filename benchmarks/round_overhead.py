@@ -16,13 +16,19 @@ learning rate 0.05, server learning rate 1), one round of:
                  runtime of `runtime.execution_context`;
   tff_stock      `tff.learning.algorithms.build_weighted_fed_avg` (a Keras model
                  via `from_keras_model`), in the same context;
+  model to worker and back
+                 no training: an identity TFF computation on the model weights,
+                 what every TFF round pays to send the state to the worker and
+                 get it back;
 
 the TFF variants with max_concurrent_computation_calls=1 (clients one after
-another) and -1 (no limit). Each variant runs `--warmup_rounds` rounds that are
-not timed, then `--rounds` timed rounds; the table gives the median, its ratio
-to plain Keras, and, as a check that every variant does the same work, the
-largest weight difference to Keras after the first round (all start from the
-same weights and see the same unshuffled batches).
+another) and -1 (no limit), each in its own worker. Each variant runs
+`--warmup_rounds` rounds that are not timed, then the variants take turns for
+`--rounds` timed rounds (so that other jobs' load falls on all of them). The
+table gives the median wall time, its ratio to plain Keras, the CPU time of
+this process and of the TFF worker, and, as a check that every variant does
+the same work, the largest weight difference to Keras after the first round
+(all start from the same weights and see the same unshuffled batches).
 
 The table, the machine and the command are written to the section
 "## Round overhead (issue 2)" of `--results` (other sections are kept).
@@ -85,24 +91,30 @@ class Variant:
   """
 
   def __init__(self, name: str, run_round: Callable[[], None],
-               weights_fn: Callable[[], list[np.ndarray]]):
+               weights_fn: Callable[[], list[np.ndarray]] | None):
     self.name = name
     self._run_round = run_round
     self._weights_fn = weights_fn
     self.rounds_run = 0
     self.seconds: list[float] = []
     self.loads: list[float] = []  # 1-min load average before a timed round.
+    # CPU seconds of each timed round in this process and in its children
+    # (the TFF worker).
+    self.cpu: list[tuple[float, float]] = []
     self.weight_diff: float | None = None
 
   def run(self, timed: bool, reference: list[np.ndarray] | None = None):
     if timed:
       self.loads.append(os.getloadavg()[0])
+    cpu_start = cpu_seconds()
     start = time.perf_counter()
     self._run_round()
     if timed:
       self.seconds.append(time.perf_counter() - start)
+      self.cpu.append(tuple(b - a for a, b in zip(cpu_start, cpu_seconds())))
     self.rounds_run += 1
-    if self.rounds_run == 1 and reference is not None:
+    if (self.rounds_run == 1 and reference is not None and
+        self._weights_fn is not None):
       self.weight_diff = max_difference(self.weights(), reference)
 
   def weights(self) -> list[np.ndarray]:
@@ -111,6 +123,32 @@ class Variant:
   @property
   def median(self) -> float:
     return statistics.median(self.seconds)
+
+  def median_cpu(self) -> tuple[float, float]:
+    return tuple(statistics.median(c) for c in zip(*self.cpu))
+
+
+def cpu_seconds() -> tuple[float, float]:
+  """CPU seconds so far of this process and of its running children.
+
+  Wall time on a shared machine depends on other jobs; CPU time much less.
+  """
+  own = os.times()
+  children = 0.0
+  pid = str(os.getpid())
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        stat = f.read()
+    except OSError:  # Gone meanwhile.
+      continue
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[1] == pid:  # ppid; utime and stime follow at 11 and 12.
+      children += (int(fields[11]) + int(fields[12])) / os.sysconf(
+          "SC_CLK_TCK")
+  return own.user + own.system, children
 
 
 def flat_weights(weights) -> list[np.ndarray]:
@@ -242,16 +280,57 @@ def own_seconds() -> float:
 
 def table(variants: list[Variant], baseline: float) -> list[str]:
   rows = ["| variant | median s/round | min | max | rounds | ratio to plain "
-          "Keras | max abs weight diff to Keras after round 1 | median load "
-          "avg |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+          "Keras | CPU s/round: Python / TFF worker | max abs weight diff to "
+          "Keras after round 1 | median load avg |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for v in variants:
     diff = "-" if v.weight_diff is None else f"{v.weight_diff:.1e}"
+    own, worker = v.median_cpu()
     rows.append(
         f"| {v.name} | {v.median:.3f} | {min(v.seconds):.3f} | "
         f"{max(v.seconds):.3f} | {len(v.seconds)} | {v.median / baseline:.2f} "
-        f"| {diff} | {statistics.median(v.loads):.2f} |")
+        f"| {own:.2f} / {worker:.2f} | {diff} | "
+        f"{statistics.median(v.loads):.2f} |")
   return rows
+
+
+def summarize(variants: list[Variant], keras: Variant) -> list[str]:
+  """The findings of the table, as Markdown bullets."""
+  by_name = {v.name: v for v in variants}
+  cpu = lambda v: sum(v.median_cpu())
+  lines = []
+  for prefix in ("ours", "tff_stock"):
+    runs = sorted((v for v in variants if v.name.startswith(prefix + ",")),
+                  key=lambda v: v.median)
+    if not runs:
+      continue
+    best = runs[0]
+    lines.append(
+        f"- {prefix}: fastest with {best.name.split(', ')[1]} ("
+        + ", ".join(f"{v.name.split(', ')[1]}: {v.median:.2f} s wall, "
+                    f"{cpu(v):.2f} CPU s" for v in runs) + ").")
+    within = best.median <= 1.5 * keras.median
+    lines.append(
+        f"- {prefix} / plain Keras: {best.median / keras.median:.2f}x wall "
+        f"time (best setting), {cpu(best) / cpu(keras):.2f}x CPU time: "
+        f"{'within' if within else 'NOT within'} 1.5x.")
+  transfers = [v for v in variants if v.name.startswith("model to worker")]
+  ours = [v for v in variants if v.name.startswith("ours,")]
+  if transfers and ours:
+    transfer = min(v.median for v in transfers)
+    extra = min(v.median for v in ours) - keras.median
+    lines.append(
+        f"- Moving the model state to the TFF worker and back (serializing it "
+        f"both ways) costs {transfer:.2f} s a round; ours' best round takes "
+        + (f"{extra:.2f} s more than Keras'." if extra > 0 else
+           f"{-extra:.2f} s less than Keras'."))
+  local = by_name.get("train_locally (no TFF)")
+  if local:
+    lines.append(
+        f"- Our client math without TFF (train_locally) takes "
+        f"{local.median / keras.median:.2f}x the wall time and "
+        f"{cpu(local) / cpu(keras):.2f}x the CPU time of Keras' fit.")
+  return lines
 
 
 def write_section(path: str, text: str):
@@ -263,6 +342,7 @@ def write_section(path: str, text: str):
     content = "# Benchmarks\n"
   pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)",
                        re.MULTILINE | re.DOTALL)
+  text = text.rstrip("\n") + "\n\n"
   if pattern.search(content):
     content = pattern.sub(lambda _: text, content, count=1)
   else:
@@ -307,12 +387,21 @@ def main(argv):
   stock = tff.learning.algorithms.build_weighted_fed_avg(
       stock_model_fn,
       client_optimizer_fn=tff.learning.optimizers.build_sgdm(lr))
+  weights_type = client_work.weights_type_of(model_fn)
+
+  @tff.tensorflow.computation(weights_type)
+  def identity(weights):
+    return tf.nest.map_structure(tf.identity, weights)
+
   # Keras models made before TFF traces `model_fn` in a graph are invalid
   # after it ("Your Layer or Model is in an invalid state"): make them now.
   keras = keras_variant(model_fn, datasets, counts, lr)
   keras_initial = keras.weights()
   keras.run(timed=False)  # Its first warm-up round: the reference.
   keras_round1 = keras.weights()
+  n_trainable = len(weights_type.trainable)
+  initial_model_weights = tff.learning.models.ModelWeights(
+      keras_initial[:n_trainable], keras_initial[n_trainable:])
   local = train_locally_variant(model_fn, datasets, counts, lr)
   in_process = [keras, local]
   in_tff = []
@@ -330,7 +419,10 @@ def main(argv):
           process_variant(
               f"tff_stock, max_concurrent={max_concurrent}",
               stock.initialize, lambda s: stock.next(s, datasets).state,
-              stock.get_model_weights, keras_initial)]
+              stock.get_model_weights, keras_initial),
+          # What every round pays to move the model to the worker and back.
+          Variant(f"model to worker and back, max_concurrent={max_concurrent}",
+                  lambda: identity(initial_model_weights), None)]
       run_interleaved(in_process + block, warmup, rounds, keras_round1)
       in_tff += block
   variants = in_process + in_tff
@@ -339,7 +431,8 @@ def main(argv):
           f"({', '.join(f'{s:.2f}' for s in v.seconds)})")
 
   rows = table(variants, keras.median)
-  print("\n".join(rows))
+  findings = summarize(variants, keras)
+  print("\n".join(rows + [""] + findings))
   machine = machine_description()
   nproc = int(machine["nproc"])
   wall = time.perf_counter() - wall_start
@@ -372,10 +465,16 @@ def main(argv):
         f"- CPU used by other processes during the run: {others:.0f} s in "
         f"{wall:.0f} s, {others_share:.0%} of the {nproc} cores (machine "
         "CPU time from /proc/stat less this process' and its TFF workers')",
-        "", *rows, "",
-        "The load average in the table is the median 1-minute one before the "
-        "variant's timed rounds; it includes this benchmark's own load (one "
-        "to two on its own).", ""]
+        "", *rows, "", *findings, "",
+        "CPU s/round are medians of the CPU time of this Python process and "
+        "of its TFF worker process during a round (all threads): they depend "
+        "less than wall time on other jobs (shared caches and threads "
+        "spinning while they wait still shift them). Under load, the worker "
+        "with more busy threads (max_concurrent=-1) gets a larger share of "
+        "the cores from the scheduler, which favours it in wall time: compare "
+        "the CPU times too. The load average is the median 1-minute one "
+        "before the variant's timed rounds; it includes this benchmark's own "
+        "load (one to two on its own).", ""]
     if load_at_start[0] > 0.5 * nproc or others_share > 0.1:
       section += [
           "**Other jobs were running on the machine** (see the load average "

@@ -11,23 +11,11 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import client_work
+from tiny import SPEC
+from tiny import tiny_model as linear_model
 
 ModelWeights = tff.learning.models.ModelWeights
 Config = client_work.LocalTrainingConfig
-
-SPEC = (tf.TensorSpec([None, 2, 2, 1], tf.float32), tf.TensorSpec([None], tf.int32))
-
-
-def linear_model(seed=0, batch_norm=False):
-  layers = [tf.keras.layers.Input((2, 2, 1)), tf.keras.layers.Flatten()]
-  if batch_norm:
-    layers.append(tf.keras.layers.BatchNormalization())
-  layers.append(tf.keras.layers.Dense(
-      3,
-      kernel_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed),
-      bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed + 1)))
-  return tf.keras.Sequential(layers)
-
 
 def model_weights(model):
   return ModelWeights([v.numpy() for v in model.trainable_variables],
@@ -355,3 +343,22 @@ class TestClientWorkProcess:
         loss=tf.constant(0.0), correct=tf.constant(0.0),
         num_examples=tf.constant(0.0), rejected=tf.constant(0.0)))
     assert float(empty["train_loss"]) == 0.0  # No division by zero.
+
+
+def test_data_that_does_not_fit_the_model_is_a_named_error():
+  wrong = (tf.TensorSpec([None, 32, 32, 3], tf.float32),
+           tf.TensorSpec([None], tf.int32))
+  with pytest.raises(client_work.TypeMismatchError,
+                     match=r"\(None, 32, 32, 3\).*\(None, 28, 28, 1\)"):
+    client_work.build_client_work(
+        lambda: tf.keras.Sequential([
+            tf.keras.Input((28, 28, 1)), tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(3)]),
+        wrong, client_work.LocalTrainingConfig())
+  float_labels = (tf.TensorSpec([None, 28, 28, 1], tf.float32),
+                  tf.TensorSpec([None], tf.float32))
+  with pytest.raises(client_work.TypeMismatchError, match="integer"):
+    client_work.check_data_fits_model(
+        lambda: tf.keras.Sequential([
+            tf.keras.Input((28, 28, 1)), tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(3)]), float_labels)

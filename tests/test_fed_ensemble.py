@@ -16,34 +16,24 @@ import tensorflow_federated as tff
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import fed_ensemble
+from tiny import SPEC
+from tiny import one_batch
+from tiny import tiny_model
 
 ModelWeights = tff.learning.models.ModelWeights
 Config = client_work.LocalTrainingConfig
 
-SPEC = (tf.TensorSpec([None, 2, 2, 1], tf.float32), tf.TensorSpec([None], tf.int32))
 LR = 0.5
 
 
 def member_model(k, batch_norm=True):
-  """Member k: Flatten(2x2x1) -> [BatchNorm] -> Dense(3), initialized by k."""
-  layers = [tf.keras.layers.Input((2, 2, 1)), tf.keras.layers.Flatten()]
-  if batch_norm:
-    layers.append(tf.keras.layers.BatchNormalization())
-  layers.append(tf.keras.layers.Dense(
-      3,
-      kernel_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=10 * k),
-      bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=10 * k + 1)))
-  return tf.keras.Sequential(layers)
+  """Member k of a tiny ensemble, initialized by k."""
+  return tiny_model(seed=10 * k, batch_norm=batch_norm)
 
 
 def member_shapes():
   model = member_model(0)
   return [tuple(v.shape) for v in model.trainable_variables + model.non_trainable_variables]
-
-
-def one_batch(x, y):
-  return tf.data.Dataset.from_tensors(
-      (np.asarray(x, np.float32).reshape(-1, 2, 2, 1), np.asarray(y, np.int32)))
 
 
 CLIENT_DATA = [

@@ -14,28 +14,14 @@ import tensorflow_federated as tff
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import fedavg
+from tiny import SPEC
+from tiny import one_batch
+from tiny import tiny_model as make_model
 
 ModelWeights = tff.learning.models.ModelWeights
 Config = client_work.LocalTrainingConfig
 
-SPEC = (tf.TensorSpec([None, 2, 2, 1], tf.float32), tf.TensorSpec([None], tf.int32))
 LR = 0.5
-
-
-def make_model(seed=0, batch_norm=False):
-  layers = [tf.keras.layers.Input((2, 2, 1)), tf.keras.layers.Flatten()]
-  if batch_norm:
-    layers.append(tf.keras.layers.BatchNormalization())
-  layers.append(tf.keras.layers.Dense(
-      3,
-      kernel_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed),
-      bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed + 1)))
-  return tf.keras.Sequential(layers)
-
-
-def one_batch(x, y):
-  return tf.data.Dataset.from_tensors(
-      (np.asarray(x, np.float32).reshape(-1, 2, 2, 1), np.asarray(y, np.int32)))
 
 
 # Client A: two examples, client B: three (so the weighting is visible).

@@ -197,6 +197,10 @@ class ClientWork:
   client_update: tff.Computation
 
 
+class TypeMismatchError(TypeError):
+  """Client data, model and stages whose types do not fit together."""
+
+
 def weights_type_of(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
   """TFF type of `ModelWeights` of the model built by `model_fn`."""
   with tf.Graph().as_default():
@@ -204,6 +208,26 @@ def weights_type_of(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
     return tff.types.tensorflow_to_type(tf.nest.map_structure(
         lambda v: tf.TensorSpec(v.shape, v.dtype),
         ModelWeights.from_model(model)))
+
+
+def check_data_fits_model(model_fn: Callable[[], tf.keras.Model],
+                          element_spec) -> None:
+  """Raises `TypeMismatchError` unless batches `(x, y)` fit the model."""
+  with tf.Graph().as_default():
+    model = model_fn()
+  try:
+    x_spec, y_spec = element_spec
+  except (TypeError, ValueError):
+    raise TypeMismatchError(
+        f"client batches must be (x, y) pairs, got {element_spec}") from None
+  expected = tf.TensorShape(model.input_shape[1:])
+  if not expected.is_compatible_with(x_spec.shape[1:]):
+    raise TypeMismatchError(
+        f"client inputs {x_spec} do not fit the model input "
+        f"{tuple(model.input_shape)}: the task and model disagree")
+  if not y_spec.dtype.is_integer:
+    raise TypeMismatchError(
+        f"client labels {y_spec} must be integer class ids")
 
 
 def build_client_work(model_fn: Callable[[], tf.keras.Model],
@@ -219,6 +243,7 @@ def build_client_work(model_fn: Callable[[], tf.keras.Model],
     element_spec: `tf.TensorSpec`s of one batch `(x, y)` of client data.
     config: the `LocalTrainingConfig`.
   """
+  check_data_fits_model(model_fn, element_spec)
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
   weights_type = weights_type_of(model_fn)
   optimizer = tff.learning.optimizers.build_sgdm(

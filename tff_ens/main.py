@@ -62,9 +62,9 @@ flags.DEFINE_string("output_dir", "runs/femnist", "Where outputs go.")
 flags.DEFINE_integer("eval_every", 10, "Evaluate on test data every N rounds.")
 flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint every N rounds.")
 flags.DEFINE_integer(
-    "max_concurrent_clients", 1,
-    "Clients trained at once by the TFF runtime (<= 0: no limit). On few "
-    "cores, 1 is fastest: each client uses all cores.")
+    "max_concurrent_clients", 0,
+    "Clients trained at once by the TFF runtime (<= 0: no limit; see "
+    "benchmarks/RESULTS.md).")
 flags.DEFINE_bool("resume", False,
                   "Continue the run in --output_dir from its last checkpoint.")
 
@@ -75,7 +75,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
-  logging.set_verbosity(logging.INFO)
+  # On a terminal the progress bar reports; log lines would break it.
+  logging.set_verbosity(logging.WARNING if sys.stderr.isatty() else
+                        logging.INFO)
   fields = {f.name for f in dataclasses.fields(training.ExperimentConfig)}
   config = training.ExperimentConfig(
       **{name: FLAGS[name].value for name in fields})

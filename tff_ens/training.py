@@ -41,8 +41,9 @@ SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "round_"
 
-# Keys that may differ between an interrupted run and its `--resume`.
-_RESUME_FREE_KEYS = ("resume",)
+# Keys that may differ between an interrupted run and its `--resume`: how
+# the run executes, not what it computes.
+_RESUME_FREE_KEYS = ("resume", "max_concurrent_clients")
 
 
 class UsageError(ValueError):
@@ -77,7 +78,7 @@ class ExperimentConfig:
   output_dir: str = "runs/femnist"
   eval_every: int = 10
   checkpoint_every: int = 10
-  max_concurrent_clients: int = 1
+  max_concurrent_clients: int = 0
   resume: bool = False
 
   def validate(self):
@@ -148,7 +149,7 @@ class _Outputs:
     self._prepare_dir(config)
     self._checkpoints = tff.program.FileProgramStateManager(
         os.path.join(self.dir, CHECKPOINT_DIR), prefix=CHECKPOINT_PREFIX,
-        keep_total=1)
+        keep_total=2, keep_first=False)
     self._structure = {"round": 0, "state": initial_state}
     self._csv = tff.program.CSVFileReleaseManager(
         os.path.join(self.dir, METRICS_FILE),
@@ -290,10 +291,17 @@ def _progress(config: ExperimentConfig, start_round: int):
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
     bar = tqdm(total=config.rounds, initial=start_round, unit="round",
                dynamic_ncols=True)
+    last = {}  # The latest value of each shown metric.
+
+    def report(round_num, row):
+      del round_num
+      last.update({k: f"{row[k]:.4f}" for k in ("train_loss",
+                                                 "test_accuracy") if k in row})
+      bar.set_postfix(last, refresh=False)
+      bar.update(1)
+
     try:
-      yield lambda r, row: (bar.update(1), bar.set_postfix(
-          {k: f"{row[k]:.4f}" for k in ("train_loss", "test_accuracy")
-           if k in row}))
+      yield report
     finally:
       bar.close()
   else:

@@ -372,8 +372,6 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
              "seconds": time.perf_counter() - start}
       if round_num % config.eval_every == 0 or round_num == config.rounds:
         row.update(evaluator.summary(algorithm.models_fn(state), data.test))
-        row.pop("ece", None)
-        row.pop("per_client_accuracy", None)
       outputs.release_metrics(round_num, row)
       if (round_num % config.checkpoint_every == 0 or
           round_num == config.rounds):

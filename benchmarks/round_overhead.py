@@ -41,7 +41,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import datetime
 import platform
-import re
 import shlex
 import statistics
 import time
@@ -60,6 +59,7 @@ from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
 from tff_ens import training
+import report
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Round overhead (issue 2)"
@@ -242,27 +242,6 @@ def process_variant(name, initialize, next_fn, weights_fn,
   return Variant(name, run_round, lambda: flat_weights(weights_fn(state[0])))
 
 
-def machine_description() -> dict[str, str]:
-  """nproc, the CPU model (first CPU of /proc/cpuinfo) and the RAM."""
-  cpuinfo = {}
-  with open("/proc/cpuinfo") as f:
-    for line in f:
-      if not line.strip():
-        break  # The first CPU only.
-      key, _, value = line.partition(":")
-      cpuinfo[key.strip()] = value.strip()
-  cpu = cpuinfo.get("model name", platform.processor() or "unknown")
-  if "cpu family" in cpuinfo and "model" in cpuinfo:
-    cpu += f" (family {cpuinfo['cpu family']}, model {cpuinfo['model']})"
-  ram = "unknown"
-  with open("/proc/meminfo") as f:
-    for line in f:
-      if line.startswith("MemTotal:"):
-        ram = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-        break
-  return {"nproc": str(len(os.sched_getaffinity(0))), "cpu": cpu, "ram": ram}
-
-
 def machine_busy_seconds() -> float:
   """CPU seconds all processes of the machine have used since boot."""
   with open("/proc/stat") as f:
@@ -331,24 +310,6 @@ def summarize(variants: list[Variant], keras: Variant) -> list[str]:
         f"{local.median / keras.median:.2f}x the wall time and "
         f"{cpu(local) / cpu(keras):.2f}x the CPU time of Keras' fit.")
   return lines
-
-
-def write_section(path: str, text: str):
-  """Replaces (or appends) this benchmark's section of `path`."""
-  if os.path.exists(path):
-    with open(path) as f:
-      content = f.read()
-  else:
-    content = "# Benchmarks\n"
-  pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)",
-                       re.MULTILINE | re.DOTALL)
-  text = text.rstrip("\n") + "\n\n"
-  if pattern.search(content):
-    content = pattern.sub(lambda _: text, content, count=1)
-  else:
-    content = content.rstrip("\n") + "\n\n" + text
-  with open(path, "w") as f:
-    f.write(content.rstrip("\n") + "\n")
 
 
 def main(argv):
@@ -433,7 +394,7 @@ def main(argv):
   rows = table(variants, keras.median)
   findings = summarize(variants, keras)
   print("\n".join(rows + [""] + findings))
-  machine = machine_description()
+  machine = report.machine_description()
   nproc = int(machine["nproc"])
   wall = time.perf_counter() - wall_start
   others = (machine_busy_seconds() - busy_start) - (own_seconds() - own_start)
@@ -481,7 +442,7 @@ def main(argv):
           "at start and the CPU used by other processes): absolute times are "
           "inflated and noisy and the ratios less so, but re-measure on an "
           "idle machine before relying on small differences.", ""]
-    write_section(FLAGS.results, "\n".join(section))
+    report.write_section(FLAGS.results, SECTION, "\n".join(section))
     print(f"wrote {FLAGS.results}")
 
 

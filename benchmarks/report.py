@@ -1,0 +1,44 @@
+"""What every benchmark writes: the machine, and its section of RESULTS.md."""
+
+import os
+import platform
+import re
+
+
+def machine_description() -> dict[str, str]:
+  """nproc, the CPU model (first CPU of /proc/cpuinfo) and the RAM."""
+  cpuinfo = {}
+  with open("/proc/cpuinfo") as f:
+    for line in f:
+      if not line.strip():
+        break  # The first CPU only.
+      key, _, value = line.partition(":")
+      cpuinfo[key.strip()] = value.strip()
+  cpu = cpuinfo.get("model name", platform.processor() or "unknown")
+  if "cpu family" in cpuinfo and "model" in cpuinfo:
+    cpu += f" (family {cpuinfo['cpu family']}, model {cpuinfo['model']})"
+  ram = "unknown"
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemTotal:"):
+        ram = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+        break
+  return {"nproc": str(len(os.sched_getaffinity(0))), "cpu": cpu, "ram": ram}
+
+
+def write_section(path: str, section: str, text: str):
+  """Replaces (or appends) the section headed `section` of `path` by `text`."""
+  if os.path.exists(path):
+    with open(path) as f:
+      content = f.read()
+  else:
+    content = "# Benchmarks\n"
+  pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)",
+                       re.MULTILINE | re.DOTALL)
+  text = text.rstrip("\n") + "\n\n"
+  if pattern.search(content):
+    content = pattern.sub(lambda _: text, content, count=1)
+  else:
+    content = content.rstrip("\n") + "\n\n" + text
+  with open(path, "w") as f:
+    f.write(content.rstrip("\n") + "\n")

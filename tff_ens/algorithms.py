@@ -3,7 +3,7 @@
 Each algorithm is a TFF process built by its own module's `build_*` function;
 `FederatedAlgorithm` adds what the training loop needs around it: how to call
 `next` for a cohort, which models the state holds (one, or K for ensembles),
-and the per-client computation whose types define the communication cost.
+and the types of what one client downloads and uploads in a round.
 """
 
 import dataclasses

@@ -32,17 +32,11 @@ from tff_ens import runtime
 from tff_ens import training
 import report
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Fed-ensemble round time (issue 3)"
 
-flags.DEFINE_string(
-    "data_dir", os.path.join(_REPO_ROOT, "..", "shared", "data", "femnist"),
-    "LEAF FEMNIST directory.")
+report.define_flags()
 flags.DEFINE_integer("rounds", 4, "Timed rounds per variant (median over).")
 flags.DEFINE_list("sizes", ["1", "5"], "Ensemble sizes K to time.")
-flags.DEFINE_string(
-    "results", os.path.join(_REPO_ROOT, "benchmarks", "RESULTS.md"),
-    "Markdown file to write the section to; empty to only print.")
 
 FLAGS = flags.FLAGS
 

@@ -4,6 +4,20 @@ import os
 import platform
 import re
 
+from absl import flags
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def define_flags():
+  """`--data_dir` (the FEMNIST slice) and `--results` (RESULTS.md)."""
+  flags.DEFINE_string(
+      "data_dir", os.path.join(_REPO_ROOT, "..", "shared", "data", "femnist"),
+      "LEAF FEMNIST directory.")
+  flags.DEFINE_string(
+      "results", os.path.join(_REPO_ROOT, "benchmarks", "RESULTS.md"),
+      "Markdown file to write the section to; empty to only print.")
+
 
 def machine_description() -> dict[str, str]:
   """nproc, the CPU model (first CPU of /proc/cpuinfo) and the RAM."""

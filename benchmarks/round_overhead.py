@@ -61,12 +61,9 @@ from tff_ens import runtime
 from tff_ens import training
 import report
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Round overhead (issue 2)"
 
-flags.DEFINE_string(
-    "data_dir", os.path.join(_REPO_ROOT, "..", "shared", "data", "femnist"),
-    "LEAF FEMNIST directory.")
+report.define_flags()
 flags.DEFINE_integer("rounds", 5, "Timed rounds per variant (median over).")
 flags.DEFINE_integer("warmup_rounds", 2, "Untimed rounds before those.")
 flags.DEFINE_integer("clients", 10, "Writers per round (the first, sorted).")
@@ -74,9 +71,6 @@ flags.DEFINE_integer("batch_size", 20, "Client batch size.")
 flags.DEFINE_float("learning_rate", 0.05, "Client SGD learning rate.")
 flags.DEFINE_list("max_concurrent", ["1", "-1"],
                   "max_concurrent_computation_calls of the TFF worker to try.")
-flags.DEFINE_string(
-    "results", os.path.join(_REPO_ROOT, "benchmarks", "RESULTS.md"),
-    "Markdown file to write the section to; empty to only print.")
 
 FLAGS = flags.FLAGS
 

@@ -166,7 +166,8 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
   final = tf.nest.map_structure(tf.identity, model_weights)
   update, weight, rejected = zero_if_non_finite(
       weights_delta(initial_weights, final), count)
-  # A rejected client's training metrics are dropped with its update.
+  # A rejected client's training metrics are dropped with its update (its
+  # loss may be NaN, so it is selected away rather than multiplied by 0).
   accepted = 1.0 - rejected
   metrics = collections.OrderedDict(
       loss=tf.where(accepted > 0, loss_sum, 0.0),

@@ -5,14 +5,18 @@ r"""Round time and worker memory of Fed-ensemble against FedAvg (issue 3).
 The same 10 FEMNIST writers, LEAF CNN, 1 epoch, batch 20, SGD 0.05: the median
 wall time of a round (after one untimed round) of `fedavg` and of
 `fedensemble` with K in `--sizes`, all through the TFF C++ runtime of
-`runtime.execution_context`, and the peak resident memory of its worker. Each
-client trains one model in every variant, so the difference is the server
-side: K models in the state, the per-client `federated_select` and the K-slot
-`federated_aggregate`. Writes the section "## Fed-ensemble round time
-(issue 3)" of `--results`.
+`runtime.execution_context` as the CLI runs them (state kept in the worker).
+The variants' rounds are interleaved (FedAvg, K=1, K=5, FedAvg, ...) in one
+worker, so that load from other processes falls on all variants alike. A
+second pass runs each variant alone in its own worker for one round and
+samples that worker's peak resident memory. Each client trains one model in
+every variant, so the difference is the server side: K models in the state,
+the per-client `federated_select` and the K-slot `federated_aggregate`.
+Writes the section "## Fed-ensemble round time (issue 3)" of `--results`.
 """
 
 import datetime
+import functools
 import os
 import shlex
 import statistics
@@ -35,7 +39,7 @@ import report
 SECTION = "## Fed-ensemble round time (issue 3)"
 
 report.define_flags()
-flags.DEFINE_integer("rounds", 4, "Timed rounds per variant (median over).")
+flags.DEFINE_integer("rounds", 6, "Timed rounds per variant (median over).")
 flags.DEFINE_list("sizes", ["1", "5"], "Ensemble sizes K to time.")
 
 FLAGS = flags.FLAGS
@@ -67,16 +71,46 @@ class PeakMemory:
     self._thread.join()
 
 
-def time_rounds(algorithm, datasets, rounds: int) -> list[float]:
-  state = algorithm.process.initialize()
+def cpu_seconds() -> float:
+  """User + system CPU seconds of this process and its children (the worker)."""
+  me = psutil.Process()
+  processes = [me] + me.children(recursive=True)
+  total = 0.0
+  for process in processes:
+    try:
+      times = process.cpu_times()
+    except psutil.Error:
+      continue
+    total += times.user + times.system
+  return total
+
+
+def time_interleaved(algorithms_, datasets,
+                     rounds: int) -> tuple[list[list[float]], list[list[float]]]:
+  """Per algorithm, wall and CPU seconds of `rounds` rounds, run in turns."""
   indices = np.arange(len(datasets))
-  state, _ = algorithm.next_fn(state, datasets, indices)  # Untimed.
-  seconds = []
+  states = []
+  for algorithm in algorithms_:  # One untimed round each (tracing, caches).
+    state = algorithm.process.initialize()
+    states.append(algorithm.next_fn(state, datasets, indices)[0])
+  wall = [[] for _ in algorithms_]
+  cpu = [[] for _ in algorithms_]
   for _ in range(rounds):
-    start = time.perf_counter()
-    state, _ = algorithm.next_fn(state, datasets, indices)
-    seconds.append(time.perf_counter() - start)
-  return seconds
+    for i, algorithm in enumerate(algorithms_):
+      start, start_cpu = time.perf_counter(), cpu_seconds()
+      states[i], _ = algorithm.next_fn(states[i], datasets, indices)
+      wall[i].append(time.perf_counter() - start)
+      cpu[i].append(cpu_seconds() - start_cpu)
+  return wall, cpu
+
+
+def peak_worker_memory(build, datasets) -> int:
+  """Peak resident bytes of a fresh worker over one initialize and round."""
+  with runtime.execution_context(), PeakMemory() as memory:
+    algorithm = build()
+    state = algorithm.process.initialize()
+    algorithm.next_fn(state, datasets, np.arange(len(datasets)))
+  return memory.peak
 
 
 def main(argv):
@@ -92,26 +126,37 @@ def main(argv):
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
   variants = [("fedavg", 1)] + [("fedensemble", int(k)) for k in FLAGS.sizes]
+  builders = [
+      functools.partial(algorithms.build_algorithm, name, model_fn,
+                        training.batch_element_spec(femnist), config,
+                        ensemble_size=k)
+      for name, k in variants]
+  with runtime.execution_context():
+    built = [build() for build in builders]
+    wall, cpu = time_interleaved(built, datasets, FLAGS.rounds)
   rows = []
-  for name, k in variants:
-    # One worker per variant, so its peak memory is the variant's own.
-    with runtime.execution_context(), PeakMemory() as memory:
-      algorithm = algorithms.build_algorithm(
-          name, model_fn, training.batch_element_spec(femnist), config,
-          ensemble_size=k)
-      seconds = time_rounds(algorithm, datasets, FLAGS.rounds)
+  for (name, k), build, algorithm, times, cpu_times in zip(
+      variants, builders, built, wall, cpu):
+    peak = peak_worker_memory(build, datasets)
     down, up = algorithm.bytes_per_client_round()
     rows.append((f"{name}" + (f", K={k}" if name == "fedensemble" else ""),
-                 statistics.median(seconds), memory.peak, down, up))
-    print(f"{rows[-1][0]}: {rows[-1][1]:.2f} s/round, "
-          f"worker peak {memory.peak / 2**30:.2f} GiB", flush=True)
-  baseline = rows[0][1]
+                 statistics.median(times), statistics.median(cpu_times), peak,
+                 down, up))
+    print(f"{rows[-1][0]}: {rows[-1][1]:.2f} s/round "
+          f"({', '.join(f'{t:.2f}' for t in times)}), CPU "
+          f"{rows[-1][2]:.2f} s/round, worker peak {peak / 2**30:.2f} GiB",
+          flush=True)
+  baseline, baseline_cpu = rows[0][1], rows[0][2]
   machine = report.machine_description()
   lines = [
       SECTION, "",
       "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05), "
-      f"median of {FLAGS.rounds} timed rounds after one untimed round; each "
-      "variant in its own TFF worker, whose peak resident memory is sampled.",
+      f"median of {FLAGS.rounds} timed rounds after one untimed round, the "
+      "variants' rounds interleaved in one TFF worker with the state kept in "
+      "the worker between rounds (as the CLI runs); peak resident memory of "
+      "a fresh worker running one round of the variant alone. CPU seconds "
+      "(this process and the worker, user + system) depend less on other "
+      "load than wall time.",
       "",
       f"- date: {started:%Y-%m-%d %H:%M %Z}",
       f"- machine: nproc={machine['nproc']}, {machine['cpu']}, RAM "
@@ -121,12 +166,13 @@ def main(argv):
       f"- load average at start: {', '.join(f'{x:.2f}' for x in load_at_start)}"
       f"; at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
       "",
-      "| variant | median s/round | ratio to FedAvg | worker peak memory | "
-      "bytes down / up per client |",
-      "| --- | ---: | ---: | ---: | ---: |",
+      "| variant | median s/round | ratio to FedAvg | median CPU s/round | "
+      "CPU ratio | worker peak memory | bytes down / up per client |",
+      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
-  for name, median, peak, down, up in rows:
+  for name, median, median_cpu, peak, down, up in rows:
     lines.append(f"| {name} | {median:.2f} | {median / baseline:.2f} | "
+                 f"{median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
                  f"{peak / 2**30:.2f} GiB | {down:,} / {up:,} |")
   print("\n".join(lines))
   if FLAGS.results:

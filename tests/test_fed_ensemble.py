@@ -16,6 +16,7 @@ import tensorflow_federated as tff
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import fed_ensemble
+from tff_ens import runtime
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model
@@ -120,10 +121,10 @@ def test_unknown_assignment_and_bad_size_raise():
 
 def test_server_update_hand_example():
   k = 3
-  stacked = ModelWeights(
-      [tf.constant([[1.0, 1.0], [2.0, -3.0], [0.5, 0.25]])],
-      [tf.constant([10.0, 20.0, 30.0])])
-  accumulator = (tf.nest.map_structure(tf.zeros_like, stacked), tf.zeros([k]))
+  members = tuple(ModelWeights([tf.constant(w)], [tf.constant(b)]) for w, b in
+                  (([1.0, 1.0], 10.0), ([2.0, -3.0], 20.0), ([0.5, 0.25], 30.0)))
+  accumulator = (tuple(tf.nest.map_structure(tf.zeros_like, m) for m in members),
+                 tf.zeros([k]))
   clients = [  # (update, weight, key)
       (ModelWeights([tf.constant([1.0, 2.0])], [tf.constant(0.5)]), 1.0, 0),
       (ModelWeights([tf.constant([3.0, -2.0])], [tf.constant(1.5)]), 3.0, 0),
@@ -132,33 +133,22 @@ def test_server_update_hand_example():
   for update, weight, key in clients:
     accumulator = fed_ensemble.scatter_add_update(
         accumulator, update, tf.constant(weight), tf.constant(key))
-  sums, weights = accumulator
+  slots, weights = accumulator
   np.testing.assert_allclose(weights, [4.0, 0.0, 2.0])
-  np.testing.assert_allclose(sums.trainable[0], [[10.0, -4.0], [0.0, 0.0], [8.0, 8.0]])
-  np.testing.assert_allclose(sums.non_trainable[0], [5.0, 0.0, 4.0])
+  np.testing.assert_allclose([s.trainable[0] for s in slots],
+                             [[10.0, -4.0], [0.0, 0.0], [8.0, 8.0]])
+  np.testing.assert_allclose([s.non_trainable[0] for s in slots], [5.0, 0.0, 4.0])
 
-  new = fed_ensemble.apply_slot_means(stacked, sums, weights)
+  new = fed_ensemble.apply_slot_means(members, slots, weights)
   # Slot 0: (1 * u1 + 3 * u2) / 4 = [2.5, -1], non-trainable (0.5 + 4.5) / 4.
-  np.testing.assert_allclose(new.trainable[0][0], [1.0 - 2.5, 1.0 + 1.0])
-  np.testing.assert_allclose(new.non_trainable[0][0], 10.0 - 1.25)
+  np.testing.assert_allclose(new[0].trainable[0], [1.0 - 2.5, 1.0 + 1.0])
+  np.testing.assert_allclose(new[0].non_trainable[0], 10.0 - 1.25)
   # Slot 2: the single client's update.
-  np.testing.assert_allclose(new.trainable[0][2], [0.5 - 4.0, 0.25 - 4.0])
-  np.testing.assert_allclose(new.non_trainable[0][2], 30.0 - 2.0)
+  np.testing.assert_allclose(new[2].trainable[0], [0.5 - 4.0, 0.25 - 4.0])
+  np.testing.assert_allclose(new[2].non_trainable[0], 30.0 - 2.0)
   # Slot 1: nobody trained it; bit-identical.
-  assert np.array_equal(new.trainable[0][1].numpy(), [2.0, -3.0])
-  assert new.non_trainable[0][1].numpy() == 20.0
-
-
-def test_unstack_members():
-  stacked = ModelWeights([np.arange(6.0).reshape(3, 2), np.arange(3.0)],
-                         [np.arange(12.0).reshape(3, 2, 2)])
-  members = fed_ensemble.unstack_members(stacked)
-  assert len(members) == 3
-  for i, m in enumerate(members):
-    assert isinstance(m, ModelWeights)
-    np.testing.assert_array_equal(m.trainable[0], [2 * i, 2 * i + 1])
-    assert m.trainable[1] == i
-    np.testing.assert_array_equal(m.non_trainable[0], stacked.non_trainable[0][i])
+  assert np.array_equal(new[1].trainable[0].numpy(), [2.0, -3.0])
+  assert new[1].non_trainable[0].numpy() == 20.0
 
 
 # ------------------------------------------------------------------- process
@@ -188,11 +178,12 @@ def _leaves(type_spec):
   return [leaf for t in type_spec for leaf in _leaves(t)]
 
 
-def test_state_holds_k_stacked_members(built):
+def test_state_holds_k_members(built):
   state_type = built.process.next.type_signature.parameter[0]
   members = state_type.member.members
-  assert [tuple(t.shape) for t in _leaves(members)] == [
-      (3,) + s for s in member_shapes()]
+  assert len(members) == 3
+  for member in members:
+    assert [tuple(t.shape) for t in _leaves(member)] == member_shapes()
 
 
 def test_a_client_downloads_one_member_and_uploads_one_update(built):
@@ -241,7 +232,7 @@ def _flat(weights):
 
 
 def test_initial_members_are_the_members_initializations(built):
-  members = fed_ensemble.unstack_members(built.process.initialize()["members"])
+  members = list(built.process.initialize()["members"])
   assert len(members) == 3
   for k, m in enumerate(members):
     model = member_model(k)
@@ -257,10 +248,10 @@ def test_round_trains_only_the_assigned_members(built):
   assert keys[0] != keys[1], "pick indices whose round-0 models differ"
   data = CLIENT_DATA[:2]
   state = built.process.initialize()
-  before = fed_ensemble.unstack_members(state["members"])
+  before = list(state["members"])
   new_state, metrics = built.process.next(
       state, [one_batch(x, y) for x, y in data], [np.int32(i) for i in indices])
-  after = fed_ensemble.unstack_members(new_state["members"])
+  after = list(new_state["members"])
   assert len(after) == k and all(isinstance(m, ModelWeights) for m in after)
 
   for member in range(k):
@@ -297,10 +288,10 @@ def test_two_clients_on_one_member_are_weighted_by_examples(built):
   member = assign(seed, i, 0, k)
   data = CLIENT_DATA[:2]  # 2 and 3 examples.
   state = built.process.initialize()
-  before = fed_ensemble.unstack_members(state["members"])
+  before = list(state["members"])
   new_state, metrics = built.process.next(
       state, [one_batch(x, y) for x, y in data], [np.int32(i), np.int32(j)])
-  after = fed_ensemble.unstack_members(new_state["members"])
+  after = list(new_state["members"])
   (wa, ua), (wb, ub) = [_trained_update(before[member], *d) for d in data]
   assert (wa, wb) == (2.0, 3.0)
   expected = tf.nest.map_structure(lambda w, a, b: w - (2 * a + 3 * b) / 5,
@@ -340,8 +331,8 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(built, tmp_path):
   assert resumed["assignment"]["round"] == 4
   assert resumed["client_work"] == 4
   # Four rounds with 3 clients and K=3 trained every member at least once.
-  initial = fed_ensemble.unstack_members(process.initialize()["members"])
-  final = fed_ensemble.unstack_members(resumed["members"])
+  initial = list(process.initialize()["members"])
+  final = list(resumed["members"])
   for m0, m1 in zip(initial, final):
     assert any(not np.allclose(a, b) for a, b in zip(_flat(m0), _flat(m1)))
 
@@ -365,3 +356,23 @@ def test_fed_ensemble_bytes_equal_fedavg_bytes():
   assert abs(down - fedavg_down) <= 16
   assert abs(up - fedavg_up) <= 16
   assert down < 2 * 4 * num_params  # Far from K models.
+
+
+def test_state_kept_in_the_worker_equals_state_moved_to_python(built):
+  process = built.process
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
+  indices = [np.int32(i) for i in (2, 7, 11)]
+  moved = _run(process, process.initialize(), 2)
+
+  state = process.initialize()
+  for _ in range(2):
+    state, metrics = runtime.call_keeping_state(process.next, state, datasets, indices)
+    assert isinstance(state, runtime.ResidentValue)
+    assert metrics["client_work"]["num_examples"] == sum(len(y) for _, y in CLIENT_DATA)
+  kept = runtime.materialize(state)
+  for a, b in zip(tf.nest.flatten(moved), tf.nest.flatten(kept), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  # A cohort of another size runs on another executor: the state follows it.
+  state, _ = runtime.call_keeping_state(process.next, state, datasets[:2], indices[:2])
+  assert runtime.materialize(state)["assignment"]["round"] == 3

@@ -16,6 +16,7 @@ import tensorflow_federated as tff
 from tff_ens import client_work as client_work_lib
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
+from tff_ens import runtime
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -34,7 +35,10 @@ class FederatedAlgorithm:
     upload_type: what one client sends in a round.
     next_fn: `(state, client_datasets, client_indices) -> (state, metrics)`;
       `client_indices` are the cohort's positions in the task's client list.
-    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate.
+      The returned state stays in the TFF worker (`runtime.ResidentValue`);
+      `runtime.materialize` reads it.
+    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate, of a
+      materialized state.
   """
 
   name: str
@@ -112,8 +116,7 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
 
   def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
     del client_indices  # FedAvg's clients are interchangeable.
-    output = process.next(state, list(datasets))
-    return output.state, output.metrics
+    return runtime.call_keeping_state(process.next, state, list(datasets))
 
   # A client receives the client computation's parameters but for its own
   # data (a sequence, sized 0) and sends back the computation's result.
@@ -131,11 +134,12 @@ def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
       seed=seed, assignment=assignment)
 
   def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
-    return built.process.next(state, list(datasets),
-                              [np.int32(i) for i in client_indices])
+    return runtime.call_keeping_state(
+        built.process.next, state, list(datasets),
+        [np.int32(i) for i in client_indices])
 
   return FederatedAlgorithm(
       name="fedensemble", process=built.process,
       download_type=built.download_type, upload_type=built.upload_type,
       next_fn=next_fn,
-      models_fn=lambda state: fed_ensemble.unstack_members(state["members"]))
+      models_fn=lambda state: list(state["members"]))

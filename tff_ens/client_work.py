@@ -154,7 +154,9 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
     opt_state, new_weights = optimizer.next(
         opt_state, tuple(trainable), tuple(grads))
     for v, t in zip(trainable, new_weights):
-      v.assign(t)
+      # Keras applies a layer's kernel constraint after each optimizer step
+      # (larq clips binarized layers' latent weights to [-1, 1] this way).
+      v.assign(v.constraint(t) if v.constraint is not None else t)
     hits = tf.reduce_sum(tf.cast(
         tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
                  tf.cast(y, tf.int32)), tf.float32))

@@ -17,7 +17,7 @@ algorithm is FedAvg's four stages with two swapped:
 * finalizer: model k moves by its slot's mean update; a model no client
   trained this round stays as it was.
 
-The K models live stacked (leading dimension K) in the server state, and the
+The K models live in the server state (a tuple of K `ModelWeights`), and the
 assignment is a stateless function of (seed, client index, round), so a
 checkpoint of the state is complete.
 """
@@ -82,38 +82,49 @@ def scatter_add_update(accumulator, update, weight, key):
 
   Implements the per-model sums of Shi et al., Algorithm 1, line 9:
   sum over clients i with P[i, t mod K] = k of n_i * w_i.
+
+  Args:
+    accumulator: `(slots, weights)`: a tuple of K structures like `update`
+      and the K summed weights.
+    update: one client's update.
+    weight: its weight (number of examples).
+    key: the slot, an int32 scalar in [0, K).
+
+  The slots are K separate structures, not one stacked tensor, and only slot
+  `key` is computed: TFF's C++ runtime passes the other slots through without
+  copying, where a scatter into a stacked [K, ...] tensor writes all K models
+  for every client (3.4x slower for K = 5, `benchmarks/ensemble_round.py`).
   """
-  sums, weights = accumulator
-  index = tf.reshape(key, [1, 1])
-  sums = tf.nest.map_structure(
-      lambda s, u: tf.tensor_scatter_nd_add(s, index, (weight * u)[None]),
-      sums, update)
-  weights = tf.tensor_scatter_nd_add(weights, index, tf.reshape(weight, [1]))
-  return sums, weights
+  slots, weights = accumulator
+  weight = tf.cast(weight, tf.float32)
+
+  def add(slot):
+    return lambda: tf.nest.map_structure(lambda s, u: s + weight * u, slot,
+                                         update)
+
+  slots = tuple(tf.cond(tf.equal(key, k), add(slot), lambda slot=slot: slot)
+                for k, slot in enumerate(slots))
+  return slots, weights + weight * tf.one_hot(key, len(slots))
 
 
-def apply_slot_means(stacked_weights, sums, weights):
+def apply_slot_means(members, slots, weights):
   """Model k minus its slot's mean update; untouched if nobody trained it.
 
   Shi et al., Algorithm 1, line 9: theta_k <- weighted mean of the returned
   models that started from theta_k (as `theta_k - mean delta`).
+
+  Args:
+    members: a tuple of K models (structures of tensors).
+    slots: a tuple of K summed updates, as `scatter_add_update` makes.
+    weights: the K summed weights.
   """
-  trained = weights > 0
+  def apply(member, slot, total):
+    mean = lambda w, s: tf.where(total > 0, w - s / tf.maximum(total, 1e-12),
+                                 w)
+    return tf.nest.map_structure(mean, member, slot)
 
-  def apply(w, s):
-    shape = [-1] + [1] * (len(w.shape) - 1)
-    mean = s / tf.reshape(tf.maximum(weights, 1e-12), shape)
-    return tf.where(tf.reshape(trained, shape), w - mean, w)
-
-  return tf.nest.map_structure(apply, stacked_weights, sums)
-
-
-def unstack_members(stacked: ModelWeights) -> list[ModelWeights]:
-  """The K `ModelWeights` of a stacked (leading dim K) state value."""
-  k = len(stacked.trainable[0])
-  return [ModelWeights(trainable=[t[i] for t in stacked.trainable],
-                       non_trainable=[t[i] for t in stacked.non_trainable])
-          for i in range(k)]
+  return tuple(apply(m, s, weights[k])
+               for k, (m, s) in enumerate(zip(members, slots)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +178,9 @@ def build_fed_ensemble(
 
   @tff.tensorflow.computation
   def initial_members():
-    members = [ModelWeights.from_model(member_model_fn(i)) for i in range(k)]
-    return tf.nest.map_structure(lambda *ts: tf.stack(ts), *members)
+    return tuple(ModelWeights.from_model(member_model_fn(i)) for i in range(k))
 
-  stacked_type = initial_members.type_signature.result
+  members_type = initial_members.type_signature.result
 
   # Distributor: state = (seed, 0-based round).
   @tff.tensorflow.computation(
@@ -182,9 +192,11 @@ def build_fed_ensemble(
 
   # Selected values are unnamed flat tuples: TFF 0.87's federated_select fails
   # on structs whose names are not in alphabetical order, as in ModelWeights.
-  @tff.tensorflow.computation(stacked_type, np.int32)
-  def select_member(stacked, key):
-    return tuple(tf.gather(t, key) for t in tf.nest.flatten(stacked))
+  @tff.tensorflow.computation(members_type, np.int32)
+  def select_member(members, key):
+    return tf.switch_case(key, [
+        lambda m=m: tuple(tf.identity(t) for t in tf.nest.flatten(m))
+        for m in members])
 
   selected_type = select_member.type_signature.result
 
@@ -209,8 +221,8 @@ def build_fed_ensemble(
   @tff.tensorflow.computation
   def zero_slots():
     specs = tff.types.type_to_tf_tensor_specs(update_type)
-    return (tf.nest.map_structure(
-        lambda s: tf.zeros([k] + s.shape.as_list(), s.dtype), specs),
+    return (tuple(tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype),
+                                        specs) for _ in range(k)),
             tf.zeros([k], tf.float32))
 
   accumulator_type = zero_slots.type_signature.result
@@ -229,10 +241,10 @@ def build_fed_ensemble(
   def report(accumulator):
     return accumulator
 
-  @tff.tensorflow.computation(stacked_type, accumulator_type)
-  def finalize(stacked, accumulator):
-    sums, weights = accumulator
-    return apply_slot_means(stacked, sums, weights)
+  @tff.tensorflow.computation(members_type, accumulator_type)
+  def finalize(members, accumulator):
+    slots, weights = accumulator
+    return apply_slot_means(members, slots, weights)
 
   @tff.tensorflow.computation(accumulator_type)
   def members_trained(accumulator):

@@ -370,14 +370,21 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       row = {"train_loss": float(metrics["client_work"]["train_loss"]),
              "train_accuracy": float(metrics["client_work"]["train_accuracy"]),
              "seconds": time.perf_counter() - start}
-      if round_num % config.eval_every == 0 or round_num == config.rounds:
+      evaluate = round_num % config.eval_every == 0
+      checkpoint = round_num % config.checkpoint_every == 0
+      last = round_num == config.rounds
+      if evaluate or checkpoint or last:
+        # The state lives in the TFF worker between rounds (see
+        # `runtime.call_keeping_state`); read it only when needed.
+        state = runtime.materialize(state)
+      if evaluate or last:
         row.update(evaluator.summary(algorithm.models_fn(state), data.test))
       outputs.release_metrics(round_num, row)
-      if (round_num % config.checkpoint_every == 0 or
-          round_num == config.rounds):
+      if checkpoint or last:
         outputs.save_checkpoint(round_num, state)
       report(round_num, row)
-  return _write_summary(config, data, algorithm, state, outputs, evaluator)
+  return _write_summary(config, data, algorithm, runtime.materialize(state),
+                        outputs, evaluator)
 
 
 def _write_summary(config, data, algorithm, state, outputs, evaluator):

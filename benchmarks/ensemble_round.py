@@ -18,9 +18,7 @@ Writes the section "## Fed-ensemble round time (issue 3)" of `--results`.
 import datetime
 import functools
 import os
-import shlex
 import statistics
-import sys
 import threading
 import time
 
@@ -147,7 +145,6 @@ def main(argv):
           f"{rows[-1][2]:.2f} s/round, worker peak {peak / 2**30:.2f} GiB",
           flush=True)
   baseline, baseline_cpu = rows[0][1], rows[0][2]
-  machine = report.machine_description()
   lines = [
       SECTION, "",
       "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05), "
@@ -158,13 +155,8 @@ def main(argv):
       "(this process and the worker, user + system) depend less on other "
       "load than wall time.",
       "",
-      f"- date: {started:%Y-%m-%d %H:%M %Z}",
-      f"- machine: nproc={machine['nproc']}, {machine['cpu']}, RAM "
-      f"{machine['ram']}",
-      "- command (from the repository root): `uv run python "
-      f"{shlex.join(['benchmarks/ensemble_round.py', *sys.argv[1:]])}`",
-      f"- load average at start: {', '.join(f'{x:.2f}' for x in load_at_start)}"
-      f"; at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+      *report.run_facts(started, load_at_start,
+                        "benchmarks/ensemble_round.py"),
       "",
       "| variant | median s/round | ratio to FedAvg | median CPU s/round | "
       "CPU ratio | worker peak memory | bytes down / up per client |",

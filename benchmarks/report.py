@@ -3,6 +3,8 @@
 import os
 import platform
 import re
+import shlex
+import sys
 
 from absl import flags
 
@@ -56,3 +58,24 @@ def write_section(path: str, section: str, text: str):
     content = content.rstrip("\n") + "\n\n" + text
   with open(path, "w") as f:
     f.write(content.rstrip("\n") + "\n")
+
+
+def run_facts(started, load_at_start, script: str, machine_note: str = ""):
+  """The date, machine, command and load lines every results section has.
+
+  Args:
+    started: the run's start (aware `datetime`).
+    load_at_start: `os.getloadavg()` at the start.
+    script: the benchmark's path from the repository root.
+    machine_note: appended to the machine line (e.g. ", no GPU").
+  """
+  machine = machine_description()
+  return [
+      f"- date: {started:%Y-%m-%d %H:%M %Z}",
+      f"- machine: nproc={machine['nproc']}, {machine['cpu']}, RAM "
+      f"{machine['ram']}{machine_note}",
+      "- command (from the repository root): `uv run python "
+      f"{shlex.join([script, *sys.argv[1:]])}`",
+      f"- load average at start: {', '.join(f'{x:.2f}' for x in load_at_start)}"
+      f"; at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+  ]

@@ -115,8 +115,31 @@ def test_fedensemble_run_reports_ensemble_metrics(tmp_path):
       "member_0.keras", "member_1.keras"]
 
 
+@pytest.mark.parametrize("algorithm", ["fedbe", "feddf"])
+def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path):
+  # A small unlabeled set (test-only writers' images) keeps the server fast.
+  from tasks import femnist  # pylint: disable=g-import-not-at-top
+  unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:96]
+  np.savez(tmp_path / "server.npz", x=unlabeled)
+  summary = training.run_experiment(dataclasses.replace(
+      QUICK, algorithm=algorithm, rounds=2, eval_every=1, distill_steps=25,
+      distill_batch_size=32, distill_eval_every=2, distill_patience=4,
+      fedbe_samples=2, server_data=str(tmp_path / "server.npz"),
+      output_dir=str(tmp_path / "out")))
+  assert summary["test_accuracy"] == summary["distilled_test_accuracy"]
+  assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
+  assert summary["server_device"] == "/CPU:0"
+  assert summary["server_seconds_per_round"] > 0
+  assert summary["distill_examples_per_second"] > 0
+  rows = read_metrics(tmp_path / "out")
+  assert all(float(r["distill_steps"]) >= 1 for r in rows)
+  assert all(0 <= float(r["student_validation_accuracy"]) <= 1 for r in rows)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(rounds=0), "--rounds must be a positive integer"),
+    (dict(algorithm="feddf", server_device="tpu"), "--server_device='tpu'"),
+    (dict(algorithm="fedbe", distill_steps=10), "--distill_steps=10 is shorter"),
     (dict(algorithm="fedsgd"), "unknown --algorithm=fedsgd"),
     (dict(task="mnist"), "unknown task 'mnist'"),
     (dict(model="vgg"), "unknown --model=vgg"),

@@ -17,10 +17,12 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
 from tff_ens import runtime
+from tff_ens import server_distillation
 
 ModelWeights = tff.learning.models.ModelWeights
 
-ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble")
+ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble") + (
+    server_distillation.METHODS)
 LOCAL_OBJECTIVES = ("sgd", "fedprox")
 
 
@@ -39,6 +41,9 @@ class FederatedAlgorithm:
       `runtime.materialize` reads it.
     models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate, of a
       materialized state.
+    teacher_fn: for server-distillation algorithms, `(state, datasets,
+      images) -> probabilities` of the teachers the round `next_fn(state,
+      datasets, ...)` distills from; None otherwise.
   """
 
   name: str
@@ -47,6 +52,7 @@ class FederatedAlgorithm:
   upload_type: tff.Type
   next_fn: Callable[[Any, list, np.ndarray], tuple[Any, dict]]
   models_fn: Callable[[Any], list[ModelWeights]]
+  teacher_fn: Callable[[Any, list, np.ndarray], np.ndarray] | None = None
 
   def bytes_per_client_round(self) -> tuple[int, int]:
     """(bytes down, bytes up) for one client in one round, from the types."""
@@ -79,7 +85,12 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                     server_momentum: float = 0.9,
                     ensemble_size: int = 5,
                     assignment: str = "permutation",
-                    seed: int = 0) -> FederatedAlgorithm:
+                    seed: int = 0,
+                    server_data=None,
+                    server_config: (
+                        server_distillation.ServerDistillationConfig | None
+                    ) = None,
+                    clients_per_round: int = 10) -> FederatedAlgorithm:
   """Builds algorithm `name`.
 
   Args:
@@ -97,6 +108,10 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     ensemble_size: K of `fedensemble`.
     assignment: "permutation" or "random" (`fedensemble`).
     seed: seed of `fedensemble`'s permutations.
+    server_data: the server's `server_data.ServerData` (fedbe, feddf,
+      vdistill).
+    server_config: their `ServerDistillationConfig` (its method is `name`).
+    clients_per_round: the largest cohort (fedbe, feddf, vdistill).
   """
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}: choose one of "
@@ -109,6 +124,12 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
   if name == "fedensemble":
     return _build_fed_ensemble(model_fn, element_spec, local_config,
                                ensemble_size, assignment, seed)
+  if name in server_distillation.METHODS:
+    if server_data is None or server_config is None:
+      raise ValueError(f"{name} needs server_data and server_config")
+    return _build_server_distillation(
+        name, model_fn, element_spec, local_config, server_data,
+        dataclasses.replace(server_config, method=name), clients_per_round)
   process, client_work = fedavg.build_fedavg(
       lambda: model_fn(0), element_spec, local_config,
       server_learning_rate=server_learning_rate,
@@ -143,3 +164,27 @@ def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
       download_type=built.download_type, upload_type=built.upload_type,
       next_fn=next_fn,
       models_fn=lambda state: list(state["members"]))
+
+
+def _build_server_distillation(name, model_fn, element_spec, local_config,
+                               server_data, server_config,
+                               clients_per_round) -> FederatedAlgorithm:
+  built = server_distillation.build_server_distillation(
+      lambda: model_fn(0), element_spec, local_config, server_data,
+      server_config, clients_per_round=clients_per_round)
+  process = built.process
+
+  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
+    del client_indices
+    return runtime.call_keeping_state(process.next, state, list(datasets))
+
+  def teacher_fn(state, datasets, images):
+    return built.teacher_probabilities(runtime.materialize(state),
+                                       list(datasets), images)
+
+  client_update = built.client_work.client_update.type_signature
+  return FederatedAlgorithm(
+      name=name, process=process, download_type=client_update.parameter,
+      upload_type=client_update.result, next_fn=next_fn,
+      models_fn=lambda state: [process.get_model_weights(state)],
+      teacher_fn=teacher_fn)

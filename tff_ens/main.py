@@ -28,7 +28,9 @@ flags.DEFINE_string(
     "Task data directory (FEMNIST: a LEAF directory with train/ and test/). "
     "Defaults to $TFF_ENS_DATA_DIR, then TFF's own download.")
 flags.DEFINE_string(
-    "algorithm", "fedavg", "fedavg, fedprox, fedavgm or fedensemble.")
+    "algorithm", "fedavg",
+    "fedavg, fedprox, fedavgm, fedensemble, fedbe, feddf or vdistill "
+    "(FedBE's v-Distillation baseline).")
 flags.DEFINE_string("model", "cnn", "Model: cnn (LEAF CNN), resnet8, resnet20.")
 flags.DEFINE_enum("norm", "batch", ["batch", "group"],
                   "Normalization layers of ResNets.")
@@ -57,6 +59,32 @@ flags.DEFINE_enum("local_objective", "sgd", ["sgd", "fedprox"],
 flags.DEFINE_float("personalization_temperature", 0.0,
                    "tau of personalized ensemble weights softmax(-loss/tau); "
                    "0 chooses it from training data.")
+flags.DEFINE_string(
+    "server_data", None,
+    "FedBE/FedDF unlabeled server data: a LEAF directory or a .npz with x. "
+    "Default: the task's writers with test data only (see "
+    "tff_ens/server_data.py).")
+flags.DEFINE_integer("distill_steps", 200,
+                     "Server distillation steps per round (FedDF: at most).")
+flags.DEFINE_integer("distill_batch_size", 64, "Server distillation batch.")
+flags.DEFINE_bool("swa", True, "FedBE: distill with SWA (False: plain SGD, "
+                  "the paper's 'w/o SWA').")
+flags.DEFINE_enum("fedbe_distribution", "gaussian", ["gaussian", "dirichlet"],
+                  "FedBE: distribution over global models (eq. 5 / eq. 7).")
+flags.DEFINE_integer("fedbe_samples", 10, "FedBE: M, models sampled.")
+flags.DEFINE_enum("fedbe_targets", "S+A+C",
+                  ["A", "S", "S+A", "A+C", "S+C", "S+A+C"],
+                  "FedBE: teachers (A average, C clients, S samples; Table 3).")
+flags.DEFINE_float("dirichlet_alpha", 1.0, "FedBE: Dirichlet alpha (eq. 7).")
+flags.DEFINE_bool("drop_worst", True, "FedDF: leave out client models at "
+                  "chance level on server validation.")
+flags.DEFINE_integer("distill_patience", 100,
+                     "FedDF: early-stopping patience in steps.")
+flags.DEFINE_integer("distill_eval_every", 20,
+                     "FedDF: validation every N distillation steps.")
+flags.DEFINE_string("server_device", "auto",
+                    "Server distillation device: auto (GPU if TensorFlow "
+                    "sees one), cpu, gpu or e.g. /GPU:1.")
 flags.DEFINE_integer("seed", 0, "Seed of models, client sampling and data.")
 flags.DEFINE_string("output_dir", "runs/femnist", "Where outputs go.")
 flags.DEFINE_integer("eval_every", 10, "Evaluate on test data every N rounds.")

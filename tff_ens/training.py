@@ -29,10 +29,14 @@ import tensorflow_federated as tff
 
 from tff_ens import algorithms
 from tff_ens import client_work as client_work_lib
+from tff_ens import distillation
 from tff_ens import evaluation
 from tff_ens import fed_ensemble
 from tff_ens import personalization
 from tff_ens import runtime
+from tff_ens import server_data as server_data_lib
+from tff_ens import server_distillation
+from tff_ens import weight_posterior
 import tasks
 
 CONFIG_FILE = "config.json"
@@ -40,6 +44,9 @@ METRICS_FILE = "metrics.csv"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "round_"
+
+# FedBE's SWA collects a model every this many distillation steps.
+SWA_CYCLE_STEPS = 25
 
 # Keys that may differ between an interrupted run and its `--resume`: how
 # the run executes, not what it computes.
@@ -74,6 +81,18 @@ class ExperimentConfig:
   assignment: str = "permutation"
   local_objective: str = "sgd"
   personalization_temperature: float = 0.0
+  server_data: str | None = None
+  distill_steps: int = 200
+  distill_batch_size: int = 64
+  swa: bool = True
+  fedbe_distribution: str = "gaussian"
+  fedbe_samples: int = 10
+  fedbe_targets: str = "S+A+C"
+  dirichlet_alpha: float = 1.0
+  drop_worst: bool = True
+  distill_patience: int = 100
+  distill_eval_every: int = 20
+  server_device: str = "auto"
   seed: int = 0
   output_dir: str = "runs/femnist"
   eval_every: int = 10
@@ -105,6 +124,32 @@ class ExperimentConfig:
       if value not in choices:
         raise UsageError(f"unknown --{name}={value}: choose one of "
                          f"{', '.join(choices)}")
+    for name in ("distill_steps", "distill_batch_size", "fedbe_samples",
+                 "distill_patience", "distill_eval_every"):
+      if getattr(self, name) <= 0:
+        raise UsageError(f"--{name} must be a positive integer, got "
+                         f"{getattr(self, name)}")
+    for name, value, choices in (
+        ("fedbe_distribution", self.fedbe_distribution,
+         server_distillation.DISTRIBUTIONS),
+        ("fedbe_targets", self.fedbe_targets, weight_posterior.TARGETS)):
+      if value not in choices:
+        raise UsageError(f"unknown --{name}={value}: choose one of "
+                         f"{', '.join(choices)}")
+    if self.dirichlet_alpha <= 0:
+      raise UsageError(f"--dirichlet_alpha must be > 0, got "
+                       f"{self.dirichlet_alpha}")
+    if (self.algorithm == "fedbe" and self.swa and
+        self.distill_steps < SWA_CYCLE_STEPS):
+      raise UsageError(
+          f"--distill_steps={self.distill_steps} is shorter than one SWA "
+          f"cycle ({SWA_CYCLE_STEPS} steps): use --distill_steps >= "
+          f"{SWA_CYCLE_STEPS}, or --noswa")
+    if self.algorithm in server_distillation.METHODS:
+      try:
+        self.server_distillation_config()
+      except ValueError as e:
+        raise UsageError(str(e)) from None
     if self.personalization_temperature < 0:
       raise UsageError("--personalization_temperature must be > 0, or 0 to "
                        "choose it from training data")
@@ -112,6 +157,25 @@ class ExperimentConfig:
       self.local_training_config()
     except ValueError as e:
       raise UsageError(str(e)) from None
+
+  def server_distillation_config(
+      self) -> server_distillation.ServerDistillationConfig:
+    """The server step of fedbe, feddf and vdistill from the flags."""
+    if self.algorithm == "feddf":
+      distill = distillation.feddf_config(
+          self.distill_steps, batch_size=self.distill_batch_size,
+          patience=self.distill_patience, eval_every=self.distill_eval_every)
+    else:  # FedBE (SWA or not); v-Distillation is FedBE's plain SGD.
+      distill = distillation.fedbe_config(
+          self.distill_steps, swa=self.swa and self.algorithm == "fedbe",
+          batch_size=self.distill_batch_size, cycle_steps=SWA_CYCLE_STEPS)
+    return server_distillation.ServerDistillationConfig(
+        method=self.algorithm, distill=distill,
+        distribution=self.fedbe_distribution, num_samples=self.fedbe_samples,
+        targets=self.fedbe_targets, dirichlet_alpha=self.dirichlet_alpha,
+        drop_worst=self.drop_worst and self.algorithm == "feddf",
+        device=distillation.choose_device(self.server_device),
+        seed=self.seed)
 
   def local_training_config(self) -> client_work_lib.LocalTrainingConfig:
     return client_work_lib.LocalTrainingConfig(
@@ -261,14 +325,15 @@ class _Evaluator:
           member_train, data.train.y, seed=seed)
     all_members = np.concatenate([member_test[c] for c in clients], axis=1)
     y = np.concatenate([data.test.y[c] for c in clients])
-    personalized = []
+    personalized, personalized_nll = [], []
     for c in clients:
       alpha = personalization.personalization_weights(
           personalization.member_losses(member_train[c], data.train.y[c]),
           temperature)
-      personalized.append(evaluation.accuracy(
-          personalization.weighted_probabilities(member_test[c], alpha),
-          data.test.y[c]))
+      probs = personalization.weighted_probabilities(member_test[c], alpha)
+      personalized.append(evaluation.accuracy(probs, data.test.y[c]))
+      personalized_nll.append(evaluation.negative_log_likelihood(
+          probs, data.test.y[c]))
     uncertainty = evaluation.ensemble_uncertainty(all_members)
     wrong = uncertainty["probabilities"].argmax(-1) != y
     return {
@@ -276,6 +341,7 @@ class _Evaluator:
         "member_test_accuracy": [evaluation.accuracy(p, y)
                                  for p in all_members],
         "personalized_accuracy": float(np.mean(personalized)),
+        "personalized_test_loss": float(np.mean(personalized_nll)),
         "personalization_temperature": temperature,
         "entropy_error_auroc": evaluation.auroc(uncertainty["entropy"],
                                                 wrong),
@@ -322,6 +388,14 @@ def run_experiment(config: ExperimentConfig) -> dict:
         f"--clients_per_round={config.clients_per_round} exceeds the "
         f"{len(train_ids)} training writers in the data: use at most "
         f"{len(train_ids)}")
+  server_data = server_config = None
+  if config.algorithm in server_distillation.METHODS:
+    server_data = server_data_lib.server_split(
+        data, task, seed=config.seed, unlabeled_path=config.server_data)
+    server_config = config.server_distillation_config()
+    logging.info("server data: %d unlabeled (%s), %d validation; device %s",
+                 len(server_data.unlabeled), server_data.source,
+                 len(server_data.validation_y), server_config.device)
   tf.keras.utils.set_random_seed(config.seed)
   # Member k of an ensemble starts from its own seed; k = 0 for one model.
   model_fn = lambda k=0: task.build_model(
@@ -335,7 +409,9 @@ def run_experiment(config: ExperimentConfig) -> dict:
         server_learning_rate=config.server_lr,
         server_momentum=config.server_momentum,
         ensemble_size=config.ensemble_size, assignment=config.assignment,
-        seed=config.seed)
+        seed=config.seed, server_data=server_data,
+        server_config=server_config,
+        clients_per_round=config.clients_per_round)
     state = algorithm.process.initialize()
     outputs = _Outputs(config, state)
     try:
@@ -347,6 +423,7 @@ def run_experiment(config: ExperimentConfig) -> dict:
 
 def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
   start_round = 0
+  teacher_test = None
   if config.resume:
     checkpoint = outputs.latest_checkpoint()
     if checkpoint is not None:
@@ -366,10 +443,17 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
                          epochs=config.client_epochs,
                          batch_size=config.batch_size, seed=int(s))
           for i, s in zip(cohort, seeds)]
+      if round_num == config.rounds and algorithm.teacher_fn is not None:
+        # The last round's teacher ensemble, for `ensemble_test_accuracy`.
+        teacher_test = algorithm.teacher_fn(
+            state, datasets, data.test.concatenated()[0])
       state, metrics = algorithm.next_fn(state, datasets, cohort)
       row = {"train_loss": float(metrics["client_work"]["train_loss"]),
              "train_accuracy": float(metrics["client_work"]["train_accuracy"]),
              "seconds": time.perf_counter() - start}
+      server = metrics.get("finalizer")
+      if isinstance(server, dict):  # FedAvg's finalizer measures nothing.
+        row.update({k: float(v) for k, v in server.items()})
       evaluate = round_num % config.eval_every == 0
       checkpoint = round_num % config.checkpoint_every == 0
       last = round_num == config.rounds
@@ -384,10 +468,11 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
         outputs.save_checkpoint(round_num, state)
       report(round_num, row)
   return _write_summary(config, data, algorithm, runtime.materialize(state),
-                        outputs, evaluator)
+                        outputs, evaluator, teacher_test)
 
 
-def _write_summary(config, data, algorithm, state, outputs, evaluator):
+def _write_summary(config, data, algorithm, state, outputs, evaluator,
+                   teacher_test=None):
   models = algorithm.models_fn(state)
   member_test = evaluator.member_probabilities(models, data.test)
   summary = evaluator.summary(models, data.test, member_probs=member_test)
@@ -395,10 +480,13 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator):
     summary.update(evaluator.ensemble_summary(
         models, data, member_test, config.personalization_temperature,
         config.seed))
+  rows = outputs.metrics_rows()
+  if config.algorithm in server_distillation.METHODS:
+    summary.update(_server_distillation_summary(config, data, rows, summary,
+                                                teacher_test))
   new_clients = evaluator.summary(models, data.new_clients, prefix="new")
   down, up = algorithm.bytes_per_client_round()
-  seconds = [float(r["seconds"]) for r in outputs.metrics_rows()
-             if r.get("seconds")]
+  seconds = [float(r["seconds"]) for r in rows if r.get("seconds")]
   summary.update(
       task=config.task, algorithm=config.algorithm, rounds=config.rounds,
       seed=config.seed,
@@ -409,6 +497,31 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator):
   _save_models(outputs.dir, evaluator.model, models)
   _write_json_atomically(os.path.join(outputs.dir, SUMMARY_FILE), summary)
   return summary
+
+
+def _server_distillation_summary(config, data, rows, summary,
+                                 teacher_test) -> dict:
+  """FedBE/FedDF keys: teacher and student accuracy, server time, device."""
+  server_seconds = [float(r["server_seconds"]) for r in rows
+                    if r.get("server_seconds")]
+  examples = sum(float(r["distill_examples"]) for r in rows
+                 if r.get("distill_examples"))
+  extra = {
+      "distilled_test_accuracy": summary["test_accuracy"],
+      "ensemble_test_accuracy": None,
+      "server_seconds_per_round": (statistics.median(server_seconds)
+                                   if server_seconds else None),
+      "distill_examples_per_second": (examples / sum(server_seconds)
+                                      if server_seconds else None),
+      "server_device": config.server_distillation_config().device,
+  }
+  if teacher_test is not None:
+    counts = [data.test.num_examples(c) for c in data.test.client_ids]
+    extra["ensemble_test_accuracy"] = evaluation.classification_summary(
+        dict(zip(data.test.client_ids,
+                 evaluation.split_by_client(teacher_test, counts))),
+        data.test.y)["test_accuracy"]
+  return extra
 
 
 def _save_models(output_dir: str, model: tf.keras.Model, models: list):

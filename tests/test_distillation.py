@@ -1,0 +1,380 @@
+"""Tests of `tff_ens.distillation`: FedBE's and FedDF's server distillation.
+
+Hand/NumPy checks on the tiny linear models of `tiny.py` (4 features, 3
+classes): the targets and losses (AVGLOGITS KL, cross-entropy, sharpening),
+teacher predictions over a stack of weights, one training step, SWA (the
+average of the models collected at the cycle ends, batch-norm statistics
+recomputed), early stopping, drop-worst, the device choice, and `distill`
+inside a TFF computation run by the shared TFF context (conftest.py).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import client_work
+from tff_ens import distillation
+from tiny import tiny_model
+
+ModelWeights = tff.learning.models.ModelWeights
+Config = distillation.DistillationConfig
+
+X = np.array([[1.0, 0.0, -1.0, 2.0], [0.5, -0.5, 1.0, 0.0],
+              [-1.0, 2.0, 0.0, 1.0], [2.0, 1.0, 0.0, -1.0],
+              [0.0, 0.0, 1.0, 3.0], [1.0, 1.0, 1.0, 1.0]], np.float32)
+TARGETS = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.4, 0.3],
+                    [0.0, 1.0, 0.0], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]],
+                   np.float32)
+
+
+def images(rows):
+  return tf.constant(np.asarray(rows, np.float32).reshape(-1, 2, 2, 1))
+
+
+def softmax(z):
+  z = np.asarray(z, np.float64)
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def weights_of(model):
+  return tf.nest.map_structure(tf.identity, ModelWeights.from_model(model))
+
+
+def numpy_logits(weights, rows):
+  kernel, bias = (np.asarray(t, np.float64) for t in weights.trainable)
+  return np.asarray(rows, np.float64).reshape(len(rows), -1) @ kernel + bias
+
+
+def stack(*weights):
+  return tf.nest.map_structure(lambda *t: tf.stack(t), *weights)
+
+
+# Targets and losses ---------------------------------------------------------
+
+TEACHER_LOGITS = np.array([[[1.0, 2.0, 0.0], [0.0, 0.0, 3.0]],
+                           [[3.0, 0.0, 0.0], [1.0, -1.0, 1.0]]], np.float32)
+STUDENT_LOGITS = np.array([[0.5, 0.5, 0.0], [2.0, 0.0, 1.0]], np.float32)
+
+
+def test_avg_logits_kl_by_hand():
+  # Teacher: softmax of the mean logits [[2, 1, 0], [0.5, -0.5, 2]].
+  p = softmax([[2.0, 1.0, 0.0], [0.5, -0.5, 2.0]])
+  q = softmax(STUDENT_LOGITS)
+  want = np.mean(np.sum(p * np.log(p / q), axis=1))
+  got = distillation.avg_logits_kl(TEACHER_LOGITS, STUDENT_LOGITS)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  np.testing.assert_allclose(
+      distillation.avg_logits_targets(TEACHER_LOGITS.mean(0)), p, rtol=1e-6)
+
+
+def test_cross_entropy_differs_from_kl_by_the_target_entropy():
+  p = distillation.mean_probability_targets(TEACHER_LOGITS).numpy()
+  np.testing.assert_allclose(p, softmax(TEACHER_LOGITS).mean(0), rtol=1e-6)
+  q = softmax(STUDENT_LOGITS)
+  cross_entropy = np.mean(-np.sum(p * np.log(q), axis=1))
+  entropy = np.mean(-np.sum(p * np.log(p), axis=1))
+  np.testing.assert_allclose(
+      distillation.distillation_loss("cross_entropy", p, STUDENT_LOGITS),
+      cross_entropy, rtol=1e-5)
+  np.testing.assert_allclose(
+      distillation.distillation_loss("kl", p, STUDENT_LOGITS),
+      cross_entropy - entropy, rtol=1e-4)
+  with pytest.raises(ValueError, match="unknown loss 'l2'"):
+    distillation.distillation_loss("l2", p, STUDENT_LOGITS)
+
+
+def test_sharpen_squares_and_renormalizes():
+  p = np.array([[0.5, 0.3, 0.2], [0.25, 0.25, 0.5]], np.float32)
+  np.testing.assert_allclose(
+      distillation.sharpen(p),
+      [[0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38], [1 / 6, 1 / 6, 4 / 6]],
+      rtol=1e-6)
+
+
+# Teachers -------------------------------------------------------------------
+
+
+def test_ensemble_predictions_and_member_accuracies_match_numpy():
+  model = tiny_model(seed=0)
+  members = [weights_of(tiny_model(seed=s)) for s in (1, 5, 9)]
+  logits = np.stack([numpy_logits(w, X) for w in members])
+  out = distillation.ensemble_predictions(model, stack(*members), images(X),
+                                          batch_size=4)
+  np.testing.assert_allclose(out["mean_logits"], logits.mean(0), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(out["mean_probabilities"],
+                             softmax(logits).mean(0), rtol=1e-5, atol=1e-6)
+  # Weighted: member 1 is skipped, member 2 counts twice.
+  out = distillation.ensemble_predictions(
+      model, stack(*members), images(X), member_weights=[1.0, 0.0, 2.0],
+      batch_size=4)
+  np.testing.assert_allclose(out["mean_logits"],
+                             (logits[0] + 2 * logits[2]) / 3, rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(
+      out["mean_probabilities"],
+      (softmax(logits[0]) + 2 * softmax(logits[2])) / 3, rtol=1e-5,
+      atol=1e-6)
+  y = np.array([0, 1, 2, 0, 1, 2], np.int32)
+  np.testing.assert_allclose(
+      distillation.member_accuracies(model, stack(*members), images(X), y,
+                                     batch_size=4),
+      np.mean(logits.argmax(-1) == y, axis=1), rtol=1e-6)
+
+
+def test_chance_accuracy_and_drop_worst():
+  y = np.array([3, 3, 3, 1, 2, 0, 4, 5, 6, 7], np.int32)
+  # Majority class 3: 30% > 1/10.
+  np.testing.assert_allclose(distillation.chance_accuracy(y, 10), 0.3)
+  np.testing.assert_allclose(
+      distillation.chance_accuracy(np.arange(5), 62), 0.2)
+  np.testing.assert_allclose(
+      distillation.chance_accuracy(np.arange(62), 62), 1 / 62, rtol=1e-6)
+  mask = distillation.drop_worst_mask(tf.constant([0.9, 0.05, 0.3, 0.31]),
+                                      0.3)
+  np.testing.assert_array_equal(mask, [True, False, False, True])
+  # None above chance: all kept.
+  np.testing.assert_array_equal(
+      distillation.drop_worst_mask(tf.constant([0.1, 0.3]), 0.3),
+      [True, True])
+
+
+# Schedules and SWA ------------------------------------------------------------
+
+
+def test_cyclical_and_cosine_learning_rates():
+  config = Config(num_steps=8, learning_rate=1.0, min_learning_rate=0.2,
+                  cycle_steps=4, lr_schedule="cyclical")
+  # t = (step mod 4 + 1) / 4; lr = (1 - t) * 1.0 + t * 0.2.
+  np.testing.assert_allclose(
+      [distillation.learning_rate_at(s, config) for s in range(6)],
+      [0.8, 0.6, 0.4, 0.2, 0.8, 0.6], rtol=1e-6)
+  np.testing.assert_array_equal(
+      [bool(distillation.is_swa_collection_step(s, Config(
+          num_steps=12, cycle_steps=4, swa_warmup_steps=4)))
+       for s in range(12)],
+      [s in (7, 11) for s in range(12)])
+  cosine = Config(num_steps=10, learning_rate=1.0, lr_schedule="cosine",
+                  swa=False)
+  np.testing.assert_allclose(
+      [distillation.learning_rate_at(s, cosine) for s in (0, 5, 10)],
+      [1.0, 0.5, 0.0], atol=1e-6)
+
+
+def test_swa_average_is_the_mean_of_the_collected_models():
+  models = [(tf.constant([1.0, 2.0]), tf.constant(3.0)),
+            (tf.constant([2.0, 0.0]), tf.constant(-1.0)),
+            (tf.constant([6.0, 1.0]), tf.constant(4.0))]
+  average = models[0]
+  for n, model in enumerate(models[1:], start=1):
+    average = distillation.swa_average(average, model, n)
+  np.testing.assert_allclose(average[0], [3.0, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(average[1], 2.0, rtol=1e-6)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="collects none"):
+    Config(num_steps=7, cycle_steps=4, swa_warmup_steps=4)
+  with pytest.raises(ValueError, match="exclude each other"):
+    Config(num_steps=8, cycle_steps=4, eval_every=2, patience=2)
+  with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+    Config(num_steps=8, optimizer="rmsprop", swa=False)
+  with pytest.raises(ValueError, match="needs patience"):
+    Config(num_steps=8, swa=False, eval_every=2)
+
+
+# distill --------------------------------------------------------------------
+
+
+def test_one_full_batch_sgd_step_by_hand():
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  config = Config(num_steps=1, batch_size=6, learning_rate=0.5,
+                  lr_schedule="constant", momentum=0.0, swa=False)
+  weights, stats = distillation.distill(
+      model, initial, images(X), TARGETS, config, seed=0)
+  kernel, bias = (np.asarray(t, np.float64) for t in initial.trainable)
+  d = (softmax(numpy_logits(initial, X)) - TARGETS) / len(X)
+  np.testing.assert_allclose(weights.trainable[0],
+                             kernel - 0.5 * X.T @ d, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(weights.trainable[1],
+                             bias - 0.5 * d.sum(0), rtol=1e-5, atol=1e-6)
+  assert int(stats["steps"]) == 1 and int(stats["examples"]) == 6
+  assert int(stats["swa_models"]) == 0
+
+
+def swa_config(**overrides):
+  values = dict(num_steps=12, batch_size=2, learning_rate=0.5,
+                min_learning_rate=0.1, cycle_steps=4, swa_warmup_steps=4,
+                momentum=0.5, swa=True)
+  values.update(overrides)
+  return Config(**values)
+
+
+def test_swa_returns_the_mean_of_cycle_end_models_with_recomputed_bn():
+  model = tiny_model(seed=0, batch_norm=True)
+  initial = weights_of(model)
+  x = images(X)
+  swa, stats = distillation.distill(model, initial, x, TARGETS,
+                                    swa_config(), seed=3)
+  # The same SGD trajectory without SWA, stopped at the cycle ends past the
+  # warm-up (steps 8 and 12; step 4 is the warm-up's end).
+  collected = [
+      distillation.distill(model, initial, x, TARGETS,
+                           swa_config(num_steps=n, swa=False), seed=3)[0]
+      for n in (8, 12)]
+  for got, *ends in zip(swa.trainable, *(c.trainable for c in collected)):
+    np.testing.assert_allclose(got, np.mean(ends, axis=0), rtol=1e-5,
+                               atol=1e-6)
+  assert int(stats["swa_models"]) == 2 and int(stats["steps"]) == 12
+  assert int(stats["examples"]) == 24
+  # Batch norm follows Flatten, so its statistics are those of the images:
+  # the mean over batches of 2 of the batch mean and (biased) variance.
+  batches = X.reshape(3, 2, 4)
+  moving_mean, moving_variance = swa.non_trainable[:2]
+  np.testing.assert_allclose(moving_mean, batches.mean(1).mean(0), rtol=1e-5)
+  np.testing.assert_allclose(moving_variance, batches.var(1).mean(0),
+                             rtol=1e-5)
+
+
+def test_recompute_batch_norm_of_a_fused_layer_uses_keras_statistics():
+  # A BN layer on images is fused; Keras then keeps the unbiased variance.
+  model = tf.keras.Sequential([
+      tf.keras.layers.Input((2, 2, 1)), tf.keras.layers.BatchNormalization(),
+      tf.keras.layers.Flatten(), tf.keras.layers.Dense(3)])
+  x = np.random.RandomState(0).randn(10, 2, 2, 1).astype(np.float32)
+  tf.function(distillation.recompute_batch_norm)(model, tf.constant(x), 4)
+  batches = [x[:4].ravel(), x[4:8].ravel(), x[8:].ravel()]
+  layer = model.layers[0]
+  np.testing.assert_allclose(layer.moving_mean,
+                             [np.mean([b.mean() for b in batches])], rtol=1e-5)
+  np.testing.assert_allclose(layer.moving_variance,
+                             [np.mean([b.var(ddof=1) for b in batches])],
+                             rtol=1e-5)
+  assert layer.momentum == 0.99  # Restored.
+
+
+def test_early_stopping_stops_and_returns_the_best_student():
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  # Validation labels are the initial student's predictions: accuracy 1 at
+  # the start, which no later student can strictly improve.
+  y_val = numpy_logits(initial, X).argmax(-1).astype(np.int32)
+  config = Config(num_steps=100, batch_size=2, optimizer="adam",
+                  learning_rate=0.1, lr_schedule="cosine", loss="kl",
+                  swa=False, eval_every=2, patience=4)
+  weights, stats = distillation.distill(
+      model, initial, images(X), TARGETS, config, seed=1,
+      validation=(images(X), y_val))
+  assert int(stats["steps"]) == 4
+  np.testing.assert_allclose(stats["validation_accuracy"], 1.0)
+  for got, want in zip(weights.trainable, initial.trainable):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="needs validation data"):
+    distillation.distill(model, initial, images(X), TARGETS, config, seed=1)
+
+
+def test_shuffles_are_seeded():
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  config = Config(num_steps=5, batch_size=2, learning_rate=0.5,
+                  lr_schedule="constant", swa=False)
+  a, b, c = (distillation.distill(model, initial, images(X), TARGETS, config,
+                                  seed=s)[0].trainable[0]
+             for s in (4, 4, 5))
+  np.testing.assert_array_equal(a, b)
+  assert not np.allclose(a, c)
+
+
+ES_CONFIG = Config(num_steps=40, batch_size=2, optimizer="adam",
+                   learning_rate=0.05, lr_schedule="cosine", loss="kl",
+                   swa=False, eval_every=3, patience=9)
+Y_VAL = np.array([0, 2, 1, 1, 0, 2], np.int32)
+
+
+@pytest.mark.parametrize("mode", ["swa", "early_stopping"])
+def test_distill_in_a_tff_computation_matches_eager(mode):
+  # Also checks the reshuffling of later epochs (12 steps of 2 over 6 images)
+  # and SWA's collection steps, whose conditions must not use `==` on
+  # tensors: in the graphs TFF traces, == compares object identity.
+  config = swa_config() if mode == "swa" else ES_CONFIG
+  model_fn = lambda: tiny_model(batch_norm=mode == "swa")
+  weights_type = client_work.weights_type_of(model_fn)
+
+  @tff.tensorflow.computation(
+      weights_type, tff.TensorType(np.float32, [6, 2, 2, 1]),
+      tff.TensorType(np.float32, [6, 3]), tff.TensorType(np.int32, [6]))
+  def server_distill(weights, x, targets, y_val):
+    validation = (x, y_val) if config.eval_every else None
+    return distillation.distill(model_fn(), weights, x, targets, config,
+                                seed=3, validation=validation,
+                                device="/CPU:0")
+
+  initial = weights_of(model_fn())
+  got, got_stats = server_distill(initial, X.reshape(6, 2, 2, 1), TARGETS,
+                                  Y_VAL)
+  validation = (images(X), Y_VAL) if config.eval_every else None
+  want, want_stats = distillation.distill(
+      model_fn(), initial, images(X), TARGETS, config, seed=3,
+      validation=validation)
+  for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  for key, value in want_stats.items():
+    np.testing.assert_allclose(got_stats[key], value, rtol=1e-6)
+  if mode == "swa":
+    assert got_stats["swa_models"] == 2
+  else:
+    assert 9 <= got_stats["steps"] < 40  # Stopped early.
+
+
+def test_teachers_and_drop_worst_in_a_tff_computation():
+  members = stack(*(weights_of(tiny_model(seed=s)) for s in (1, 5, 9)))
+  model_fn = lambda: tiny_model(seed=0)
+  stacked_type = tff.types.tensorflow_to_type(
+      tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                            members))
+
+  @tff.tensorflow.computation(stacked_type,
+                              tff.TensorType(np.float32, [6, 2, 2, 1]),
+                              tff.TensorType(np.int32, [6]))
+  def teachers(stacked, x, y):
+    predictions = distillation.ensemble_predictions(model_fn(), stacked, x)
+    accuracies = distillation.member_accuracies(model_fn(), stacked, x, y)
+    keep = distillation.drop_worst_mask(
+        accuracies, distillation.chance_accuracy(y, 3))
+    kept = distillation.ensemble_predictions(
+        model_fn(), stacked, x, member_weights=tf.cast(keep, tf.float32))
+    return predictions, accuracies, keep, kept
+
+  predictions, accuracies, keep, kept = teachers(
+      members, X.reshape(6, 2, 2, 1), Y_VAL)
+  logits = np.stack([numpy_logits(_member(members, m), X) for m in range(3)])
+  np.testing.assert_allclose(predictions["mean_logits"], logits.mean(0),
+                             rtol=1e-5, atol=1e-6)
+  want = np.mean(logits.argmax(-1) == Y_VAL, axis=1)
+  np.testing.assert_allclose(accuracies, want, rtol=1e-6)
+  chance = 1 / 3  # Y_VAL is balanced.
+  np.testing.assert_array_equal(keep, want > chance)
+  assert 0 < np.sum(keep) < 3  # The example drops some, not all.
+  np.testing.assert_allclose(kept["mean_logits"], logits[keep].mean(0),
+                             rtol=1e-5, atol=1e-6)
+
+
+def _member(stacked, m):
+  return tf.nest.map_structure(lambda t: t[m], stacked)
+
+
+# Device -----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")),
+                    reason="checks the CPU-only path")
+def test_choose_device_without_gpu():
+  for requested in (None, "", "auto", "cpu", "/CPU:0", "/device:cpu:0"):
+    assert distillation.choose_device(requested) == "/CPU:0"
+  with pytest.raises(ValueError, match=r"--server_device='gpu'.*sees 0 GPU"):
+    distillation.choose_device("gpu")
+  with pytest.raises(ValueError, match="--server_device='tpu'"):
+    distillation.choose_device("tpu")

@@ -1,0 +1,199 @@
+"""FedBE / FedDF / v-Distillation as TFF processes (tff_ens/server_distillation.py)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import algorithms
+from tff_ens import client_work
+from tff_ens import distillation
+from tff_ens import server_data as server_data_lib
+from tff_ens import server_distillation as sd
+from tiny import SPEC
+from tiny import one_batch
+from tiny import tiny_model
+
+ModelWeights = tff.learning.models.ModelWeights
+
+RNG = np.random.default_rng(0)
+# The server's data: 24 unlabeled 2x2 images and 6 labeled validation ones.
+SERVER = server_data_lib.ServerData(
+    unlabeled=RNG.random((24, 2, 2, 1), dtype=np.float32),
+    validation_x=RNG.random((6, 2, 2, 1), dtype=np.float32),
+    validation_y=np.array([0, 1, 2, 0, 1, 2], np.int32), source="test")
+CLIENT_DATA = [([[1, 0, 0, 0], [0, 1, 0, 0]], [0, 1]),
+               ([[0, 0, 1, 0], [0, 0, 0, 1], [1, 1, 0, 0]], [2, 0, 1]),
+               ([[0, 1, 1, 0]], [2])]
+
+
+def _weights(value):
+  return ModelWeights([tf.constant(value, tf.float32)], [])
+
+
+# ------------------------------------------------------------ collect aggregator
+
+
+def test_collect_fills_slots_in_arrival_order():
+  capacity = 4
+  accumulator = (tuple(_weights([0.0, 0.0]) for _ in range(capacity)),
+                 tf.zeros([capacity]), tf.constant(0))
+  for update, weight in (([1.0, 2.0], 3.0), ([5.0, 6.0], 0.0), ([7.0, 8.0], 2.0)):
+    accumulator = sd.collect_update(accumulator, _weights(update), weight)
+  slots, weights, count = accumulator
+  assert int(count) == 3
+  np.testing.assert_array_equal([s.trainable[0] for s in slots],
+                                [[1, 2], [5, 6], [7, 8], [0, 0]])
+  np.testing.assert_array_equal(weights, [3, 0, 2, 0])
+  accumulator = sd.collect_update(accumulator, _weights([9.0, 9.0]), 1.0)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="collect slots"):
+    sd.collect_update(accumulator, _weights([9.0, 9.0]), 1.0)
+
+
+def test_merge_appends_the_second_partial_after_the_first():
+  def partial(rows, count):
+    return (tuple(_weights([float(r)]) for r in rows),
+            tf.constant([float(r) for r in rows]) * tf.cast(
+                tf.range(len(rows)) < count, tf.float32), tf.constant(count))
+
+  slots, weights, count = sd.merge_collected(partial([1, 2, 0, 0], 2),
+                                             partial([3, 0, 0, 0], 1))
+  assert int(count) == 3
+  np.testing.assert_array_equal([s.trainable[0][0] for s in slots], [1, 2, 3, 0])
+  np.testing.assert_array_equal(weights, [1, 2, 3, 0])
+
+
+def test_collect_aggregator_returns_every_client_update():
+  update_type = tff.types.tensorflow_to_type(
+      ModelWeights([tf.TensorSpec([2], tf.float32)], []))
+  process = sd.build_collect_aggregator(update_type, capacity=4)
+  updates = [_weights(v) for v in ([1.0, 2.0], [3.0, 4.0], [5.0, 6.0])]
+  output = process.next(process.initialize(), updates, [1.0, 2.0, 3.0])
+  stacked, weights = output.result
+  np.testing.assert_array_equal(stacked.trainable[0],
+                                [[1, 2], [3, 4], [5, 6], [0, 0]])
+  np.testing.assert_array_equal(weights, [1, 2, 3, 0])
+  assert output.measurements["clients_collected"] == 3
+
+
+# ---------------------------------------------------------------- teachers
+
+
+def _collected(updates, weights):
+  return (tf.nest.map_structure(lambda *t: tf.stack(t), *updates),
+          tf.constant(weights, tf.float32))
+
+
+def _validation():
+  return tf.constant(SERVER.validation_x), tf.constant(SERVER.validation_y)
+
+
+def test_fedbe_teachers_are_average_clients_and_gaussian_samples():
+  model = tiny_model()
+  global_weights = ModelWeights.from_model(model)
+  global_weights = tf.nest.map_structure(tf.convert_to_tensor, global_weights)
+  updates = [tf.nest.map_structure(lambda t, s=s: tf.fill(t.shape, s), global_weights)
+             for s in (0.1, -0.3, 7.0)]
+  # The third client was rejected (weight 0): no teacher, not in the average.
+  config = sd.ServerDistillationConfig(
+      method="fedbe", distill=distillation.fedbe_config(25), num_samples=4)
+  stack, weights, average, dropped = sd.teachers(
+      model, global_weights, _collected(updates, [1.0, 3.0, 0.0]),
+      tf.constant([1, 2], tf.int64), config, _validation())
+  assert int(dropped) == 0
+  assert stack.trainable[0].shape[0] == 1 + 3 + 4  # A, C (all slots), S.
+  np.testing.assert_array_equal(weights, [1, 1, 1, 0, 1, 1, 1, 1])
+  # A = w - (1 * 0.1 + 3 * -0.3) / 4 = w + 0.2.
+  np.testing.assert_allclose(average.trainable[0], global_weights.trainable[0] + 0.2,
+                             rtol=1e-6)
+  np.testing.assert_allclose(stack.trainable[0][0], average.trainable[0])
+  np.testing.assert_allclose(stack.trainable[0][2], global_weights.trainable[0] + 0.3)
+  # Samples: the mean model plus noise of std sqrt(var) = sqrt(0.12) per entry.
+  samples = stack.trainable[0][4:].numpy()
+  deviation = samples - average.trainable[0].numpy()[None]
+  assert 0.1 < np.std(deviation) < 0.6
+
+
+def test_feddf_drops_clients_at_chance_and_averages_the_others():
+  model = tiny_model()
+  # Pixel c (c < 3) votes for class c: right on every validation image below.
+  good = ModelWeights([tf.constant(10 * np.eye(4, 3), tf.float32), tf.zeros([3])], [])
+  # Zero kernel, bias for class 0: one class whatever the input, chance level.
+  collapsed = ModelWeights([tf.zeros([4, 3]), tf.constant([5.0, 0.0, 0.0])], [])
+  images = np.eye(4, dtype=np.float32)[[0, 1, 2, 0, 1, 2]].reshape(6, 2, 2, 1)
+  validation = (tf.constant(images), tf.constant([0, 1, 2, 0, 1, 2], tf.int32))
+  updates = [tf.nest.map_structure(tf.zeros_like, good),
+             tf.nest.map_structure(tf.subtract, good, collapsed)]
+  config = sd.ServerDistillationConfig(
+      method="feddf", distill=distillation.feddf_config(20, patience=10, eval_every=5),
+      drop_worst=True)
+  stack, weights, average, dropped = sd.teachers(
+      model, good, _collected(updates, [2.0, 5.0]), tf.constant([1, 2], tf.int64),
+      config, validation)
+  assert int(dropped) == 1
+  np.testing.assert_array_equal(weights, [1, 0])
+  # The average is over the kept client only.
+  for got, want in zip(tf.nest.flatten(average), tf.nest.flatten(good)):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(stack.trainable[1][1], collapsed.trainable[1])
+
+
+# ------------------------------------------------------------------ process
+
+
+@pytest.mark.parametrize("method", sd.METHODS)
+def test_one_round_distills_from_the_cohort(method):
+  local = client_work.LocalTrainingConfig(learning_rate=0.5)
+  if method == "feddf":
+    distill = distillation.feddf_config(30, batch_size=8, patience=10, eval_every=5)
+  else:
+    distill = distillation.fedbe_config(25, batch_size=8, swa=method == "fedbe")
+  config = sd.ServerDistillationConfig(method=method, distill=distill, num_samples=2,
+                                       drop_worst=method == "feddf", seed=3)
+  algorithm = algorithms.build_algorithm(
+      method, lambda k=0: tiny_model(), SPEC, local, server_data=SERVER,
+      server_config=config, clients_per_round=3)
+  process = algorithm.process
+  state = process.initialize()
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
+  teacher = algorithm.teacher_fn(state, datasets, SERVER.validation_x)
+  output = process.next(state, datasets)
+  finalizer = output.metrics["finalizer"]
+  assert output.metrics["aggregator"]["clients_collected"] == 3
+  assert finalizer["distill_steps"] >= 1
+  assert finalizer["distill_examples"] == 8 * finalizer["distill_steps"]
+  assert 0.0 <= finalizer["student_validation_accuracy"] <= 1.0
+  assert finalizer["server_seconds"] > 0.0
+  before = process.get_model_weights(state)
+  after = process.get_model_weights(output.state)
+  assert any(not np.allclose(a, b) for a, b in
+             zip(tf.nest.flatten(after), tf.nest.flatten(before)))
+  # The teachers' probabilities of that round: one distribution per image.
+  assert teacher.shape == (6, 3)
+  np.testing.assert_allclose(teacher.sum(-1), 1.0, rtol=1e-5)
+  # Same state and data, same round: the process is deterministic.
+  again = process.next(state, datasets)
+  for a, b in zip(tf.nest.flatten(process.get_model_weights(again.state)),
+                  tf.nest.flatten(after)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_upload_is_one_model_as_fedavg():
+  local = client_work.LocalTrainingConfig(learning_rate=0.5)
+  config = sd.ServerDistillationConfig(method="fedbe",
+                                       distill=distillation.fedbe_config(25))
+  fedbe = algorithms.build_algorithm("fedbe", lambda k=0: tiny_model(), SPEC, local,
+                                     server_data=SERVER, server_config=config,
+                                     clients_per_round=3)
+  fedavg = algorithms.build_algorithm("fedavg", lambda k=0: tiny_model(), SPEC, local)
+  assert fedbe.bytes_per_client_round() == fedavg.bytes_per_client_round()
+
+
+def test_config_rejects_unknown_values():
+  with pytest.raises(ValueError, match="method"):
+    sd.ServerDistillationConfig(method="fedx", distill=distillation.fedbe_config(25))
+  with pytest.raises(ValueError, match="targets"):
+    sd.ServerDistillationConfig(method="fedbe", distill=distillation.fedbe_config(25),
+                                targets="C+S")
+  with pytest.raises(ValueError, match="eval_every"):
+    sd.ServerDistillationConfig(method="feddf", distill=distillation.fedbe_config(25))

@@ -1,0 +1,663 @@
+"""Server-side ensemble distillation shared by FedBE and FedDF.
+
+Chen and Chao, "FedBE: Making Bayesian Model Ensemble Applicable to Federated
+Learning", ICLR 2021 (arXiv:2009.01974): the ensemble's mean probabilities
+pseudo-label unlabeled server data, and the student is trained on them with
+SWA (Izmailov, Podoprikhin, Garipov, Vetrov and Wilson, "Averaging Weights
+Leads to Wider Optima and Better Generalization", UAI 2018).
+
+Lin, Kong, Stich and Jaggi, "Ensemble Distillation for Robust Model Fusion in
+Federated Learning", NeurIPS 2020 (arXiv:2006.07242), Algorithm 1: the student
+matches softmax(mean of the teachers' logits) (AVGLOGITS) with Adam and early
+stopping on server validation data; models at chance level are dropped.
+
+The pieces are plain TensorFlow, built for use inside a SERVER
+`tff.tensorflow.computation` where the Keras model is built by `model_fn()` in
+the computation and its variables are assigned from tensors (as
+`client_work.train_locally` does):
+
+* `ensemble_predictions` and `member_accuracies` run a stack of teacher
+  weights through one Keras model, once over all unlabeled images (no
+  augmentation when labeling);
+* the targets (`avg_logits_targets`, `mean_probability_targets`, `sharpen`)
+  and losses (`distillation_loss`, `avg_logits_kl`);
+* `distill`, the training loop: everything inside one graph (a
+  `tf.while_loop` over steps, stateless shuffles, functional TFF optimizers),
+  so it runs as well in a TFF worker as in eager code;
+* `drop_worst_mask` (FedDF) and `choose_device`.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import logging
+from typing import Optional
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+ModelWeights = tff.learning.models.ModelWeights
+
+OPTIMIZERS = ("sgd", "adam")
+LOSSES = ("kl", "cross_entropy")
+LR_SCHEDULES = ("constant", "cyclical", "cosine")
+# Batch size of inference (teachers, validation): no gradients, so larger.
+EVAL_BATCH_SIZE = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillationConfig:
+  """Hyperparameters of the server's distillation (`distill`).
+
+  Use `fedbe_config` and `feddf_config` for the papers' settings.
+
+  Attributes:
+    num_steps: maximum number of mini-batch steps.
+    batch_size: unlabeled examples per step (the whole set if it is smaller).
+    optimizer: "sgd" (heavy-ball momentum) or "adam".
+    learning_rate: the step size; the cycle's maximum with "cyclical", the
+      initial one with "cosine".
+    min_learning_rate: the step size at the end of each cycle ("cyclical").
+    lr_schedule: "constant", "cyclical" (SWA's, `learning_rate_at`) or
+      "cosine" (annealed to 0 over `num_steps`).
+    cycle_steps: length c of a cycle of the "cyclical" schedule and of SWA.
+    momentum: SGD momentum (0 is plain SGD); unused by Adam.
+    loss: "cross_entropy" to the targets (FedBE) or "kl" (FedDF, KL from the
+      targets to the student); both have the same gradient.
+    swa: average the models at the end of the cycles after the warm-up, then
+      recompute the batch-norm statistics (FedBE); False is "w/o SWA".
+    swa_warmup_steps: steps before the first model is collected.
+    eval_every: with > 0, early stopping (FedDF): the student's accuracy on
+      the server validation data is measured every `eval_every` steps (and
+      at the start); training stops after `patience` steps without a strict
+      improvement and the best student is returned.
+    patience: see `eval_every`.
+  """
+
+  num_steps: int
+  batch_size: int = 64
+  optimizer: str = "sgd"
+  learning_rate: float = 1e-3
+  min_learning_rate: float = 4e-4
+  lr_schedule: str = "cyclical"
+  cycle_steps: int = 25
+  momentum: float = 0.9
+  loss: str = "cross_entropy"
+  swa: bool = True
+  swa_warmup_steps: int = 0
+  eval_every: int = 0
+  patience: int = 0
+
+  def __post_init__(self):
+    for name, allowed in (("optimizer", OPTIMIZERS), ("loss", LOSSES),
+                          ("lr_schedule", LR_SCHEDULES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose "
+                         f"one of {', '.join(allowed)}")
+    for name in ("num_steps", "batch_size", "learning_rate", "cycle_steps"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    for name in ("min_learning_rate", "momentum", "swa_warmup_steps",
+                 "eval_every", "patience"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    if self.swa and self.eval_every:
+      raise ValueError("swa and early stopping (eval_every > 0) exclude each "
+                       "other: the result would be the SWA average or the "
+                       "best student")
+    if self.eval_every and self.patience <= 0:
+      raise ValueError("early stopping (eval_every > 0) needs patience > 0")
+    last_cycle_end = self.num_steps // self.cycle_steps * self.cycle_steps
+    if self.swa and last_cycle_end <= self.swa_warmup_steps:
+      raise ValueError(
+          f"swa collects a model at the end of each {self.cycle_steps}-step "
+          f"cycle after {self.swa_warmup_steps} warm-up steps: num_steps="
+          f"{self.num_steps} collects none; raise num_steps")
+
+
+def fedbe_config(num_steps: int, *, swa: bool = True, batch_size: int = 64,
+                 swa_warmup_steps: int = 0,
+                 cycle_steps: int = 25) -> DistillationConfig:
+  """FedBE's distillation (Chen and Chao, Sec. 4, "distillation with SWA").
+
+  SGD with momentum 0.9 (the authors' code, `models/Update.py`), cross-entropy
+  to the pseudo-labels, SWA with a cyclical step size from 1e-3 down to 4e-4
+  per cycle. With `swa=False` (the paper's "w/o SWA" ablation): SGD at a
+  constant 1e-3, as the authors' code without SWA.
+  """
+  return DistillationConfig(
+      num_steps=num_steps, batch_size=batch_size, optimizer="sgd",
+      learning_rate=1e-3, min_learning_rate=4e-4,
+      lr_schedule="cyclical" if swa else "constant", cycle_steps=cycle_steps,
+      momentum=0.9, loss="cross_entropy", swa=swa,
+      swa_warmup_steps=swa_warmup_steps)
+
+
+def feddf_config(num_steps: int = 10_000, *, batch_size: int = 64,
+                 patience: int = 1_000,
+                 eval_every: int = 100) -> DistillationConfig:
+  """FedDF's distillation (Lin et al., Sec. 4, experimental setup).
+
+  Adam with step size 1e-3 annealed by a cosine schedule, AVGLOGITS KL, early
+  stopping on server validation accuracy (at most 1e4 steps, patience 1e3).
+  The batch size and evaluation interval are this library's defaults.
+  """
+  return DistillationConfig(
+      num_steps=num_steps, batch_size=batch_size, optimizer="adam",
+      learning_rate=1e-3, lr_schedule="cosine", momentum=0.0, loss="kl",
+      swa=False, eval_every=eval_every, patience=patience)
+
+
+# Targets and losses ----------------------------------------------------------
+
+
+def avg_logits_targets(mean_logits):
+  """FedDF's AVGLOGITS teacher: softmax of the teachers' mean logits.
+
+  Lin et al., Algorithm 1 (server distillation step):
+  sigma(1/|S_t| sum_k f(x; x_k)) over the round's client models x_k.
+  """
+  return tf.nn.softmax(mean_logits)
+
+
+def mean_probability_targets(teacher_logits):
+  """FedBE's pseudo-labels: the ensemble's mean probabilities.
+
+  Chen and Chao, Sec. 4 (Bayesian model ensemble, the Monte Carlo
+  approximation of the posterior predictive): p(y|x) = 1/M sum_m p(y|x; w_m),
+  from teacher logits [M, n, C].
+  """
+  return tf.reduce_mean(tf.nn.softmax(teacher_logits), axis=0)
+
+
+def sharpen(probabilities):
+  """v-Distillation's sharpened targets p^2 / sum p^2 (Chen and Chao, Sec. 5).
+
+  Each row of `probabilities` [n, C] is squared and renormalized.
+  """
+  squared = tf.square(probabilities)
+  return squared / tf.reduce_sum(squared, axis=-1, keepdims=True)
+
+
+def distillation_loss(kind: str, targets, student_logits):
+  """Mean over the batch of the distillation loss of `student_logits`.
+
+  "kl": KL(targets || softmax(student)), FedDF's Algorithm 1 (AVGLOGITS);
+  "cross_entropy": -sum targets * log softmax(student), FedBE's Sec. 4.
+  They differ by the targets' entropy, a constant for the student.
+  """
+  if kind == "kl":
+    return tf.keras.losses.KLDivergence()(
+        targets, tf.nn.softmax(student_logits))
+  if kind == "cross_entropy":
+    return tf.keras.losses.CategoricalCrossentropy(from_logits=True)(
+        targets, student_logits)
+  raise ValueError(f"unknown loss {kind!r}: choose one of {', '.join(LOSSES)}")
+
+
+def avg_logits_kl(teacher_logits, student_logits):
+  """FedDF's AVGLOGITS loss on one batch (Lin et al., Algorithm 1).
+
+  KL(softmax(mean_k teacher_logits[k]) || softmax(student_logits)), averaged
+  over the batch; `teacher_logits` [K, n, C], `student_logits` [n, C].
+  """
+  return distillation_loss(
+      "kl", avg_logits_targets(tf.reduce_mean(teacher_logits, axis=0)),
+      student_logits)
+
+
+# Running models: teachers, validation ---------------------------------------
+
+
+def assign_weights(model: tf.keras.Model, weights: ModelWeights) -> None:
+  """Assigns `ModelWeights` of tensors to the model's variables.
+
+  Only inside a `tf.function` are later reads of the variables ordered after
+  the assignment (automatic control dependencies): the graph a
+  `tff.tensorflow.computation` traces has none, so there, assign and use the
+  weights within one `tf.function` (as every function of this module does).
+  """
+  tf.nest.map_structure(lambda v, t: v.assign(t),
+                        ModelWeights.from_model(model), weights)
+
+
+def predict_logits(model: tf.keras.Model, x, batch_size: int):
+  """Logits [n, C] of `model` (inference mode) on `x`, in batches."""
+  n = tf.shape(x)[0]
+  num_batches = (n + batch_size - 1) // batch_size
+  outputs = tf.TensorArray(tf.float32, size=num_batches, infer_shape=False)
+
+  def body(i, outputs):
+    logits = model(x[i * batch_size:(i + 1) * batch_size], training=False)
+    return i + 1, outputs.write(i, tf.cast(logits, tf.float32))
+
+  _, outputs = tf.while_loop(lambda i, _: i < num_batches, body,
+                             (tf.constant(0), outputs))
+  num_classes = model.output_shape[-1]
+  return tf.reshape(outputs.concat(), [n, num_classes])
+
+
+def _member(stacked_weights, index):
+  return tf.nest.map_structure(lambda t: t[index], stacked_weights)
+
+
+def _num_members(stacked_weights):
+  return tf.shape(tf.nest.flatten(stacked_weights)[0])[0]
+
+
+@tf.function
+def ensemble_predictions(model: tf.keras.Model, stacked_weights, x,
+                         member_weights=None,
+                         batch_size: int = EVAL_BATCH_SIZE):
+  """Mean logits and mean probabilities of a stack of teachers on `x`.
+
+  Each teacher is assigned to `model` in turn and run once over `x` (no
+  augmentation). `mean_logits` gives FedDF's AVGLOGITS targets
+  (`avg_logits_targets`), `mean_probabilities` FedBE's pseudo-labels
+  (`mean_probability_targets`), without keeping [M, n, C] in memory.
+  Overwrites the model's weights.
+
+  Args:
+    model: a Keras model with logits output, of the teachers' architecture.
+    stacked_weights: `ModelWeights` with tensors [M, ...].
+    x: images [n, ...].
+    member_weights: optional [M] weights >= 0 of the teachers in the means
+      (uniform by default). Teachers of weight 0 are skipped (not run): in a
+      TFF computation the stack has a fixed size, and this drops clients
+      (drop-worst, rejected updates) from it.
+    batch_size: inference batch size.
+
+  Returns:
+    `OrderedDict(mean_logits=[n, C], mean_probabilities=[n, C])`; zeros if
+    every weight is 0.
+  """
+  num_members = _num_members(stacked_weights)
+  if member_weights is None:
+    member_weights = tf.ones([num_members])
+  member_weights = tf.cast(member_weights, tf.float32)
+  zeros = tf.zeros([tf.shape(x)[0], model.output_shape[-1]])
+
+  def body(m, logit_sum, probability_sum):
+    weight = member_weights[m]
+
+    def add():
+      assign_weights(model, _member(stacked_weights, m))
+      logits = predict_logits(model, x, batch_size)
+      return (logit_sum + weight * logits,
+              probability_sum + weight * tf.nn.softmax(logits))
+
+    logit_sum, probability_sum = tf.cond(
+        weight > 0, add, lambda: (logit_sum, probability_sum))
+    return m + 1, logit_sum, probability_sum
+
+  _, logit_sum, probability_sum = tf.while_loop(
+      lambda m, *_: m < num_members, body, (tf.constant(0), zeros, zeros))
+  total = tf.reduce_sum(member_weights)
+  return collections.OrderedDict(
+      mean_logits=tf.math.divide_no_nan(logit_sum, total),
+      mean_probabilities=tf.math.divide_no_nan(probability_sum, total))
+
+
+def accuracy(logits, y):
+  """Fraction of rows of `logits` whose argmax is `y`."""
+  hits = tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
+                  tf.cast(y, tf.int32))
+  return tf.reduce_mean(tf.cast(hits, tf.float32))
+
+
+@tf.function
+def member_accuracies(model: tf.keras.Model, stacked_weights, x, y,
+                      batch_size: int = EVAL_BATCH_SIZE):
+  """Accuracy [M] of each model of the stack on labeled data `(x, y)`.
+
+  For FedDF's drop-worst (Lin et al., Sec. 4) on server validation data.
+  Overwrites the model's weights.
+  """
+  num_members = _num_members(stacked_weights)
+
+  def body(m, accuracies):
+    assign_weights(model, _member(stacked_weights, m))
+    return m + 1, accuracies.write(
+        m, accuracy(predict_logits(model, x, batch_size), y))
+
+  _, accuracies = tf.while_loop(
+      lambda m, _: m < num_members, body,
+      (tf.constant(0), tf.TensorArray(tf.float32, size=num_members)))
+  return accuracies.stack()
+
+
+def chance_accuracy(y, num_classes: int):
+  """The accuracy of the best input-independent guess on labels `y`.
+
+  The larger of 1/num_classes (uniform guessing) and the frequency of the
+  majority class (always predicting it): a collapsed model that outputs one
+  class reaches exactly that class's frequency, so anything up to the
+  majority frequency is possible without looking at the input.
+  """
+  counts = tf.math.bincount(tf.cast(y, tf.int32), minlength=num_classes,
+                            dtype=tf.float32)
+  majority = tf.reduce_max(counts) / tf.maximum(tf.reduce_sum(counts), 1.0)
+  return tf.maximum(majority, 1.0 / num_classes)
+
+
+def drop_worst_mask(accuracies, chance):
+  """FedDF's drop-worst: keep the models strictly above chance level.
+
+  Lin et al., Sec. 4 ("drop-worst": models evaluated as dummy on the
+  validation data are left out of averaging and distillation); `chance`
+  from `chance_accuracy`. If no model is above chance, all are kept (an
+  empty ensemble has no average to fall back on). Returns a bool mask [M].
+  """
+  keep = accuracies > chance
+  return tf.cond(tf.reduce_any(keep), lambda: keep,
+                 lambda: tf.ones_like(keep))
+
+
+# Training ------------------------------------------------------------------
+
+
+def learning_rate_at(step, config: DistillationConfig):
+  """Step size of 0-based `step` under `config.lr_schedule`.
+
+  "cyclical": SWA's schedule (Izmailov et al., eq. 2 with i = step + 1):
+  t = (step mod c + 1) / c, lr = (1 - t) * learning_rate + t *
+  min_learning_rate, falling linearly within each cycle of c steps to
+  `min_learning_rate` at its last step, where SWA collects the model (Keras'
+  schedules have restarts only for cosine shapes, hence written here).
+  "cosine": Keras' `CosineDecay` from `learning_rate` to 0 over `num_steps`.
+  """
+  base = tf.constant(config.learning_rate, tf.float32)
+  if config.lr_schedule == "constant":
+    return base
+  if config.lr_schedule == "cosine":
+    return tf.keras.optimizers.schedules.CosineDecay(
+        config.learning_rate, config.num_steps)(step)
+  c = config.cycle_steps
+  t = tf.cast(step % c + 1, tf.float32) / c
+  return (1.0 - t) * base + t * config.min_learning_rate
+
+
+def is_swa_collection_step(step, config: DistillationConfig):
+  """Whether SWA collects the model after 0-based `step` (Izmailov, Alg. 1).
+
+  At the end of every cycle (step + 1 a multiple of c) past the warm-up.
+  """
+  # tf.equal, not ==: in TF1 graphs (as TFF traces) == compares identity.
+  done = step + 1
+  return tf.logical_and(tf.equal(done % config.cycle_steps, 0),
+                        done > config.swa_warmup_steps)
+
+
+def swa_average(average, weights, num_averaged):
+  """SWA's running mean (Izmailov et al., Algorithm 1).
+
+  w_SWA <- (w_SWA * n + w) / (n + 1), for every tensor of the structures;
+  `num_averaged` is n (float). Non-trainable weights (batch-norm statistics)
+  are averaged too and should then be recomputed (`recompute_batch_norm`).
+  """
+  n = tf.cast(num_averaged, tf.float32)
+  return tf.nest.map_structure(lambda a, w: (a * n + w) / (n + 1.0),
+                               average, weights)
+
+
+def _batch_norm_layers(model: tf.keras.Model):
+  return [layer for layer in model.submodules
+          if isinstance(layer, tf.keras.layers.BatchNormalization)]
+
+
+@contextlib.contextmanager
+def _zero_momentum(layers):
+  """Batch-norm layers whose moving statistics become the batch statistics.
+
+  Keras reads `momentum` when a layer is called (traced); with 0 a training
+  call sets the moving mean and variance to those of the batch.
+  """
+  saved = [layer.momentum for layer in layers]
+  try:
+    for layer in layers:
+      layer.momentum = 0.0
+    yield
+  finally:
+    for layer, momentum in zip(layers, saved):
+      layer.momentum = momentum
+
+
+def recompute_batch_norm(model: tf.keras.Model, x, batch_size: int) -> None:
+  """Sets batch-norm moving statistics to their mean over batches of `x`.
+
+  SWA's last step (Izmailov et al., Algorithm 1, and FedBE's code,
+  `bn_update`): the averaged weights never produced the averaged statistics,
+  so one pass over the data in training mode recomputes them; as PyTorch's
+  `bn_update` (momentum None), each layer's statistics are the plain mean of
+  its per-batch statistics, as Keras' training mode computes them. Keras has
+  no cumulative-average mode, hence written here. A model without batch
+  normalization is left unchanged. Call in a `tf.function`.
+  """
+  layers = _batch_norm_layers(model)
+  if not layers:
+    return
+  variables = [v for layer in layers
+               for v in (layer.moving_mean, layer.moving_variance)]
+  n = tf.shape(x)[0]
+  num_batches = (n + batch_size - 1) // batch_size
+
+  def body(i, sums):
+    model(x[i * batch_size:(i + 1) * batch_size], training=True)
+    return i + 1, [s + tf.identity(v) for s, v in zip(sums, variables)]
+
+  with _zero_momentum(layers):
+    _, sums = tf.while_loop(
+        lambda i, _: i < num_batches, body,
+        (tf.constant(0), [tf.zeros_like(v) for v in variables]))
+  count = tf.cast(num_batches, tf.float32)
+  for v, s in zip(variables, sums):
+    v.assign(s / count)
+
+
+def _build_optimizer(config: DistillationConfig):
+  if config.optimizer == "adam":
+    return tff.learning.optimizers.build_adam(config.learning_rate)
+  return tff.learning.optimizers.build_sgdm(
+      config.learning_rate, momentum=config.momentum or None)
+
+
+def _as_seed(seed):
+  """A shape [2] int64 stateless seed from an int, scalar or [2] tensor."""
+  seed = tf.cast(seed, tf.int64)
+  if seed.shape.rank == 0:
+    seed = tf.stack([seed, tf.constant(0, tf.int64)])
+  return seed
+
+
+def _snapshot(model_weights: ModelWeights) -> ModelWeights:
+  return tf.nest.map_structure(tf.identity, model_weights)
+
+
+@tf.function
+def distill(model: tf.keras.Model, initial_weights: ModelWeights, x, targets,
+            config: DistillationConfig, seed, validation=None,
+            device: Optional[str] = None):
+  """Trains the student `model` on (x, targets); returns its weights.
+
+  Mini-batch training on unlabeled images `x` [N, ...] and fixed teacher
+  targets [N, C] (probabilities: `mean_probability_targets` for FedBE,
+  `avg_logits_targets` for FedDF, `sharpen`ed for v-Distillation), from
+  `initial_weights` (the weight average in both papers). Each epoch visits
+  the examples in a stateless random order drawn from `seed` and the epoch
+  number (the last partial batch is skipped). Then:
+
+  * with `config.swa` (FedBE, Sec. 4; Izmailov et al., Algorithm 1): the
+    models at the end of each cycle after the warm-up are averaged
+    (`swa_average`) and batch-norm statistics recomputed on `x`
+    (`recompute_batch_norm`); the average is the result;
+  * with `config.eval_every` (FedDF, Algorithm 1 and Sec. 4): early
+    stopping on `validation` accuracy; the best student (the initial one if
+    none improved) is the result;
+  * otherwise the last student.
+
+  To run in a SERVER `tff.tensorflow.computation`, build the model there:
+  `distill(model_fn(), weights, x, targets, config, seed)`. The model's
+  variables are overwritten.
+
+  Args:
+    model: a Keras model with logits output (the student's architecture).
+    initial_weights: `ModelWeights` of tensors to start from.
+    x: unlabeled images [N, ...].
+    targets: teacher probabilities [N, C].
+    config: a `DistillationConfig` (Python value, fixed at tracing).
+    seed: int, int scalar tensor or shape [2] integer tensor (a Python int
+      is a constant of the trace: pass tensors to vary it without
+      retracing).
+    validation: `(x_val, y_val)` labeled server data; needed for early
+      stopping.
+    device: a device to run on (`choose_device`), or None to let TF place.
+
+  Returns:
+    `(weights, stats)`: the student's `ModelWeights` and an `OrderedDict` of
+    `steps` (steps run, int32), `examples` (examples seen, int32),
+    `swa_models` (models averaged, int32; 0 without SWA) and
+    `validation_accuracy` (the returned student's, float32; -1 without early
+    stopping).
+  """
+  if config.eval_every and validation is None:
+    raise ValueError("early stopping (eval_every > 0) needs validation data")
+  with tf.device(device) if device else contextlib.nullcontext():
+    return _distill(model, initial_weights, x, targets, config,
+                    _as_seed(seed), validation)
+
+
+def _distill(model, initial_weights, x, targets, config, seed, validation):
+  """`distill` without argument checks and device placement."""
+  model_weights = ModelWeights.from_model(model)
+  assign_weights(model, initial_weights)
+  trainable = model_weights.trainable
+  optimizer = _build_optimizer(config)
+  opt_state = optimizer.initialize(
+      tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable))
+  opt_state = tf.nest.map_structure(tf.convert_to_tensor, opt_state)
+  n = tf.shape(x)[0]
+  batch_size = tf.minimum(config.batch_size, n)
+  steps_per_epoch = n // batch_size
+  targets = tf.cast(targets, tf.float32)
+
+  def permutation(epoch):
+    return tf.random.experimental.stateless_shuffle(
+        tf.range(n), seed=tf.random.experimental.stateless_fold_in(
+            seed, tf.cast(epoch, tf.int64)))
+
+  def train_step(step, order, opt_state):
+    position = step % steps_per_epoch
+    new_order = tf.cond(tf.logical_and(tf.equal(position, 0), step > 0),
+                        lambda: permutation(step // steps_per_epoch),
+                        lambda: order)
+    new_order.set_shape(order.shape)  # A loop variable keeps its shape.
+    order = new_order
+    indices = order[position * batch_size:(position + 1) * batch_size]
+    x_batch = tf.gather(x, indices)
+    with tf.GradientTape() as tape:
+      logits = model(x_batch, training=True)
+      loss = distillation_loss(config.loss, tf.gather(targets, indices),
+                               logits)
+    gradients = tape.gradient(loss, trainable)
+    opt_state = optimizer.set_hparams(
+        opt_state, {"learning_rate": learning_rate_at(step, config)})
+    opt_state, new_weights = optimizer.next(
+        opt_state, tuple(trainable), tuple(gradients))
+    for v, t in zip(trainable, new_weights):
+      # As `client_work.train_locally`: Keras' kernel constraints.
+      v.assign(v.constraint(t) if v.constraint is not None else t)
+    return order, opt_state
+
+  def validation_accuracy():
+    x_val, y_val = validation
+    return accuracy(predict_logits(model, x_val, EVAL_BATCH_SIZE), y_val)
+
+  # Loop state beyond (step, order, optimizer state), by mode.
+  if config.swa:
+    extra = (_snapshot(model_weights), tf.constant(0))  # (average, count)
+  elif config.eval_every:
+    # (best weights, best accuracy, step of the best)
+    extra = (_snapshot(model_weights), validation_accuracy(), tf.constant(0))
+  else:
+    extra = ()
+
+  def after_step(step, extra):
+    """SWA collection or early-stopping bookkeeping after `step`."""
+    if config.swa:
+      average, count = extra
+      collect = is_swa_collection_step(step, config)
+      average = tf.cond(
+          collect,
+          lambda: swa_average(average, _snapshot(model_weights), count),
+          lambda: average)
+      return (average, count + tf.cast(collect, tf.int32)), tf.constant(False)
+    if config.eval_every:
+      best, best_accuracy, best_step = extra
+
+      def evaluate():
+        current = validation_accuracy()
+        improved = current > best_accuracy
+        return tf.cond(
+            improved,
+            lambda: (_snapshot(model_weights), current, step + 1),
+            lambda: (best, best_accuracy, best_step))
+
+      best, best_accuracy, best_step = tf.cond(
+          tf.equal((step + 1) % config.eval_every, 0), evaluate,
+          lambda: (best, best_accuracy, best_step))
+      stop = step + 1 - best_step >= config.patience
+      return (best, best_accuracy, best_step), stop
+    return extra, tf.constant(False)
+
+  def body(step, stop, order, opt_state, extra):
+    order, opt_state = train_step(step, order, opt_state)
+    extra, stop = after_step(step, extra)
+    return step + 1, stop, order, opt_state, extra
+
+  steps, _, _, _, extra = tf.while_loop(
+      lambda step, stop, *_: tf.logical_and(step < config.num_steps,
+                                            tf.logical_not(stop)),
+      body,
+      (tf.constant(0), tf.constant(False), permutation(0), opt_state, extra))
+
+  swa_models = tf.constant(0)
+  validation_accuracy_out = tf.constant(-1.0)
+  if config.swa:
+    average, swa_models = extra
+    assign_weights(model, average)
+    recompute_batch_norm(model, x, config.batch_size)
+  elif config.eval_every:
+    best, validation_accuracy_out, _ = extra
+    assign_weights(model, best)
+  stats = collections.OrderedDict(
+      steps=steps, examples=steps * batch_size, swa_models=swa_models,
+      validation_accuracy=validation_accuracy_out)
+  return _snapshot(model_weights), stats
+
+
+def choose_device(requested: Optional[str] = None) -> str:
+  """The device for server distillation: "/GPU:0" if TF sees a GPU, else CPU.
+
+  Args:
+    requested: None, "" or "auto" to choose; "cpu", "gpu" or a device such as
+      "/GPU:1" to force one (the value of `--server_device`).
+
+  Raises:
+    ValueError: (one line) for an unknown value, or a GPU TF does not see.
+  """
+  gpus = tf.config.list_logical_devices("GPU")
+  if requested is None or requested.strip().lower() in ("", "auto"):
+    device = "/GPU:0" if gpus else "/CPU:0"
+  else:
+    kind, _, index = requested.strip().upper().lstrip("/").removeprefix(
+        "DEVICE:").partition(":")
+    if kind not in ("CPU", "GPU") or not (index or "0").isdigit():
+      raise ValueError(f"--server_device={requested!r}: use auto, cpu, gpu "
+                       "or a device such as /GPU:0")
+    device = f"/{kind}:{int(index or 0)}"
+    if kind == "GPU" and int(index or 0) >= len(gpus):
+      raise ValueError(
+          f"--server_device={requested!r}: TensorFlow sees {len(gpus)} "
+          "GPU(s) here; use --server_device=cpu or auto")
+  logging.info("server distillation runs on %s", device)
+  return device

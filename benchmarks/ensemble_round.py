@@ -5,7 +5,7 @@ r"""Round time and worker memory of Fed-ensemble against FedAvg (issue 3).
 The same 10 FEMNIST writers, LEAF CNN, 1 epoch, batch 20, SGD 0.05: the median
 wall time of a round (after one untimed round) of `fedavg` and of
 `fedensemble` with K in `--sizes`, all through the TFF C++ runtime of
-`runtime.execution_context` as the CLI runs them (state kept in the worker).
+`runtime.execution_context` as the CLI runs them.
 The variants' rounds are interleaved (FedAvg, K=1, K=5, FedAvg, ...) in one
 worker, so that load from other processes falls on all variants alike. A
 second pass runs each variant alone in its own worker for one round and
@@ -149,8 +149,8 @@ def main(argv):
       SECTION, "",
       "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05), "
       f"median of {FLAGS.rounds} timed rounds after one untimed round, the "
-      "variants' rounds interleaved in one TFF worker with the state kept in "
-      "the worker between rounds (as the CLI runs); peak resident memory of "
+      "variants' rounds interleaved in one TFF worker (as the CLI runs "
+      "them); peak resident memory of "
       "a fresh worker running one round of the variant alone. CPU seconds "
       "(this process and the worker, user + system) depend less on other "
       "load than wall time.",

@@ -38,7 +38,9 @@ NUM_CLASSES = 62
 INPUT_SHAPE = (28, 28, 1)
 CLASS_LABELS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 DATA_DIR_ENV = "TFF_ENS_DATA_DIR"
-MODEL_NAMES = ("cnn", "resnet8", "resnet20")
+MODEL_NAMES = ("cnn", "resnet8", "resnet20", "resnet8_binary", "resnet20_binary")
+# The models with 1-bit layers (larq), which export as `lce` and `binary`.
+BINARY_MODEL_NAMES = ("resnet8_binary", "resnet20_binary")
 # TFF's downloader opens its URL without a timeout: without this, a network that drops
 # packets would hang the download instead of failing.
 DOWNLOAD_TIMEOUT_SECONDS = 30
@@ -338,16 +340,21 @@ def build_model(name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Mo
 
   Args:
     name: one of MODEL_NAMES: "cnn" (LEAF's CNN, which has no normalization layers, so
-      only norm="batch", the default, is accepted), "resnet8" or "resnet20".
+      only norm="batch", the default, is accepted), "resnet8", "resnet20", or their
+      binarized versions "resnet8_binary" and "resnet20_binary" (`resnet.build_binary_resnet`).
     seed: the weights are a deterministic function of it.
     norm: "batch" or "group" normalization in the ResNets.
   """
   if name == "cnn":
     if norm != "batch":
       raise ValueError(f"model 'cnn' has no normalization layers: norm={norm!r} applies only "
-                       "to resnet8 and resnet20")
+                       "to the ResNets")
     return _build_cnn(seed)
   if name in ("resnet8", "resnet20"):
     return resnet.build_resnet(int(name[len("resnet"):]), input_shape=INPUT_SHAPE,
                                num_classes=NUM_CLASSES, norm=norm, seed=seed)
+  if name in BINARY_MODEL_NAMES:
+    return resnet.build_binary_resnet(int(name[len("resnet"):-len("_binary")]),
+                                      input_shape=INPUT_SHAPE, num_classes=NUM_CLASSES,
+                                      norm=norm, seed=seed)
   raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")

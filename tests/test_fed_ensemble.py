@@ -16,7 +16,6 @@ import tensorflow_federated as tff
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import fed_ensemble
-from tff_ens import runtime
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model
@@ -357,22 +356,3 @@ def test_fed_ensemble_bytes_equal_fedavg_bytes():
   assert abs(up - fedavg_up) <= 16
   assert down < 2 * 4 * num_params  # Far from K models.
 
-
-def test_state_kept_in_the_worker_equals_state_moved_to_python(built):
-  process = built.process
-  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
-  indices = [np.int32(i) for i in (2, 7, 11)]
-  moved = _run(process, process.initialize(), 2)
-
-  state = process.initialize()
-  for _ in range(2):
-    state, metrics = runtime.call_keeping_state(process.next, state, datasets, indices)
-    assert isinstance(state, runtime.ResidentValue)
-    assert metrics["client_work"]["num_examples"] == sum(len(y) for _, y in CLIENT_DATA)
-  kept = runtime.materialize(state)
-  for a, b in zip(tf.nest.flatten(moved), tf.nest.flatten(kept), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-  # A cohort of another size runs on another executor: the state follows it.
-  state, _ = runtime.call_keeping_state(process.next, state, datasets[:2], indices[:2])
-  assert runtime.materialize(state)["assignment"]["round"] == 3

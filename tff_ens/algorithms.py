@@ -16,7 +16,6 @@ import tensorflow_federated as tff
 from tff_ens import client_work as client_work_lib
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
-from tff_ens import runtime
 from tff_ens import server_distillation
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -37,10 +36,7 @@ class FederatedAlgorithm:
     upload_type: what one client sends in a round.
     next_fn: `(state, client_datasets, client_indices) -> (state, metrics)`;
       `client_indices` are the cohort's positions in the task's client list.
-      The returned state stays in the TFF worker (`runtime.ResidentValue`);
-      `runtime.materialize` reads it.
-    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate, of a
-      materialized state.
+    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate.
     teacher_fn: for server-distillation algorithms, `(state, datasets,
       images) -> probabilities` of the teachers the round `next_fn(state,
       datasets, ...)` distills from; None otherwise.
@@ -137,7 +133,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
 
   def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
     del client_indices  # FedAvg's clients are interchangeable.
-    return runtime.call_keeping_state(process.next, state, list(datasets))
+    output = process.next(state, list(datasets))
+    return output.state, output.metrics
 
   # A client receives the client computation's parameters but for its own
   # data (a sequence, sized 0) and sends back the computation's result.
@@ -155,9 +152,8 @@ def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
       seed=seed, assignment=assignment)
 
   def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
-    return runtime.call_keeping_state(
-        built.process.next, state, list(datasets),
-        [np.int32(i) for i in client_indices])
+    return built.process.next(state, list(datasets),
+                              [np.int32(i) for i in client_indices])
 
   return FederatedAlgorithm(
       name="fedensemble", process=built.process,
@@ -176,11 +172,11 @@ def _build_server_distillation(name, model_fn, element_spec, local_config,
 
   def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
     del client_indices
-    return runtime.call_keeping_state(process.next, state, list(datasets))
+    output = process.next(state, list(datasets))
+    return output.state, output.metrics
 
   def teacher_fn(state, datasets, images):
-    return built.teacher_probabilities(runtime.materialize(state),
-                                       list(datasets), images)
+    return built.teacher_probabilities(state, list(datasets), images)
 
   client_update = built.client_work.client_update.type_signature
   return FederatedAlgorithm(

@@ -18,7 +18,6 @@ Note: TFF's context stack is thread-local; the context is current only in the
 thread that entered the block.
 """
 
-import asyncio
 from collections.abc import Iterator, Sequence
 import contextlib
 import ctypes
@@ -26,7 +25,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import grpc
 import portpicker
@@ -209,121 +208,6 @@ def _executor_factory(
   return tff.framework.ResourceManagingExecutorFactory(stack_fn)
 
 
-class ResidentValue:
-  """A computation result kept in the TFF worker instead of moved to Python.
-
-  Moving a value between Python and the worker costs about 0.3 s per 26 MB
-  each way (gRPC and protocol buffers), so a process whose state holds K
-  models would spend most of a round moving it. `call_keeping_state` keeps the
-  state here between rounds; `materialize` brings it to Python when needed
-  (checkpoints, evaluation).
-  """
-
-  def __init__(self, value, type_spec: tff.types.Type, executor):
-    self.value = value
-    self.type_spec = type_spec
-    self.executor = executor
-
-
-class _WorkerContext(tff.framework.SyncExecutionContext):
-  """TFF's sync context over one worker, able to keep a state in the worker.
-
-  `invoke` is TFF's. `invoke_keeping_state` and `materialize` follow
-  `AsyncExecutionContext.invoke` (compile, ingest, call, compute) but leave
-  element 0 of the result (the state) in the worker; TFF 0.87's contexts
-  always compute the whole result, and have no API for this.
-  """
-
-  def __init__(self, factory, compiler_fn, *, transform_args,
-               transform_result):
-    super().__init__(factory, compiler_fn, transform_args=transform_args,
-                     transform_result=transform_result)
-    self._factory = factory
-    self._compiler_fn = compiler_fn
-    self._transform_args = transform_args
-    self._transform_result = transform_result
-    self._compiled = {}
-    self._loop = asyncio.new_event_loop()
-
-  def close(self):
-    self._loop.close()
-
-  def _compile(self, comp):
-    if id(comp) not in self._compiled:
-      self._compiled[id(comp)] = (comp, self._compiler_fn(comp))
-    return self._compiled[id(comp)][1]
-
-  def _to_python(self, value, type_spec):
-    return self._transform_result(tff.types.type_to_py_container(
-        value, type_spec))
-
-  async def _state_in(self, executor, state, type_spec):
-    if isinstance(state, ResidentValue):
-      if state.executor is executor:
-        return state.value
-      # A cohort of another size runs on another executor of the worker.
-      state = self._to_python(await state.value.compute(), state.type_spec)
-    return await executor.create_value(self._transform_args(state), type_spec)
-
-  async def _invoke_keeping_state(self, comp, state, args):
-    parameter = comp.type_signature.parameter
-    num_clients = [len(a) for a, t in zip(args, list(parameter)[1:])
-                   if isinstance(t, tff.FederatedType)
-                   and t.placement is tff.CLIENTS and not t.all_equal]
-    executor = self._factory.create_executor(
-        {tff.CLIENTS: num_clients[0] if num_clients else 0})
-    compiled = self._compile(comp)
-    values = [await self._state_in(executor, state, parameter[0])]
-    for arg, type_spec in zip(args, list(parameter)[1:]):
-      values.append(await executor.create_value(
-          self._transform_args(arg), type_spec))
-    call = await executor.create_call(
-        await executor.create_value(compiled, compiled.type_signature),
-        await executor.create_struct(values))
-    new_state = await executor.create_selection(call, 0)
-    metrics = await (await executor.create_selection(call, 1)).compute()
-    result = comp.type_signature.result
-    return (ResidentValue(new_state, result[0], executor),
-            self._to_python(metrics, result[1]))
-
-  def invoke_keeping_state(self, comp, state, args):
-    return self._loop.run_until_complete(
-        self._invoke_keeping_state(comp, state, args))
-
-  def materialize(self, resident: ResidentValue):
-    return self._loop.run_until_complete(self._materialize(resident))
-
-  async def _materialize(self, resident):
-    return self._to_python(await resident.value.compute(), resident.type_spec)
-
-
-def call_keeping_state(comp, state, *args) -> tuple[Any, Any]:
-  """`comp(state, *args)` -> (new state, metrics), the state left in the worker.
-
-  For a process `next` returning `(state, metrics)` (an `IterativeProcess`) or
-  a `LearningProcessOutput`. `state` may be a Python value or a
-  `ResidentValue` from an earlier call. With one worker the new state is a
-  `ResidentValue`; with several (mergeable context) it is a Python value.
-  """
-  context = tff.framework.get_context_stack().current
-  if isinstance(context, _WorkerContext):
-    return context.invoke_keeping_state(comp, state, args)
-  output = comp(materialize(state), *args)
-  return output[0], output[1]
-
-
-def materialize(value):
-  """The Python value of a `ResidentValue` (other values are returned as is)."""
-  if not isinstance(value, ResidentValue):
-    return value
-  context = tff.framework.get_context_stack().current
-  if not isinstance(context, _WorkerContext):
-    raise RuntimeError(
-        'a value kept in a TFF worker can only be read inside the '
-        'execution_context() that made it')
-  return context.materialize(value)
-
-
 def _is_per_client(type_spec: tff.types.Type) -> bool:
   return (
       isinstance(type_spec, tff.FederatedType)
@@ -387,7 +271,6 @@ def execution_context(
         'pass it to start_worker for workers given by address.'
     )
   process = None
-  context = None
   channels = []
   executors = []
   try:
@@ -416,7 +299,9 @@ def execution_context(
     # `create_sync_local_cpp_execution_context`.
     compiler_fn = tff.backends.native.desugar_and_transform_to_native
     if len(factories) == 1:
-      context = _WorkerContext(factories[0], compiler_fn, **transforms)
+      context = tff.framework.SyncExecutionContext(
+          factories[0], compiler_fn, **transforms
+      )
     else:
       context = tff.framework.MergeableCompExecutionContext(
           async_contexts=[
@@ -429,8 +314,6 @@ def execution_context(
     with tff.framework.get_context_stack().install(context):
       yield
   finally:
-    if isinstance(context, _WorkerContext):
-      context.close()
     try:
       for executor in executors:
         executor.close()  # Frees its state on the worker; never raises on RPC.

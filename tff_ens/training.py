@@ -454,21 +454,15 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       server = metrics.get("finalizer")
       if isinstance(server, dict):  # FedAvg's finalizer measures nothing.
         row.update({k: float(v) for k, v in server.items()})
-      evaluate = round_num % config.eval_every == 0
-      checkpoint = round_num % config.checkpoint_every == 0
       last = round_num == config.rounds
-      if evaluate or checkpoint or last:
-        # The state lives in the TFF worker between rounds (see
-        # `runtime.call_keeping_state`); read it only when needed.
-        state = runtime.materialize(state)
-      if evaluate or last:
+      if round_num % config.eval_every == 0 or last:
         row.update(evaluator.summary(algorithm.models_fn(state), data.test))
       outputs.release_metrics(round_num, row)
-      if checkpoint or last:
+      if round_num % config.checkpoint_every == 0 or last:
         outputs.save_checkpoint(round_num, state)
       report(round_num, row)
-  return _write_summary(config, data, algorithm, runtime.materialize(state),
-                        outputs, evaluator, teacher_test)
+  return _write_summary(config, data, algorithm, state, outputs, evaluator,
+                        teacher_test)
 
 
 def _write_summary(config, data, algorithm, state, outputs, evaluator,

@@ -1,0 +1,78 @@
+r"""Command line: export a trained run to a TFLite file.
+
+  python -m export --run_dir=RUN --format=float|dynamic|int8|qat|lce|binary|ensemble \
+      --output=FILE.tflite
+
+RUN is a `python -m tff_ens.main` output directory; `ensemble` needs a Fed-ensemble run,
+`lce` and `binary` a run of a binarized model. `int8` and `qat` read the run's training
+writers (`--data_dir`, default the run's). See `export.convert`.
+"""
+
+import logging as std_logging
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+
+# TensorFlow before absl parses flags (see tff_ens/main.py).
+from export import ExportError
+from export import convert
+from export import runs
+import tasks
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """The command's flags, defined only when it runs: importing this module (tests, the
+  benchmark) defines none, so they cannot clash with other modules' flags of one name."""
+  flags.DEFINE_string("run_dir", None, "A tff_ens.main output directory (required).")
+  flags.DEFINE_enum("format", "float", list(convert.FORMATS), "What to export (see "
+                    "export/convert.py).")
+  flags.DEFINE_string("output", None, "The .tflite file to write (required).")
+  flags.DEFINE_string("data_dir", None, "FEMNIST (LEAF) directory for int8 calibration and QAT "
+                      "fine-tuning; defaults to the run's --data_dir.")
+  flags.DEFINE_integer("representative_examples", convert.Options.representative_examples,
+                       "int8: training images calibrating the activation ranges.")
+  flags.DEFINE_integer("qat_steps", convert.Options.qat_steps,
+                       "qat: SGD steps of quantization-aware fine-tuning.")
+  flags.DEFINE_float("qat_learning_rate", convert.Options.qat_learning_rate,
+                     "qat: learning rate of the fine-tuning.")
+  flags.DEFINE_integer("seed", 0, "Seeds the draws of training examples.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
+  logging.set_verbosity(logging.WARNING)
+  options = convert.Options(
+      representative_examples=FLAGS.representative_examples, qat_steps=FLAGS.qat_steps,
+      qat_learning_rate=FLAGS.qat_learning_rate, seed=FLAGS.seed)
+  try:
+    for name in ("run_dir", "output"):
+      if not FLAGS[name].value:
+        raise ExportError(f"--{name} is required (see --help)")
+    if options.representative_examples <= 0 or options.qat_steps <= 0:
+      raise ExportError("--representative_examples and --qat_steps must be positive")
+    flatbuffer = convert.export_run(runs.load_run(FLAGS.run_dir), FLAGS.format,
+                                    FLAGS.data_dir, options)
+    try:
+      with open(FLAGS.output, "wb") as f:
+        f.write(flatbuffer)
+    except OSError as e:
+      raise ExportError(f"cannot write --output={FLAGS.output} ({e.strerror}): choose a "
+                        "writable path") from None
+  except (ExportError, tasks.DataError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"wrote {FLAGS.output} ({len(flatbuffer):,} bytes, --format={FLAGS.format})")
+  return 0
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  define_flags()
+  app.run(main)

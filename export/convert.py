@@ -1,0 +1,227 @@
+"""Converts a trained run to a TFLite flatbuffer, one function per `--format`.
+
+- float: `tf.lite.TFLiteConverter` on the model's inference function for one image,
+  float32 weights and ops.
+- dynamic: the same with `Optimize.DEFAULT` and no representative data: int8 weights,
+  float activations (TFLite's dynamic-range quantization).
+- int8: full-integer post-training quantization: int8 weights, activations, input and
+  output, calibrated on a representative dataset of training-writer images.
+- qat: quantization-aware training (tensorflow-model-optimization's `quantize_model`),
+  fine-tuned for `qat_steps` SGD steps on training writers' examples, then converted with
+  `Optimize.DEFAULT` (int8 weights and activations, float input and output).
+- lce: a binarized model through larq-compute-engine's converter (1-bit kernels, custom
+  ops for LCE's interpreter).
+- binary: a binarized model through the stock converter: larq's sign quantizers become
+  TFLite SIGN ops and +-1 float kernels, which every TFLite runtime runs.
+- ensemble: the K members of a Fed-ensemble run in one file (`ensemble_module`).
+
+Every file carries its description (`metadata`): class labels, preprocessing, outputs.
+Tensor names are dropped (2.3 kB of a 330 kB ResNet-8): inputs and outputs are found by
+position or by signature, whose names stay.
+"""
+
+import dataclasses
+
+import larq_compute_engine as lce
+import numpy as np
+import tensorflow as tf
+from tensorflow.lite.tools import flatbuffer_utils
+import tensorflow_model_optimization as tfmot
+
+from export import ExportError
+from export import ensemble_module
+from export import metadata
+from export import runs
+
+FORMATS = ("float", "dynamic", "int8", "qat", "lce", "binary", "ensemble")
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationData:
+  """Training-writer images for int8 calibration and QAT fine-tuning.
+
+  Attributes:
+    x: float32 images [n, *input_shape] of the run's training writers.
+    y: int32 labels [n].
+  """
+  x: np.ndarray
+  y: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Settings of the conversions that use training data.
+
+  Attributes:
+    representative_examples: images calibrating int8 activations, drawn at random (seeded)
+      from all training writers' examples.
+    qat_steps: SGD steps of quantization-aware fine-tuning.
+    qat_learning_rate: their learning rate.
+    qat_batch_size: their batch size.
+    seed: seeds the draws and the fine-tuning order.
+  """
+  representative_examples: int = 500
+  qat_steps: int = 200
+  qat_learning_rate: float = 0.005
+  qat_batch_size: int = 20
+  seed: int = 0
+
+
+def check_format(run: runs.Run, output_format: str):
+  """ExportError unless `run` can be exported as `output_format`."""
+  if output_format not in FORMATS:
+    raise ExportError(f"unknown --format={output_format}: choose one of {', '.join(FORMATS)}")
+  if output_format == "ensemble" and not run.is_ensemble:
+    raise ExportError(f"--format=ensemble needs an ensemble run (members/member_k.keras); "
+                      f"{run.run_dir} holds one model: use a single-model format")
+  if output_format != "ensemble" and run.is_ensemble:
+    raise ExportError(f"{run.run_dir} holds an ensemble of {len(run.model_paths)} models: "
+                      "use --format=ensemble")
+  if output_format in ("lce", "binary") and not run.is_binary:
+    raise ExportError(
+        f"--format={output_format} needs a run of a binarized model (--model="
+        f"{' or '.join(run.task.BINARY_MODEL_NAMES)}); {run.run_dir} trained "
+        f"--model={run.config.get('model')}")
+
+
+def describe(run: runs.Run, output_format: str, *, quantized_io: bool = False) -> dict:
+  """The metadata of `run` exported as `output_format` (see `metadata`)."""
+  task = run.task
+  description = {
+      "format": output_format,
+      "runtime": (metadata.RUNTIME_LCE if output_format == "lce"
+                  else metadata.RUNTIME_TFLITE),
+      "task": run.config.get("task", "femnist"),
+      "model": run.config.get("model"),
+      "algorithm": run.config.get("algorithm"),
+      "class_labels": list(task.CLASS_LABELS),
+      "input": {"shape": [None, *task.INPUT_SHAPE],
+                "dtype": "int8" if quantized_io else "float32",
+                "value_range": [0.0, 1.0], "background": 1.0,
+                "preprocessing": metadata.FEMNIST_PREPROCESSING},
+  }
+  if output_format == "ensemble":
+    description.update(
+        ensemble_size=len(run.model_paths),
+        # JSON has no infinity; null means the uniform ensemble (an infinite temperature).
+        personalization_temperature=_finite_or_none(
+            run.summary.get("personalization_temperature")),
+        signatures={
+            "predict": "image [n, 28, 28, 1] float32, alpha [K] float32 (weights on the "
+                       "simplex; 1/K each is the uniform ensemble) -> probabilities [n, "
+                       "classes], member_probabilities [n, K, classes], entropy [n], "
+                       "mutual_information [n] (nats)",
+            "personalize": "images [n, 28, 28, 1] float32, labels [n] int32 (n >= 1, the "
+                           "phone's own labeled examples), temperature [] float32 > 0 -> "
+                           "alpha [K] = softmax(-mean cross-entropy of each member / "
+                           "temperature)"})
+  else:
+    description["output"] = ("logits [n, classes] (" + ("int8, dequantize with the output "
+                             "tensor's scale and zero point, then " if quantized_io else "")
+                             + "softmax for probabilities; argmax indexes class_labels)")
+  return description
+
+
+def _finite_or_none(value):
+  return None if value is None or not np.isfinite(value) else float(value)
+
+
+def calibration_data(task, data_dir: str | None, examples: int | None,
+                     seed: int) -> CalibrationData:
+  """`examples` images (all if None or fewer) drawn without replacement from all training
+  writers, in random (seeded) order."""
+  train = task.load_data(data_dir).train
+  x, y = train.concatenated()
+  chosen = np.random.default_rng(seed).permutation(len(y))[:examples]
+  return CalibrationData(x[chosen], y[chosen])
+
+
+def _representative_dataset(data: CalibrationData):
+  """TFLite's representative dataset: one single-image batch at a time."""
+  def generate():
+    for image in data.x:
+      yield [image[None]]
+  return generate
+
+
+def fine_tune_quantization_aware(model: tf.keras.Model, data: CalibrationData,
+                                 options: Options) -> tf.keras.Model:
+  """tfmot's `quantize_model(model)` after `options.qat_steps` SGD steps on `data`.
+
+  Fake-quantization of weights and activations during training (Jacob et al., CVPR 2018,
+  Sec. 3) with tfmot's default 8-bit scheme, which folds batch norm into convolutions.
+  """
+  try:
+    qat_model = tfmot.quantization.keras.quantize_model(model)
+  except (ValueError, RuntimeError) as e:
+    raise ExportError(f"--format=qat: tensorflow-model-optimization cannot quantize this "
+                      f"model ({' '.join(str(e).split())[:200]}); use --format=int8") from None
+  qat_model.compile(
+      optimizer=tf.keras.optimizers.SGD(options.qat_learning_rate),
+      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  dataset = (tf.data.Dataset.from_tensor_slices((data.x, data.y))
+             .shuffle(len(data.y), seed=options.seed).repeat()
+             .batch(options.qat_batch_size))
+  qat_model.fit(dataset, steps_per_epoch=options.qat_steps, epochs=1, verbose=0)
+  return qat_model
+
+
+def convert_model(model: tf.keras.Model, output_format: str,
+                  data: CalibrationData | None = None, options: Options = Options()) -> bytes:
+  """A single Keras model as a TFLite flatbuffer in `output_format` (without metadata).
+
+  `data` (training-writer examples) is needed by int8 and qat.
+  """
+  if output_format == "lce":
+    return lce.convert_keras_model(model)
+  if output_format == "qat":
+    model = fine_tune_quantization_aware(model, data, options)
+  # One image per call, as LCE's converter does: group normalization's reshapes do not run
+  # in TFLite with an unknown batch size.
+  single_image = tf.function(lambda image: model(image, training=False)).get_concrete_function(
+      tf.TensorSpec([1, *model.input_shape[1:]], tf.float32))
+  converter = tf.lite.TFLiteConverter.from_concrete_functions([single_image], model)
+  if output_format in ("dynamic", "int8", "qat"):
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+  if output_format == "int8":
+    converter.representative_dataset = _representative_dataset(data)
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = tf.int8
+    converter.inference_output_type = tf.int8
+  return converter.convert()
+
+
+def export_run(run: runs.Run, output_format: str, data_dir: str | None = None,
+               options: Options = Options()) -> bytes:
+  """`run` as a TFLite flatbuffer in `output_format`, with its metadata attached.
+
+  `data_dir` (default: the run's) is read for int8 and qat only. Raises ExportError if the
+  format does not fit the run.
+  """
+  check_format(run, output_format)
+  models = run.load_models()
+  if output_format == "ensemble":
+    flatbuffer = ensemble_module.convert_ensemble(models, run.task.INPUT_SHAPE)
+  else:
+    data = None
+    if output_format in ("int8", "qat"):
+      data = calibration_data(run.task, data_dir or run.config.get("data_dir"),
+                              options.representative_examples
+                              if output_format == "int8" else None, options.seed)
+    flatbuffer = convert_model(models[0], output_format, data, options)
+  return finalize(flatbuffer, describe(run, output_format,
+                                       quantized_io=output_format == "int8"))
+
+
+def finalize(flatbuffer: bytes, description: dict) -> bytes:
+  """`flatbuffer` without tensor names and with `description` attached (`metadata`).
+
+  By hand rather than with `flatbuffer_utils.strip_strings`, which also deletes the
+  signature definitions (the ensemble's `predict` and `personalize`).
+  """
+  model = flatbuffer_utils.convert_bytearray_to_object(bytearray(flatbuffer))
+  for subgraph in model.subgraphs:
+    for tensor in subgraph.tensors:
+      tensor.name = None
+  metadata.add(model, description)
+  return flatbuffer_utils.convert_object_to_bytearray(model)

@@ -1,0 +1,183 @@
+r"""Command line: run an exported file on FEMNIST writers in a standalone TFLite runtime.
+
+  python -m export.evaluate --run_dir=RUN --tflite=FILE.tflite --data_dir=DATA \
+      --output=tflite_report.json
+
+The file runs in tflite-runtime, or LCE's interpreter for `lce` files (`on_device`), never
+in TensorFlow's. For every test writer that has training data (the run's test split):
+a single model predicts the writer's test images; an ensemble first `personalize`s on the
+writer's training examples (the run's temperature), then `predict`s its test images with
+that alpha, and with the uniform alpha. The run's Keras model(s) make the same predictions
+(with `tff_ens.evaluation` and `tff_ens.personalization`, as the run's summary did) for
+`agreement`. The report's keys:
+
+- size_bytes, runtime, latency_ms_median (one image, `--num_threads`, this CPU);
+- accuracy (all test examples; uniform for ensembles) and per_client_accuracy (mean over
+  writers); personalized_accuracy (ensembles: mean over writers, as the run's summary);
+- reference_accuracy, reference_per_client_accuracy, reference_personalized_accuracy: the
+  run's summary.json; keras_accuracy, keras_personalized_accuracy: recomputed here;
+- agreement: fraction of test examples on which the file and Keras predict the same class
+  (personalized predictions for ensembles; uniform_agreement for the uniform ones).
+"""
+
+import json
+import logging as std_logging
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+
+from export import ExportError
+from export import on_device
+from export import runs
+from tff_ens import evaluation
+from tff_ens import personalization
+import tasks
+
+FLAGS = flags.FLAGS
+
+
+def _mean_accuracy(predicted: dict, labels: dict) -> tuple[float, float]:
+  """(accuracy over all examples, mean per-writer accuracy) of writer -> classes."""
+  hits = [predicted[c] == labels[c] for c in predicted]
+  return float(np.concatenate(hits).mean()), float(np.mean([h.mean() for h in hits]))
+
+
+def _agreement(a: dict, b: dict) -> float:
+  return float(np.concatenate([a[c] == b[c] for c in a]).mean())
+
+
+def _keras_member_probabilities(models, split) -> dict[str, np.ndarray]:
+  """writer -> [K, n, classes] Keras probabilities (as tff_ens.training computes them)."""
+  x, _ = split.concatenated()
+  stacked = np.stack([evaluation.predict_probabilities(m, x) for m in models], axis=1)
+  return {c: np.moveaxis(p, 1, 0) for c, p in zip(
+      split.client_ids, evaluation.split_by_client(stacked, _counts(split)))}
+
+
+def _counts(split) -> list[int]:
+  return [split.num_examples(c) for c in split.client_ids]
+
+
+def evaluate_classifier(exported: on_device.Classifier, models, data,
+                        latency_repeats: int) -> dict:
+  test = data.test
+  x, _ = test.concatenated()
+  split = lambda classes: dict(zip(test.client_ids,
+                                   evaluation.split_by_client(classes, _counts(test))))
+  tflite = split(exported.predict_classes(x))
+  keras = split(evaluation.predict_probabilities(models[0], x).argmax(-1))
+  accuracy, per_client = _mean_accuracy(tflite, test.y)
+  return {"accuracy": accuracy, "per_client_accuracy": per_client,
+          "keras_accuracy": _mean_accuracy(keras, test.y)[0],
+          "agreement": _agreement(tflite, keras),
+          "latency_ms_median": on_device.latency_ms(
+              lambda: exported.logits(x[:1]), latency_repeats)}
+
+
+def evaluate_ensemble(exported: on_device.Ensemble, models, data,
+                      latency_repeats: int) -> dict:
+  train, test = data.train, data.test
+  writers = [c for c in test.client_ids if c in train.x]
+  tflite, tflite_uniform = {}, {}
+  for c in writers:
+    alpha = exported.personalize(train.x[c], train.y[c])
+    tflite[c] = exported.predict(test.x[c], alpha)["probabilities"].argmax(-1)
+    tflite_uniform[c] = exported.predict(test.x[c])["probabilities"].argmax(-1)
+  member_train = _keras_member_probabilities(models, train)
+  member_test = _keras_member_probabilities(models, test)
+  keras, keras_uniform = {}, {}
+  for c in writers:
+    alpha = personalization.personalization_weights(
+        personalization.member_losses(member_train[c], train.y[c]), exported.temperature)
+    keras[c] = personalization.weighted_probabilities(member_test[c], alpha).argmax(-1)
+    keras_uniform[c] = member_test[c].mean(0).argmax(-1)
+  labels = {c: test.y[c] for c in writers}
+  accuracy, per_client = _mean_accuracy(tflite_uniform, labels)
+  one_image = test.x[writers[0]][:1]
+  return {"accuracy": accuracy, "per_client_accuracy": per_client,
+          "personalized_accuracy": _mean_accuracy(tflite, labels)[1],
+          "keras_accuracy": _mean_accuracy(keras_uniform, labels)[0],
+          "keras_personalized_accuracy": _mean_accuracy(keras, labels)[1],
+          "agreement": _agreement(tflite, keras),
+          "uniform_agreement": _agreement(tflite_uniform, keras_uniform),
+          "personalization_temperature": exported.temperature,
+          "latency_ms_median": on_device.latency_ms(
+              lambda: exported.predict(one_image), latency_repeats)}
+
+
+def build_report(run: runs.Run, tflite_path: str, data, num_threads: int = 1,
+                 latency_repeats: int = 50) -> dict:
+  """The report (see the module docstring) of the file at `tflite_path` exported from `run`."""
+  exported = on_device.load(tflite_path, num_threads)
+  models = run.load_models()
+  if isinstance(exported, on_device.Ensemble):
+    if len(models) != exported.ensemble_size:
+      raise ExportError(f"{tflite_path} holds K={exported.ensemble_size} models but "
+                        f"{run.run_dir} has {len(models)}: pass the run it was exported from")
+    measured = evaluate_ensemble(exported, models, data, latency_repeats)
+  else:
+    if run.is_ensemble:
+      raise ExportError(f"{tflite_path} holds one model but {run.run_dir} is an ensemble "
+                        "run: pass the run it was exported from")
+    measured = evaluate_classifier(exported, models, data, latency_repeats)
+  summary = run.summary
+  return {
+      "tflite": os.path.abspath(tflite_path), "run_dir": os.path.abspath(run.run_dir),
+      "format": exported.metadata["format"], "model": exported.metadata.get("model"),
+      "size_bytes": exported.size_bytes, "runtime": exported.runtime,
+      "num_threads": num_threads,
+      "num_test_examples": data.test.num_examples(),
+      "num_writers": len(data.test.client_ids),
+      "reference_accuracy": summary.get("test_accuracy"),
+      "reference_per_client_accuracy": summary.get("per_client_accuracy"),
+      "reference_personalized_accuracy": summary.get("personalized_accuracy"),
+      **measured}
+
+
+def define_flags():
+  """The command's flags, defined only when it runs: importing this module (tests, the
+  benchmark) defines none, so they cannot clash with other modules' flags of one name."""
+  flags.DEFINE_string("run_dir", None, "The tff_ens.main run the file was exported from.")
+  flags.DEFINE_string("tflite", None, "The .tflite file (from python -m export).")
+  flags.DEFINE_string("data_dir", None, "FEMNIST (LEAF) directory; defaults to the run's.")
+  flags.DEFINE_string("output", "tflite_report.json", "Where the JSON report goes.")
+  flags.DEFINE_integer("num_threads", 1, "Interpreter threads.")
+  flags.DEFINE_integer("latency_repeats", 50, "Timed single-image calls (median over).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
+  logging.set_verbosity(logging.WARNING)
+  try:
+    for name in ("run_dir", "tflite"):
+      if not FLAGS[name].value:
+        raise ExportError(f"--{name} is required (see --help)")
+    run = runs.load_run(FLAGS.run_dir)
+    data = run.task.load_data(FLAGS.data_dir or run.config.get("data_dir"))
+    report = build_report(run, FLAGS.tflite, data, FLAGS.num_threads, FLAGS.latency_repeats)
+    try:
+      with open(FLAGS.output, "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+    except OSError as e:
+      raise ExportError(f"cannot write --output={FLAGS.output} ({e.strerror}): choose a "
+                        "writable path") from None
+  except (ExportError, tasks.DataError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  keys = ("accuracy", "reference_accuracy", "personalized_accuracy",
+          "reference_personalized_accuracy", "agreement", "latency_ms_median", "size_bytes")
+  print(" ".join(f"{k}={report[k]:.4g}" for k in keys if report.get(k) is not None) +
+        f" report={FLAGS.output}")
+  return 0
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  define_flags()
+  app.run(main)

@@ -1,0 +1,60 @@
+"""What an app needs to use a .tflite file, stored inside the file.
+
+The description (class labels, the expected input and its preprocessing, the outputs, and
+for ensembles K and the run's personalization temperature) is JSON in an entry named
+`METADATA_NAME` of the flatbuffer's `metadata` table (TFLite schema, `Model.metadata`:
+named byte buffers that interpreters ignore). This is the mechanism TFLite's own metadata
+(`TFLITE_METADATA`, tflite-support) uses; that package's ModelMetadata schema is not a
+dependency here, so the entry holds JSON that any flatbuffer reader can get at: on Android,
+`Model.getRootAsModel(buffer).metadata(i)` of the TFLite schema.
+
+Added to a model object of TensorFlow's `flatbuffer_utils` (the TFLite schema's object API;
+`export.convert.finalize`); read with the schema's zero-copy accessors, so reading a 130 MB
+ensemble does not copy its weights.
+"""
+
+import json
+
+import numpy as np
+from tensorflow.lite.python import schema_py_generated as schema
+
+from export import ExportError
+
+METADATA_NAME = "tff_ens"
+# The metadata's "runtime": what runs the file (`export.on_device` follows it).
+RUNTIME_TFLITE = "tflite"
+RUNTIME_LCE = "larq_compute_engine"
+# How FEMNIST images reach every model (tasks/femnist.py, LEAF's format).
+FEMNIST_PREPROCESSING = (
+    "28x28 grayscale image, row-major (LEAF's 784 values), as float32 in [0, 1] with "
+    "1.0 = white background and darker ink towards 0.0 (LEAF and TFF's FEMNIST); shape "
+    "[batch, 28, 28, 1]. int8 inputs take round(x / scale + zero_point) with the input "
+    "tensor's quantization parameters.")
+
+
+def add(model: schema.ModelT, description: dict):
+  """Adds (or replaces) the `METADATA_NAME` entry of a TFLite model object, in place."""
+  buffer = schema.BufferT()
+  buffer.data = np.frombuffer(
+      json.dumps(description, sort_keys=True).encode(), np.uint8)
+  model.buffers.append(buffer)
+  entry = schema.MetadataT()
+  entry.name = METADATA_NAME
+  entry.buffer = len(model.buffers) - 1
+  # Names read from a flatbuffer are bytes.
+  model.metadata = [m for m in (model.metadata or [])
+                    if m.name not in (METADATA_NAME, METADATA_NAME.encode())] + [entry]
+
+
+def read(flatbuffer: bytes, where: str = "the file") -> dict:
+  """The description added by `add`; ExportError if `flatbuffer` has none."""
+  if len(flatbuffer) < 8 or flatbuffer[4:8] != b"TFL3":
+    raise ExportError(f"{where} is not a TFLite flatbuffer: pass a .tflite file written by "
+                      "`python -m export`")
+  model = schema.Model.GetRootAs(flatbuffer, 0)
+  for i in range(model.MetadataLength()):
+    entry = model.Metadata(i)
+    if entry.Name().decode() == METADATA_NAME:
+      return json.loads(model.Buffers(entry.Buffer()).DataAsNumpy().tobytes())
+  raise ExportError(f"{where} has no {METADATA_NAME!r} metadata: it was not written by "
+                    "`python -m export`; export the run again")

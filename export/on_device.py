@@ -1,0 +1,202 @@
+"""Runs exported files in a standalone runtime, as a phone would, with checked inputs.
+
+A file's metadata (`metadata`) says which runtime it needs: tflite-runtime's `Interpreter`
+(TFLite's standalone Python package, no TensorFlow; XNNPACK for float ops as on phones)
+or, for `lce` files, larq-compute-engine's `lce.testing.Interpreter` (TFLite with LCE's
+1-bit kernels registered). Inputs are checked against the metadata before they reach the
+interpreter, whose own errors do not say what was expected: a wrong image shape, dtype or
+value range, an alpha that is not K weights on the simplex, or an empty or mislabeled
+personalization set raise `ExportError` with a one-line message.
+"""
+
+import time
+
+import larq_compute_engine as lce
+import numpy as np
+import tflite_runtime
+from tflite_runtime import interpreter as tflite
+
+from export import ExportError
+from export import metadata
+
+# alpha must sum to 1 within this (float32 rounding of user-computed weights).
+ALPHA_SUM_TOLERANCE = 1e-3
+
+
+def load(path: str, num_threads: int = 1) -> "Classifier | Ensemble":
+  """The exported file at `path`: an `Ensemble` or a single-model `Classifier`."""
+  try:
+    with open(path, "rb") as f:
+      flatbuffer = f.read()
+  except OSError as e:
+    raise ExportError(f"cannot read {path} ({e.strerror}): pass a .tflite file written by "
+                      "`python -m export`") from None
+  return load_bytes(flatbuffer, num_threads, path)
+
+
+def load_bytes(flatbuffer: bytes, num_threads: int = 1,
+               where: str = "the file") -> "Classifier | Ensemble":
+  """An exported flatbuffer, as `load` returns it."""
+  description = metadata.read(flatbuffer, where)
+  kind = Ensemble if description["format"] == "ensemble" else Classifier
+  return kind(flatbuffer, description, num_threads)
+
+
+class _Exported:
+  """A flatbuffer, its metadata and the checks of its image input."""
+
+  def __init__(self, flatbuffer: bytes, description: dict):
+    self.flatbuffer = flatbuffer
+    self.metadata = description
+    self.class_labels = description["class_labels"]
+    self.input_shape = tuple(description["input"]["shape"][1:])
+    self.value_range = tuple(description["input"]["value_range"])
+
+  @property
+  def size_bytes(self) -> int:
+    return len(self.flatbuffer)
+
+  def check_images(self, images, name: str = "image") -> np.ndarray:
+    """`images` if they are float32 [n >= 1, *input_shape] in the value range."""
+    expected = (f"float32 [n, {', '.join(map(str, self.input_shape))}] with values in "
+                f"[{self.value_range[0]:g}, {self.value_range[1]:g}]")
+    if not isinstance(images, np.ndarray):
+      raise ExportError(f"{name} must be a NumPy array ({expected}), got "
+                        f"{type(images).__name__}")
+    if images.dtype != np.float32 or images.ndim != len(self.input_shape) + 1 or (
+        images.shape[1:] != self.input_shape):
+      raise ExportError(f"{name} must be {expected}, got {images.dtype} "
+                        f"{list(images.shape)}")
+    if not len(images):
+      raise ExportError(f"{name} is empty: pass at least one image ({expected})")
+    if not (np.all(np.isfinite(images)) and images.min() >= self.value_range[0] and
+            images.max() <= self.value_range[1]):
+      raise ExportError(f"{name} values must be in [{self.value_range[0]:g}, "
+                        f"{self.value_range[1]:g}] ({self.metadata['input']['preprocessing']}"
+                        f"), got {np.nanmin(images):g}..{np.nanmax(images):g}")
+    return images
+
+
+class Classifier(_Exported):
+  """A single exported model (any format but `ensemble`)."""
+
+  def __init__(self, flatbuffer: bytes, description: dict, num_threads: int = 1):
+    super().__init__(flatbuffer, description)
+    if description["runtime"] == metadata.RUNTIME_LCE:
+      self._lce = lce.testing.Interpreter(flatbuffer, num_threads=num_threads)
+      self.runtime = f"larq_compute_engine {lce.__version__} (lce.testing.Interpreter)"
+    else:
+      self._lce = None
+      self._interpreter = tflite.Interpreter(model_content=flatbuffer,
+                                             num_threads=num_threads)
+      self._input = self._interpreter.get_input_details()[0]
+      self._output = self._interpreter.get_output_details()[0]
+      self._interpreter.allocate_tensors()
+      self.runtime = f"tflite_runtime {tflite_runtime.__version__} (Interpreter)"
+
+  def logits(self, images: np.ndarray) -> np.ndarray:
+    """float32 [n, classes] logits of float32 images [n, *input_shape] in [0, 1].
+
+    One image per call, as an app classifies: the converted graphs have batch size 1, and
+    some (group normalization's reshapes) cannot be resized to another.
+    """
+    images = self.check_images(images)
+    if self._lce is not None:
+      return np.asarray(self._lce.predict(images), np.float32)
+    outputs = []
+    for image in images:
+      self._interpreter.set_tensor(self._input["index"], _quantize(image[None], self._input))
+      self._interpreter.invoke()
+      outputs.append(_dequantize(self._interpreter.get_tensor(self._output["index"]),
+                                 self._output))
+    return np.concatenate(outputs)
+
+  def predict_classes(self, images: np.ndarray) -> np.ndarray:
+    return self.logits(images).argmax(-1)
+
+
+class Ensemble(_Exported):
+  """An exported ensemble: `predict(image, alpha)` and `personalize(images, labels)`."""
+
+  def __init__(self, flatbuffer: bytes, description: dict, num_threads: int = 1):
+    super().__init__(flatbuffer, description)
+    self.ensemble_size = description["ensemble_size"]
+    temperature = description.get("personalization_temperature")
+    # The run's temperature; null in the metadata is the uniform ensemble's infinity.
+    self.temperature = float("inf") if temperature is None else temperature
+    interpreter = tflite.Interpreter(model_content=flatbuffer, num_threads=num_threads)
+    self._predict = interpreter.get_signature_runner("predict")
+    self._personalize = interpreter.get_signature_runner("personalize")
+    self.runtime = (f"tflite_runtime {tflite_runtime.__version__} (Interpreter, "
+                    "signature runners)")
+
+  def uniform_alpha(self) -> np.ndarray:
+    return np.full(self.ensemble_size, 1.0 / self.ensemble_size, np.float32)
+
+  def predict(self, image: np.ndarray, alpha: np.ndarray | None = None) -> dict:
+    """The `predict` signature: probabilities, member_probabilities, entropy,
+    mutual_information for images [n, *input_shape] and alpha [K] (uniform if None)."""
+    image = self.check_images(image)
+    alpha = self.uniform_alpha() if alpha is None else self._check_alpha(alpha)
+    return self._predict(image=image, alpha=alpha)
+
+  def personalize(self, images: np.ndarray, labels: np.ndarray,
+                  temperature: float | None = None) -> np.ndarray:
+    """The `personalize` signature: alpha [K] from labeled images (the run's temperature
+    if None)."""
+    if isinstance(images, np.ndarray) and images.ndim >= 1 and not len(images):
+      raise ExportError("the personalization set is empty: personalize needs at least one "
+                        "labeled example (else use the uniform alpha = 1/K)")
+    images = self.check_images(images, "images")
+    labels = np.asarray(labels)
+    if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer):
+      raise ExportError(f"labels must be {len(images)} integers (one per image), got "
+                        f"{labels.dtype} {list(labels.shape)}")
+    if labels.min() < 0 or labels.max() >= len(self.class_labels):
+      raise ExportError(f"labels must be class indices in 0..{len(self.class_labels) - 1}, "
+                        f"got {labels.min()}..{labels.max()}")
+    temperature = self.temperature if temperature is None else temperature
+    if not temperature > 0:
+      raise ExportError(f"temperature must be > 0 (inf: uniform), got {temperature}")
+    return self._personalize(images=images, labels=labels.astype(np.int32),
+                             temperature=np.float32(temperature))["alpha"]
+
+  def _check_alpha(self, alpha) -> np.ndarray:
+    alpha = np.asarray(alpha, np.float32)
+    k = self.ensemble_size
+    if alpha.shape != (k,):
+      raise ExportError(f"alpha must hold one weight per member, K={k}, got shape "
+                        f"{list(alpha.shape)}")
+    if not (np.all(np.isfinite(alpha)) and alpha.min() >= 0 and
+            abs(alpha.sum() - 1) <= ALPHA_SUM_TOLERANCE):
+      raise ExportError(f"alpha must be K={k} non-negative weights summing to 1 (1/K each "
+                        f"for the uniform ensemble), got {np.round(alpha, 4).tolist()}")
+    return alpha
+
+
+def _quantize(x: np.ndarray, details: dict) -> np.ndarray:
+  """x as the input tensor's type (round(x / scale + zero_point) for int8)."""
+  if details["dtype"] == np.float32:
+    return x
+  scale, zero_point = details["quantization"]
+  info = np.iinfo(details["dtype"])
+  return np.clip(np.round(x / scale + zero_point), info.min, info.max).astype(details["dtype"])
+
+
+def _dequantize(q: np.ndarray, details: dict) -> np.ndarray:
+  if details["dtype"] == np.float32:
+    return q
+  scale, zero_point = details["quantization"]
+  return ((q.astype(np.float32) - zero_point) * scale).astype(np.float32)
+
+
+def latency_ms(run_once, repeats: int = 50, warmup: int = 5) -> float:
+  """Median wall time of `run_once()` in milliseconds, after `warmup` calls."""
+  for _ in range(warmup):
+    run_once()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run_once()
+    times.append(time.perf_counter() - start)
+  return 1000 * float(np.median(times))

@@ -1,0 +1,82 @@
+"""A trained run as `tff_ens.main` writes it: config, summary and Keras model(s).
+
+`model.keras` for one model, `members/member_k.keras` for an ensemble (see
+`tff_ens.training`), with `config.json` and `summary.json` beside them.
+"""
+
+import dataclasses
+import json
+import os
+import re
+
+import tensorflow as tf
+
+from export import ExportError
+import tasks
+
+MODEL_FILE = "model.keras"
+MEMBERS_DIR = "members"
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+_MEMBER_FILE = re.compile(r"member_(\d+)\.keras")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """A run directory's files.
+
+  Attributes:
+    run_dir: the directory.
+    config: config.json (the run's `ExperimentConfig`).
+    summary: summary.json (its final metrics).
+    model_paths: `model.keras`, or the K ensemble members in order.
+  """
+  run_dir: str
+  config: dict
+  summary: dict
+  model_paths: tuple[str, ...]
+
+  @property
+  def is_ensemble(self) -> bool:
+    return len(self.model_paths) > 1
+
+  @property
+  def task(self):
+    return tasks.get_task(self.config.get("task", "femnist"))
+
+  @property
+  def is_binary(self) -> bool:
+    return self.config.get("model") in getattr(self.task, "BINARY_MODEL_NAMES", ())
+
+  def load_models(self) -> list[tf.keras.Model]:
+    """The Keras model(s), un-compiled (larq's layers are registered by importing tasks)."""
+    return [tf.keras.models.load_model(p, compile=False) for p in self.model_paths]
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ExportError(f"{path} cannot be read ({type(e).__name__}: {e}); is the run "
+                      "complete?") from None
+
+
+def load_run(run_dir: str) -> Run:
+  """Reads `run_dir`; ExportError (one line) if it is not a finished `tff_ens.main` run."""
+  if not os.path.isdir(run_dir):
+    raise ExportError(f"--run_dir={run_dir} is not a directory: pass the --output_dir of a "
+                      "finished `python -m tff_ens.main` run")
+  members_dir = os.path.join(run_dir, MEMBERS_DIR)
+  numbered = [(int(m.group(1)), os.path.join(members_dir, m.group(0)))
+              for name in (os.listdir(members_dir) if os.path.isdir(members_dir) else ())
+              if (m := _MEMBER_FILE.fullmatch(name))]
+  members = [path for _, path in sorted(numbered)]
+  single = os.path.join(run_dir, MODEL_FILE)
+  if not members and not os.path.isfile(single):
+    raise ExportError(f"--run_dir={run_dir} has no model ({MODEL_FILE} or "
+                      f"{MEMBERS_DIR}/member_k.keras): pass a finished `python -m "
+                      "tff_ens.main` run (models are saved after the last round)")
+  config = _read_json(os.path.join(run_dir, CONFIG_FILE))
+  summary = _read_json(os.path.join(run_dir, SUMMARY_FILE))
+  return Run(run_dir, config, summary, tuple(members) if members else (single,))

@@ -1,0 +1,297 @@
+"""Tests of the TFLite export (issue 5): conversions run in tflite-runtime, the ensemble's
+signatures against the NumPy personalization math, the metadata, and the bad-input errors.
+
+Models are small so that conversions take seconds; the end-to-end commands run on the
+FEMNIST slice at ../shared/data/femnist.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from export import ExportError
+from export import convert
+from export import ensemble_module
+from export import metadata
+from export import on_device
+from export import runs
+from tasks import femnist
+from tff_ens import evaluation
+from tff_ens import personalization
+import tiny
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "femnist")
+K = 3
+
+
+def small_femnist_model(seed: int) -> tf.keras.Model:
+  """A FEMNIST-shaped model (28x28x1 -> 62 logits) that converts in a second."""
+  init = tf.keras.initializers.GlorotUniform(seed=seed)
+  return tf.keras.Sequential([
+      tf.keras.Input(femnist.INPUT_SHAPE),
+      tf.keras.layers.Conv2D(4, 3, strides=2, activation="relu", kernel_initializer=init),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(femnist.NUM_CLASSES, kernel_initializer=init)])
+
+
+def write_run(run_dir, models, config=None, summary=None) -> runs.Run:
+  """A run directory as tff_ens.training writes it, holding `models`."""
+  os.makedirs(run_dir, exist_ok=True)
+  if len(models) == 1:
+    models[0].save(os.path.join(run_dir, runs.MODEL_FILE))
+  else:
+    os.makedirs(os.path.join(run_dir, runs.MEMBERS_DIR))
+    for k, model in enumerate(models):
+      model.save(os.path.join(run_dir, runs.MEMBERS_DIR, f"member_{k}.keras"))
+  config = {"task": "femnist", "model": "cnn", "algorithm": "fedavg",
+            "data_dir": DATA_DIR, **(config or {})}
+  for name, value in ((runs.CONFIG_FILE, config), (runs.SUMMARY_FILE, summary or {})):
+    with open(os.path.join(run_dir, name), "w") as f:
+      json.dump(value, f)
+  return runs.load_run(run_dir)
+
+
+def images(n, seed=0):
+  return np.random.default_rng(seed).random((n, *femnist.INPUT_SHAPE), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+  return write_run(tmp_path_factory.mktemp("single"), [small_femnist_model(0)],
+                   summary={"test_accuracy": 0.5})
+
+
+@pytest.fixture(scope="module")
+def ensemble_run(tmp_path_factory):
+  return write_run(tmp_path_factory.mktemp("ensemble"),
+                   [small_femnist_model(k) for k in range(K)],
+                   config={"algorithm": "fedensemble"},
+                   summary={"personalization_temperature": 0.5})
+
+
+@pytest.fixture(scope="module")
+def ensemble(ensemble_run):
+  return on_device.load_bytes(convert.export_run(ensemble_run, "ensemble"))
+
+
+# The ensemble math, by hand -----------------------------------------------------------
+
+# Two members, two examples, three classes; labels [0, 2].
+HAND_PROBS = np.array([[[0.5, 0.25, 0.25], [0.8, 0.1, 0.1]],     # member 0
+                       [[0.25, 0.5, 0.25], [0.25, 0.25, 0.5]]])  # member 1
+HAND_LABELS = np.array([0, 2])
+
+
+def test_personalization_weights_match_hand_computation():
+  # loss_0 = -(log 0.5 + log 0.1) / 2, loss_1 = -(log 0.25 + log 0.5) / 2;
+  # alpha = softmax(-loss / 2).
+  losses = np.array([-(np.log(0.5) + np.log(0.1)) / 2, -(np.log(0.25) + np.log(0.5)) / 2])
+  expected = np.exp(-losses / 2) / np.exp(-losses / 2).sum()
+  member_probs = tf.constant(np.moveaxis(HAND_PROBS, 0, 1), tf.float32)  # [n, K, classes]
+  alpha = ensemble_module.personalization_weights(
+      member_probs, tf.constant(HAND_LABELS, tf.int32), tf.constant(2.0)).numpy()
+  np.testing.assert_allclose(alpha, expected, rtol=1e-6)
+  np.testing.assert_allclose(alpha, personalization.personalization_weights(
+      personalization.member_losses(HAND_PROBS, HAND_LABELS), 2.0), rtol=1e-6)
+  uniform = ensemble_module.personalization_weights(
+      member_probs, tf.constant(HAND_LABELS, tf.int32), tf.constant(np.inf, tf.float32))
+  np.testing.assert_allclose(uniform.numpy(), [0.5, 0.5])
+
+
+def test_mixture_and_uncertainty_match_evaluation():
+  alpha = np.array([0.25, 0.75])
+  probabilities, entropy, mutual_information = ensemble_module.mixture_and_uncertainty(
+      tf.constant(np.moveaxis(HAND_PROBS, 0, 1), tf.float32), tf.constant(alpha, tf.float32))
+  expected = evaluation.ensemble_uncertainty(HAND_PROBS, alpha)
+  np.testing.assert_allclose(probabilities, expected["probabilities"], rtol=1e-6)
+  np.testing.assert_allclose(probabilities[0], [0.3125, 0.4375, 0.25], rtol=1e-6)
+  np.testing.assert_allclose(entropy, expected["entropy"], rtol=1e-5)
+  np.testing.assert_allclose(mutual_information, expected["mutual_information"], atol=1e-6)
+
+
+# The one-file ensemble in tflite-runtime ----------------------------------------------
+
+def test_ensemble_file_has_two_signatures_and_metadata(ensemble):
+  assert ensemble.runtime.startswith("tflite_runtime")
+  assert ensemble.ensemble_size == K and ensemble.temperature == 0.5
+  assert "".join(ensemble.class_labels) == femnist.CLASS_LABELS
+  description = ensemble.metadata
+  assert set(description["signatures"]) == {"predict", "personalize"}
+  assert description["input"]["shape"] == [None, 28, 28, 1]
+  assert description["input"]["background"] == 1.0
+
+
+def test_ensemble_predict_matches_keras(ensemble, ensemble_run):
+  x = images(5)
+  members = np.stack([evaluation.predict_probabilities(m, x)
+                      for m in ensemble_run.load_models()])  # [K, n, classes]
+  alpha = np.array([0.2, 0.3, 0.5], np.float32)
+  out = ensemble.predict(x, alpha)
+  expected = evaluation.ensemble_uncertainty(members, alpha)
+  np.testing.assert_allclose(out["member_probabilities"], np.moveaxis(members, 0, 1),
+                             atol=1e-6)
+  np.testing.assert_allclose(out["probabilities"], expected["probabilities"], atol=1e-6)
+  np.testing.assert_allclose(out["entropy"], expected["entropy"], atol=1e-5)
+  np.testing.assert_allclose(out["mutual_information"], expected["mutual_information"],
+                             atol=1e-5)
+  uniform = ensemble.predict(x)
+  np.testing.assert_allclose(uniform["probabilities"], members.mean(0), atol=1e-6)
+
+
+def test_ensemble_personalize_matches_numpy(ensemble, ensemble_run):
+  x, y = images(7, seed=1), np.array([0, 5, 61, 3, 3, 10, 0])
+  members = np.stack([evaluation.predict_probabilities(m, x)
+                      for m in ensemble_run.load_models()])
+  losses = personalization.member_losses(members, y)
+  for temperature in (0.5, 0.05, np.inf):
+    np.testing.assert_allclose(
+        ensemble.personalize(x, y, temperature),
+        personalization.personalization_weights(losses, temperature), atol=1e-5)
+  np.testing.assert_allclose(ensemble.personalize(x, y), ensemble.personalize(x, y, 0.5))
+
+
+@pytest.mark.parametrize("image, message", [
+    (images(2)[:, :27], r"image must be float32 \[n, 28, 28, 1\] .* got float32 \[2, 27, 28, 1\]"),
+    (images(2)[..., 0], r"got float32 \[2, 28, 28\]"),
+    (images(2).astype(np.float64), r"image must be float32 .* got float64"),
+    (images(2) * 255, r"values must be in \[0, 1\]"),
+    (images(0), "image is empty"),
+    ([[0.5]], "must be a NumPy array"),
+])
+def test_predict_rejects_bad_images(ensemble, image, message):
+  with pytest.raises(ExportError, match=message):
+    ensemble.predict(image)
+
+
+@pytest.mark.parametrize("alpha, message", [
+    ([0.5, 0.5], r"one weight per member, K=3, got shape \[2\]"),
+    ([0.25] * 4, r"K=3, got shape \[4\]"),
+    ([0.5, 0.5, 0.5], "summing to 1"),
+    ([1.5, -0.5, 0.0], "non-negative"),
+])
+def test_predict_rejects_alpha_not_matching_k(ensemble, alpha, message):
+  with pytest.raises(ExportError, match=message):
+    ensemble.predict(images(1), np.array(alpha))
+
+
+def test_personalize_rejects_bad_sets(ensemble):
+  with pytest.raises(ExportError, match="personalization set is empty"):
+    ensemble.personalize(images(0), np.zeros(0, np.int32))
+  with pytest.raises(ExportError, match="labels must be 2 integers"):
+    ensemble.personalize(images(2), np.array([1]))
+  with pytest.raises(ExportError, match=r"class indices in 0..61, got 0..62"):
+    ensemble.personalize(images(2), np.array([0, 62]))
+  with pytest.raises(ExportError, match="temperature must be > 0"):
+    ensemble.personalize(images(2), np.array([0, 1]), temperature=0.0)
+
+
+# Single-model formats -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def calibration():
+  return convert.calibration_data(femnist, DATA_DIR, 64, seed=0)
+
+
+@pytest.mark.parametrize("output_format, max_logit_error, min_agreement", [
+    ("float", 1e-4, 1.0), ("dynamic", 0.2, 0.9), ("int8", 0.5, 0.9), ("qat", None, None)])
+def test_single_model_formats_run_in_tflite_runtime(single_run, calibration, output_format,
+                                                    max_logit_error, min_agreement):
+  model = single_run.load_models()[0]
+  flatbuffer = convert.finalize(
+      convert.convert_model(model, output_format, calibration,
+                            convert.Options(qat_steps=2)),
+      convert.describe(single_run, output_format, quantized_io=output_format == "int8"))
+  exported = on_device.load_bytes(flatbuffer)
+  assert exported.runtime.startswith("tflite_runtime")
+  x = calibration.x[:32]
+  logits = exported.logits(x)
+  assert logits.shape == (32, femnist.NUM_CLASSES) and logits.dtype == np.float32
+  if max_logit_error is not None:  # QAT fine-tunes the weights, so it differs from Keras.
+    keras = model.predict(x, verbose=0)
+    assert np.abs(logits - keras).max() < max_logit_error
+    assert np.mean(logits.argmax(-1) == keras.argmax(-1)) >= min_agreement
+  if output_format == "int8":
+    assert exported.metadata["input"]["dtype"] == "int8"
+  with pytest.raises(ExportError, match="must be float32"):
+    exported.logits(x.astype(np.float64))
+
+
+def test_quantized_files_are_smaller(single_run, calibration):
+  model = single_run.load_models()[0]
+  float_size = len(convert.convert_model(model, "float"))
+  assert len(convert.convert_model(model, "int8", calibration)) < 0.5 * float_size
+
+
+# Metadata and runs --------------------------------------------------------------------
+
+def test_metadata_round_trip_and_missing():
+  flatbuffer = tf.lite.TFLiteConverter.from_keras_model(tiny.tiny_model()).convert()
+  with pytest.raises(ExportError, match="has no 'tff_ens' metadata"):
+    metadata.read(flatbuffer)
+  with pytest.raises(ExportError, match="not a TFLite flatbuffer"):
+    metadata.read(b"not a model at all")
+  attached = convert.finalize(convert.finalize(flatbuffer, {"a": 1}), {"b": [2]})
+  assert metadata.read(attached) == {"b": [2]}
+  assert len(attached) < len(flatbuffer) + 100  # Tensor names dropped.
+
+
+def test_run_without_model(tmp_path):
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(ExportError, match="has no model"):
+    runs.load_run(str(tmp_path))
+  with pytest.raises(ExportError, match="is not a directory"):
+    runs.load_run(str(tmp_path / "nope"))
+
+
+def test_format_must_fit_the_run(single_run, ensemble_run):
+  for output_format in ("lce", "binary"):
+    with pytest.raises(ExportError, match="needs a run of a binarized model"):
+      convert.check_format(single_run, output_format)
+  with pytest.raises(ExportError, match="needs an ensemble run"):
+    convert.check_format(single_run, "ensemble")
+  with pytest.raises(ExportError, match="holds an ensemble of 3 models"):
+    convert.check_format(ensemble_run, "float")
+
+
+# The two commands ---------------------------------------------------------------------
+
+def _run_module(*args):
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=600, check=False)
+
+
+def test_export_command_reports_run_without_model(tmp_path):
+  result = _run_module("export", f"--run_dir={tmp_path}", "--format=float",
+                       f"--output={tmp_path / 'm.tflite'}")
+  assert result.returncode == 2
+  [line] = result.stderr.strip().splitlines()[-1:]
+  assert line.startswith("error: ") and "has no model" in line
+
+
+def test_export_and_evaluate_commands(single_run, tmp_path):
+  output = tmp_path / "float.tflite"
+  result = _run_module("export", f"--run_dir={single_run.run_dir}", "--format=float",
+                       f"--output={output}")
+  assert result.returncode == 0, result.stderr[-2000:]
+  report_path = tmp_path / "report.json"
+  result = _run_module("export.evaluate", f"--run_dir={single_run.run_dir}",
+                       f"--tflite={output}", f"--data_dir={DATA_DIR}",
+                       f"--output={report_path}", "--latency_repeats=3")
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads(report_path.read_text())
+  for key in ("size_bytes", "accuracy", "per_client_accuracy", "reference_accuracy",
+              "reference_personalized_accuracy", "agreement", "latency_ms_median",
+              "runtime"):
+    assert key in report
+  assert report["size_bytes"] == output.stat().st_size
+  assert report["runtime"].startswith("tflite_runtime")
+  assert report["agreement"] == 1.0
+  assert report["accuracy"] == pytest.approx(report["keras_accuracy"])
+  assert report["reference_accuracy"] == 0.5  # From the run's summary.json.
+  assert report["num_test_examples"] == 1685

@@ -97,10 +97,10 @@ def test_fedbe_teachers_are_average_clients_and_gaussian_samples():
   # The third client was rejected (weight 0): no teacher, not in the average.
   config = sd.ServerDistillationConfig(
       method="fedbe", distill=distillation.fedbe_config(25), num_samples=4)
-  stack, weights, average, dropped = sd.teachers(
+  stack, weights, average, dropped, informative = sd.teachers(
       model, global_weights, _collected(updates, [1.0, 3.0, 0.0]),
       tf.constant([1, 2], tf.int64), config, _validation())
-  assert int(dropped) == 0
+  assert int(dropped) == 0 and bool(informative)
   assert stack.trainable[0].shape[0] == 1 + 3 + 4  # A, C (all slots), S.
   np.testing.assert_array_equal(weights, [1, 1, 1, 0, 1, 1, 1, 1])
   # A = w - (1 * 0.1 + 3 * -0.3) / 4 = w + 0.2.
@@ -127,15 +127,28 @@ def test_feddf_drops_clients_at_chance_and_averages_the_others():
   config = sd.ServerDistillationConfig(
       method="feddf", distill=distillation.feddf_config(20, patience=10, eval_every=5),
       drop_worst=True)
-  stack, weights, average, dropped = sd.teachers(
+  stack, weights, average, dropped, informative = sd.teachers(
       model, good, _collected(updates, [2.0, 5.0]), tf.constant([1, 2], tf.int64),
       config, validation)
-  assert int(dropped) == 1
+  assert int(dropped) == 1 and bool(informative)
   np.testing.assert_array_equal(weights, [1, 0])
   # The average is over the kept client only.
   for got, want in zip(tf.nest.flatten(average), tf.nest.flatten(good)):
     np.testing.assert_allclose(got, want, rtol=1e-6)
   np.testing.assert_allclose(stack.trainable[1][1], collapsed.trainable[1])
+
+  # Every client at chance: nothing to distill from; the server step returns
+  # the average of the received clients (a FedAvg step).
+  other = ModelWeights([tf.zeros([4, 3]), tf.constant([0.0, 5.0, 0.0])], [])
+  updates = [tf.nest.map_structure(tf.subtract, good, m) for m in (collapsed, other)]
+  *_, informative = sd.teachers(model, good, _collected(updates, [1.0, 3.0]),
+                                tf.constant([1, 2], tf.int64), config, validation)
+  assert not bool(informative)
+  data = server_data_lib.ServerData(SERVER.unlabeled, images, validation[1].numpy(), "test")
+  new, measurements = sd.server_update(tiny_model, good, _collected(updates, [1.0, 3.0]),
+                                       0, data, config)
+  np.testing.assert_allclose(new.trainable[1], [1.25, 3.75, 0.0], rtol=1e-6)  # (1, 3) / 4 x 5
+  assert int(measurements["distilled"]) == 0
 
 
 # ------------------------------------------------------------------ process

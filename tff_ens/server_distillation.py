@@ -204,29 +204,35 @@ def teachers(model: tf.keras.Model, global_weights, collected, seed,
              config: ServerDistillationConfig, validation):
   """The round's teachers, their weights and the student's start.
 
-  Returns `(teacher_stack, teacher_weights, average, num_dropped)`; the
-  teacher weights are 0 for teachers to leave out (rejected or dropped
-  clients). The average is over the clients kept.
+  Returns `(teacher_stack, teacher_weights, average, num_dropped,
+  informative)`; the teacher weights are 0 for teachers to leave out
+  (rejected or dropped clients). The average is over the clients kept.
+  `informative` is False when drop-worst finds every client at chance: there
+  is then nothing to distill from, and the round's model is the average of
+  all received clients (a FedAvg step), as in the first rounds of training.
   """
   updates, weights = collected
   clients = client_models(global_weights, updates)
   weights = tf.cast(weights, tf.float32)
   received = weights > 0
   keep = received
+  informative = tf.constant(True)
   if config.drop_worst:
     val_x, val_y = validation
     accuracies = distillation.member_accuracies(model, clients, val_x, val_y)
-    keep = tf.logical_and(received, distillation.drop_worst_mask(
-        accuracies, distillation.chance_accuracy(
-            val_y, model.output_shape[-1])))
+    above_chance = accuracies > distillation.chance_accuracy(
+        val_y, model.output_shape[-1])
+    informative = tf.reduce_any(tf.logical_and(received, above_chance))
     # If every received client is at chance, keep them all (no empty average).
-    keep = tf.cond(tf.reduce_any(keep), lambda: keep, lambda: received)
+    keep = tf.where(informative, tf.logical_and(received, above_chance),
+                    received)
   weights = weights * tf.cast(keep, tf.float32)
   num_dropped = (tf.reduce_sum(tf.cast(received, tf.int32)) -
                  tf.reduce_sum(tf.cast(keep, tf.int32)))
   average = weighted_average(clients, weights)
   if config.method != "fedbe":  # FedDF, v-Distillation: the clients.
-    return clients, tf.cast(weights > 0, tf.float32), average, num_dropped
+    return (clients, tf.cast(weights > 0, tf.float32), average, num_dropped,
+            informative)
   samples = None
   if "S" in config.targets:
     if config.distribution == "gaussian":
@@ -249,7 +255,8 @@ def teachers(model: tf.keras.Model, global_weights, collected, seed,
       config.targets, average, clients if "C" in config.targets else None,
       samples)
   return (stack, weight_posterior.teacher_weights(
-      config.targets, weights, config.num_samples), average, num_dropped)
+      config.targets, weights, config.num_samples), average, num_dropped,
+          informative)
 
 
 def _distillation_targets(config: ServerDistillationConfig, predictions):
@@ -275,7 +282,7 @@ def _server_step(model, global_weights, collected, seed, unlabeled,
   start = tf.timestamp()
   # tf.timestamp is not ordered with the other ops unless told.
   with tf.control_dependencies([start]):
-    stack, teacher_weights, average, num_dropped = teachers(
+    stack, teacher_weights, average, num_dropped, informative = teachers(
         model, global_weights, collected, seed, config, validation)
     predictions = distillation.ensemble_predictions(
         model, stack, unlabeled, teacher_weights)
@@ -287,16 +294,19 @@ def _server_step(model, global_weights, collected, seed, unlabeled,
         distillation.predict_logits(model, validation[0],
                                     distillation.EVAL_BATCH_SIZE),
         validation[1])
-  # With no client this round, the model stays as it was.
+  # With no client this round, the model stays as it was; with only clients
+  # at chance level (drop-worst), it is their average.
   received = tf.reduce_any(collected[1] > 0)
   new_weights = tf.nest.map_structure(
-      lambda s, w: tf.where(received, s, w), student, global_weights)
+      lambda s, a, w: tf.where(received, tf.where(informative, s, a), w),
+      student, average, global_weights)
   with tf.control_dependencies(tf.nest.flatten(new_weights) +
                                [student_accuracy]):
     seconds = tf.timestamp() - start
   measurements = collections.OrderedDict(
       student_validation_accuracy=student_accuracy,
       dropped_clients=num_dropped,
+      distilled=tf.cast(informative, tf.int32),
       distill_steps=stats["steps"],
       distill_examples=stats["examples"],
       server_seconds=tf.cast(seconds, tf.float32))
@@ -322,7 +332,7 @@ def server_update(model_fn: Callable[[], tf.keras.Model], global_weights,
 @tf.function
 def _teacher_step(model, global_weights, collected, seed, validation, images,
                   config: ServerDistillationConfig):
-  stack, teacher_weights, _, _ = teachers(
+  stack, teacher_weights, _, _, _ = teachers(
       model, global_weights, collected, seed, config, validation)
   predictions = distillation.ensemble_predictions(
       model, stack, images, teacher_weights)

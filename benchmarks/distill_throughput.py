@@ -40,7 +40,6 @@ import time
 from absl import app
 from absl import flags
 import numpy as np
-import psutil
 # TensorFlow before absl parses flags (see tff_ens/main.py).
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -62,17 +61,6 @@ FLAGS = flags.FLAGS
 
 ModelWeights = tff.learning.models.ModelWeights
 
-
-def cpu_seconds() -> float:
-  """CPU time of this process and its children (the TFF worker)."""
-  me = psutil.Process()
-  total = sum(me.cpu_times()[:2])
-  for child in me.children(recursive=True):
-    try:
-      total += sum(child.cpu_times()[:2])
-    except psutil.Error:
-      pass
-  return total
 
 
 def model_fn():
@@ -189,9 +177,9 @@ def main(argv):
     best_cpu = {name: 0.0 for name in variants}
     for repeat in range(FLAGS.repeats):
       for name, timed in variants.items():
-        cpu_start = cpu_seconds()
+        cpu_start = report.cpu_seconds()
         examples, seconds = timed()
-        cpu = cpu_seconds() - cpu_start
+        cpu = report.cpu_seconds() - cpu_start
         best[name] = max(best[name], examples / seconds)
         best_cpu[name] = max(best_cpu[name], examples / cpu)
         print(f"run {repeat + 1}, {name}: {examples / seconds:.0f} "
@@ -225,9 +213,7 @@ def main(argv):
     lines.append(
         f"| {name} | {best[name]:,.0f} | {best[name] / best[fit]:.2f} | "
         f"{best_cpu[name]:,.0f} | {best_cpu[name] / best_cpu[fit]:.2f} |")
-  print("\n".join(lines))
-  if FLAGS.results:
-    report.write_section(FLAGS.results, SECTION, "\n".join(lines))
+  report.publish(SECTION, lines)
 
 
 if __name__ == "__main__":

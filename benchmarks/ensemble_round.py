@@ -69,20 +69,6 @@ class PeakMemory:
     self._thread.join()
 
 
-def cpu_seconds() -> float:
-  """User + system CPU seconds of this process and its children (the worker)."""
-  me = psutil.Process()
-  processes = [me] + me.children(recursive=True)
-  total = 0.0
-  for process in processes:
-    try:
-      times = process.cpu_times()
-    except psutil.Error:
-      continue
-    total += times.user + times.system
-  return total
-
-
 def time_interleaved(algorithms_, datasets,
                      rounds: int) -> tuple[list[list[float]], list[list[float]]]:
   """Per algorithm, wall and CPU seconds of `rounds` rounds, run in turns."""
@@ -95,10 +81,10 @@ def time_interleaved(algorithms_, datasets,
   cpu = [[] for _ in algorithms_]
   for _ in range(rounds):
     for i, algorithm in enumerate(algorithms_):
-      start, start_cpu = time.perf_counter(), cpu_seconds()
+      start, start_cpu = time.perf_counter(), report.cpu_seconds()
       states[i], _ = algorithm.next_fn(states[i], datasets, indices)
       wall[i].append(time.perf_counter() - start)
-      cpu[i].append(cpu_seconds() - start_cpu)
+      cpu[i].append(report.cpu_seconds() - start_cpu)
   return wall, cpu
 
 
@@ -166,9 +152,7 @@ def main(argv):
     lines.append(f"| {name} | {median:.2f} | {median / baseline:.2f} | "
                  f"{median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
                  f"{peak / 2**30:.2f} GiB | {down:,} / {up:,} |")
-  print("\n".join(lines))
-  if FLAGS.results:
-    report.write_section(FLAGS.results, SECTION, "\n".join(lines))
+  report.publish(SECTION, lines)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import re
 import shlex
 import sys
 
+import psutil
+
 from absl import flags
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,3 +81,25 @@ def run_facts(started, load_at_start, script: str, machine_note: str = ""):
       f"- load average at start: {', '.join(f'{x:.2f}' for x in load_at_start)}"
       f"; at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
   ]
+
+
+def cpu_seconds() -> float:
+  """User + system CPU seconds of this process and its children (the TFF
+  worker): less disturbed by other load on the machine than wall time."""
+  me = psutil.Process()
+  total = 0.0
+  for process in [me] + me.children(recursive=True):
+    try:
+      times = process.cpu_times()
+    except psutil.Error:  # A child that just exited.
+      continue
+    total += times.user + times.system
+  return total
+
+
+def publish(section: str, lines: list[str]) -> None:
+  """Prints a results section and writes it into `--results` (if set)."""
+  text = "\n".join(lines)
+  print(text)
+  if flags.FLAGS.results:
+    write_section(flags.FLAGS.results, section, text)

@@ -108,9 +108,7 @@ def main(argv):
         f"{r['latency_ms_median']:.2f} | {r['accuracy']:.4f} | {r['keras_accuracy']:.4f} | "
         f"{100 * (r['accuracy'] - r['keras_accuracy']):+.2f} | {r['agreement']:.4f} | "
         f"{personalized} | {r['runtime'].split(' (')[0]} | {seconds:.0f} |")
-  print("\n".join(lines))
-  if FLAGS.results:
-    report.write_section(FLAGS.results, SECTION, "\n".join(lines))
+  report.publish(SECTION, lines)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class FederatedAlgorithm:
     teacher_fn: for server-distillation algorithms, `(state, datasets,
       images) -> probabilities` of the teachers the round `next_fn(state,
       datasets, ...)` distills from; None otherwise.
+    server_device: where their server step runs; None otherwise.
   """
 
   name: str
@@ -49,6 +50,7 @@ class FederatedAlgorithm:
   next_fn: Callable[[Any, list, np.ndarray], tuple[Any, dict]]
   models_fn: Callable[[Any], list[ModelWeights]]
   teacher_fn: Callable[[Any, list, np.ndarray], np.ndarray] | None = None
+  server_device: str | None = None
 
   def bytes_per_client_round(self) -> tuple[int, int]:
     """(bytes down, bytes up) for one client in one round, from the types."""
@@ -183,4 +185,4 @@ def _build_server_distillation(name, model_fn, element_spec, local_config,
       name=name, process=process, download_type=client_update.parameter,
       upload_type=client_update.result, next_fn=next_fn,
       models_fn=lambda state: [process.get_model_weights(state)],
-      teacher_fn=teacher_fn)
+      teacher_fn=teacher_fn, server_device=server_config.device)

@@ -30,7 +30,6 @@ the computation and its variables are assigned from tensors (as
 import collections
 import contextlib
 import dataclasses
-import logging
 from typing import Optional
 
 import tensorflow as tf
@@ -659,5 +658,4 @@ def choose_device(requested: Optional[str] = None) -> str:
       raise ValueError(
           f"--server_device={requested!r}: TensorFlow sees {len(gpus)} "
           "GPU(s) here; use --server_device=cpu or auto")
-  logging.info("server distillation runs on %s", device)
   return device

@@ -53,14 +53,15 @@ def _load_unlabeled(path: str, task) -> np.ndarray:
                             ".npz file with an array x, or a LEAF directory")
     try:
       with np.load(path) as archive:
-        if "x" not in archive.files:
-          raise tasks.DataError(
-              f"--server_data={path} has no array 'x' (it has "
-              f"{', '.join(archive.files) or 'none'}): save the images as x")
-        x = np.asarray(archive["x"], np.float32)
+        names = archive.files
+        x = np.asarray(archive["x"], np.float32) if "x" in names else None
     except (OSError, ValueError) as e:
       raise tasks.DataError(f"--server_data={path} is not a readable .npz "
                             f"file ({e}): pass a file written by np.savez")
+    if x is None:
+      raise tasks.DataError(
+          f"--server_data={path} has no array 'x' (it has "
+          f"{', '.join(names) or 'none'}): save the images as x")
   else:
     data = task.load_data(path)
     x = np.concatenate([split.concatenated()[0] for split in

@@ -476,8 +476,8 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
         config.seed))
   rows = outputs.metrics_rows()
   if config.algorithm in server_distillation.METHODS:
-    summary.update(_server_distillation_summary(config, data, rows, summary,
-                                                teacher_test))
+    summary.update(_server_distillation_summary(
+        data, rows, summary, teacher_test, algorithm.server_device))
   new_clients = evaluator.summary(models, data.new_clients, prefix="new")
   down, up = algorithm.bytes_per_client_round()
   seconds = [float(r["seconds"]) for r in rows if r.get("seconds")]
@@ -493,8 +493,8 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
   return summary
 
 
-def _server_distillation_summary(config, data, rows, summary,
-                                 teacher_test) -> dict:
+def _server_distillation_summary(data, rows, summary, teacher_test,
+                                 server_device: str) -> dict:
   """FedBE/FedDF keys: teacher and student accuracy, server time, device."""
   server_seconds = [float(r["server_seconds"]) for r in rows
                     if r.get("server_seconds")]
@@ -507,7 +507,7 @@ def _server_distillation_summary(config, data, rows, summary,
                                    if server_seconds else None),
       "distill_examples_per_second": (examples / sum(server_seconds)
                                       if server_seconds else None),
-      "server_device": config.server_distillation_config().device,
+      "server_device": server_device,
   }
   if teacher_test is not None:
     counts = [data.test.num_examples(c) for c in data.test.client_ids]

@@ -1,21 +1,35 @@
-"""Tasks: a dataset and the models for it, knowing nothing of federated algorithms.
+"""Tasks: a dataset and its models, knowing nothing of federated algorithms.
 
-A task module exposes NUM_CLASSES, INPUT_SHAPE, CLASS_LABELS, MODEL_NAMES, load_data and
-build_model.
+A task (a module, or for CIFAR a `cifar.CifarTask`) exposes NUM_CLASSES,
+INPUT_SHAPE, CLASS_LABELS, MODEL_NAMES, BINARY_MODEL_NAMES,
+TRAIN_AUGMENTATION, load_data and build_model:
+
+  load_data(data_dir=None, *, partition=None, seed=0) -> a
+    `femnist.FederatedData`, whose `server` field holds the server's examples
+    when the task sets them aside; `partition` is a
+    `partition.PartitionConfig` (a task with natural clients refuses any but
+    the default one).
+  build_model(name, *, seed=0, norm="batch") -> an un-compiled Keras model
+    to logits.
+  TRAIN_AUGMENTATION: None, or `(x, y, seed) -> (x, y)` applied to each
+    training example of a client (`seed`: int64 [2]); never to evaluation or
+    server data.
 """
 
-import types
-
+from tasks import cifar
 from tasks import femnist
+from tasks import partition  # pylint: disable=unused-import
 
-TASKS = {"femnist": femnist}
+TASKS = {"femnist": femnist, "cifar10": cifar.CIFAR10,
+         "cifar100": cifar.CIFAR100}
 
 # The error every task raises for missing or malformed data.
 DataError = femnist.DataError
 
 
-def get_task(name: str) -> types.ModuleType:
-  """The task module called `name`; ValueError if there is none."""
+def get_task(name: str):
+  """The task called `name`; ValueError if there is none."""
   if name not in TASKS:
-    raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
+    raise ValueError(f"unknown task {name!r}: choose one of "
+                     f"{', '.join(TASKS)}")
   return TASKS[name]

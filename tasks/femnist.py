@@ -32,15 +32,21 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tasks import partition as partition_lib
 from tasks import resnet
 
 NUM_CLASSES = 62
 INPUT_SHAPE = (28, 28, 1)
 CLASS_LABELS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 DATA_DIR_ENV = "TFF_ENS_DATA_DIR"
-MODEL_NAMES = ("cnn", "resnet8", "resnet20", "resnet8_binary", "resnet20_binary")
+MODEL_NAMES = ("cnn", "cnn_ppd_student", "resnet8", "resnet20", "resnet8_binary",
+               "resnet20_binary")
+# FedPPD's default student for a teacher architecture (its supplement, Table 2).
+STUDENT_MODELS = {"cnn": "cnn_ppd_student"}
 # The models with 1-bit layers (larq), which export as `lce` and `binary`.
 BINARY_MODEL_NAMES = ("resnet8_binary", "resnet20_binary")
+# No augmentation of training examples (see tasks/__init__.py).
+TRAIN_AUGMENTATION = None
 # TFF's downloader opens its URL without a timeout: without this, a network that drops
 # packets would hang the download instead of failing.
 DOWNLOAD_TIMEOUT_SECONDS = 30
@@ -104,8 +110,26 @@ class ClientArrays:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServerExamples:
+  """Training examples a task sets aside for the server before splitting the rest.
+
+  FedBE (Chen and Chao, ICLR 2021, Sec. 5) and FedDF (Lin et al., NeurIPS 2020, Sec. 4)
+  carve the server's data out of the training set: images whose labels are dropped, for
+  distillation, and a small labeled validation set.
+
+  Attributes:
+    unlabeled: float32 images [n, *INPUT_SHAPE] (no labels).
+    validation_x: float32 images [m, *INPUT_SHAPE].
+    validation_y: int32 labels [m].
+  """
+  unlabeled: np.ndarray
+  validation_x: np.ndarray
+  validation_y: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
 class FederatedData:
-  """The splits of a federated FEMNIST.
+  """The splits of a federated dataset (this one for FEMNIST; every task returns one).
 
   Attributes:
     train: writers with training data.
@@ -113,11 +137,14 @@ class FederatedData:
       `train`, without those that have no test data).
     new_clients: writers that have test data only, never seen in training.
     source: where the data came from, "leaf:<absolute directory>" or "tff:emnist".
+    server: examples the task set aside for the server, or None (FEMNIST: the server's
+      data are taken from `new_clients`, see tff_ens/server_data.py).
   """
   train: ClientArrays
   test: ClientArrays
   new_clients: ClientArrays
   source: str
+  server: ServerExamples | None = None
 
 
 def _client_arrays(examples: dict[str, tuple[np.ndarray, np.ndarray]]) -> ClientArrays:
@@ -305,13 +332,22 @@ def _one_line(error: Exception) -> str:
   return " ".join(f"{type(error).__name__}: {error}".split())
 
 
-def load_data(data_dir: str | None = None) -> FederatedData:
+def load_data(data_dir: str | None = None, *,
+              partition: partition_lib.PartitionConfig | None = None,
+              seed: int = 0) -> FederatedData:
   """Loads FEMNIST from `data_dir`, else from $TFF_ENS_DATA_DIR, else TFF's copy.
 
   `data_dir` and the environment variable name a LEAF directory (see `load_leaf`); TFF's
   copy is read from its cache or downloaded (see `load_tff`). Raises DataError with a
-  one-line message saying how to provide the data when none is reachable.
+  one-line message saying how to provide the data when none is reachable, or when a
+  `partition` other than the default is asked for: FEMNIST's clients are its writers
+  (`seed` only matters for tasks that split their data).
   """
+  del seed  # The split by writer is fixed.
+  if partition is not None and partition != partition_lib.PartitionConfig():
+    raise DataError("FEMNIST's clients are its writers: --partition, --num_clients and the "
+                    "other partition flags apply to cifar10 and cifar100; leave them at "
+                    "their defaults")
   data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
   if data_dir:
     return load_leaf(data_dir)
@@ -335,21 +371,48 @@ def _build_cnn(seed: int) -> tf.keras.Model:
   ], name="femnist_cnn")
 
 
+def _build_ppd_student(seed: int) -> tf.keras.Model:
+  """FedPPD's FEMNIST student (Bhatt et al., ACML 2023, supplement Table 2).
+
+  Three 5x5 conv (50, 100, 200 channels) + 2x2 max-pool, dense 1600 and 180: about
+  four times the LEAF CNN's multiply-adds. The table's dropout layers are left out:
+  Keras dropout inside a TFF computation draws unseeded noise, which would break
+  `--seed` reproducibility; the student's prior is its weight decay instead.
+  """
+  seeds = resnet.seed_stream(seed)
+  init = lambda: tf.keras.initializers.GlorotUniform(seed=next(seeds))
+  layers = tf.keras.layers
+  return tf.keras.Sequential([
+      tf.keras.Input(shape=INPUT_SHAPE),
+      layers.Conv2D(50, 5, padding="same", activation="relu", kernel_initializer=init()),
+      layers.MaxPool2D(2),
+      layers.Conv2D(100, 5, padding="same", activation="relu", kernel_initializer=init()),
+      layers.MaxPool2D(2),
+      layers.Conv2D(200, 5, padding="same", activation="relu", kernel_initializer=init()),
+      layers.MaxPool2D(2, padding="same"),
+      layers.Flatten(),
+      layers.Dense(1600, activation="relu", kernel_initializer=init()),
+      layers.Dense(180, activation="relu", kernel_initializer=init()),
+      layers.Dense(NUM_CLASSES, kernel_initializer=init()),
+  ], name="femnist_ppd_student")
+
+
 def build_model(name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Model:
   """An un-compiled model from 28x28x1 images to NUM_CLASSES logits (no softmax).
 
   Args:
     name: one of MODEL_NAMES: "cnn" (LEAF's CNN, which has no normalization layers, so
-      only norm="batch", the default, is accepted), "resnet8", "resnet20", or their
+      only norm="batch", the default, is accepted), "cnn_ppd_student" (FedPPD's
+      student, likewise), "resnet8", "resnet20", or their
       binarized versions "resnet8_binary" and "resnet20_binary" (`resnet.build_binary_resnet`).
     seed: the weights are a deterministic function of it.
     norm: "batch" or "group" normalization in the ResNets.
   """
-  if name == "cnn":
+  if name in ("cnn", "cnn_ppd_student"):
     if norm != "batch":
-      raise ValueError(f"model 'cnn' has no normalization layers: norm={norm!r} applies only "
-                       "to the ResNets")
-    return _build_cnn(seed)
+      raise ValueError(f"model {name!r} has no normalization layers: norm={norm!r} applies "
+                       "only to the ResNets")
+    return _build_cnn(seed) if name == "cnn" else _build_ppd_student(seed)
   if name in ("resnet8", "resnet20"):
     return resnet.build_resnet(int(name[len("resnet"):]), input_shape=INPUT_SHAPE,
                                num_classes=NUM_CLASSES, norm=norm, seed=seed)

@@ -137,14 +137,14 @@ class TestLocalObjectiveGradient:
     np.testing.assert_array_equal(got.numpy(), self.G)
 
 
-class TestZeroIfNonFinite:
+class TestRejectBadUpdate:
 
   def update(self, trainable_value, non_trainable_value):
     return ModelWeights([tf.constant([1.0, trainable_value]), tf.constant(2.0)],
                         [tf.constant([non_trainable_value, -3.0])])
 
   def test_finite_update_is_kept(self):
-    update, weight, rejected = client_work.zero_if_non_finite(
+    update, weight, rejected = client_work.reject_bad_update(
         self.update(5.0, 4.0), tf.constant(7.0))
     np.testing.assert_array_equal(update.trainable[0].numpy(), [1.0, 5.0])
     np.testing.assert_array_equal(update.trainable[1].numpy(), 2.0)
@@ -158,12 +158,24 @@ class TestZeroIfNonFinite:
   ])
   def test_non_finite_update_is_zeroed_with_weight_zero(
       self, trainable_value, non_trainable_value):
-    update, weight, rejected = client_work.zero_if_non_finite(
+    update, weight, rejected = client_work.reject_bad_update(
         self.update(trainable_value, non_trainable_value), tf.constant(7.0))
     for t in tf.nest.flatten(update):
       np.testing.assert_array_equal(t.numpy(), np.zeros(t.shape))
     assert float(weight) == 0.0
     assert float(rejected) == 1.0
+
+  @pytest.mark.parametrize("max_norm, rejected", [
+      (0.0, 0.0), (5.1, 0.0), (4.9, 1.0)])
+  def test_update_beyond_max_norm_is_rejected(self, max_norm, rejected):
+    # Trainable norm sqrt(1 + 16 + 8) = 5.0; the BN statistic (100) is not
+    # part of it.
+    update = ModelWeights([tf.constant([1.0, 4.0]), tf.constant(8.0**0.5)],
+                          [tf.constant([100.0])])
+    _, weight, got = client_work.reject_bad_update(
+        update, tf.constant(7.0), max_norm)
+    assert float(got) == rejected
+    assert float(weight) == 7.0 * (1 - rejected)
 
 
 class TestTrainLocally:

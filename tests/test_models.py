@@ -88,7 +88,7 @@ def test_resnet_is_task_independent():
 
 
 def test_unknown_model_name():
-  with pytest.raises(ValueError, match="unknown model 'vgg': choose one of cnn, resnet8, resnet20"):
+  with pytest.raises(ValueError, match="unknown model .vgg.: choose one of cnn, cnn_ppd_student, resnet8, resnet20"):
     femnist.build_model("vgg")
 
 

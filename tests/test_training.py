@@ -1,6 +1,5 @@
 """End-to-end runs of the training loop and the CLI on the real FEMNIST slice."""
 
-import csv
 import dataclasses
 import json
 import os
@@ -13,26 +12,15 @@ import time
 import numpy as np
 import pytest
 
+from tests.femnist_runs import DATA_DIR, QUICK, ROOT, read_metrics
 from tff_ens import training
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-DATA_DIR = str(ROOT.parent / "shared" / "data" / "femnist")
-
-# Small but real: 4 writers a round, batch 20, a few rounds.
-QUICK = training.ExperimentConfig(
-    data_dir=DATA_DIR, rounds=4, clients_per_round=4, eval_every=2,
-    checkpoint_every=2, client_lr=0.1, seed=3)
 
 
 def run_cli(*args, timeout=600):
   return subprocess.run(
       [sys.executable, "-m", "tff_ens.main", *args], cwd=ROOT,
       capture_output=True, text=True, timeout=timeout)
-
-
-def read_metrics(output_dir):
-  with open(os.path.join(output_dir, training.METRICS_FILE)) as f:
-    return list(csv.DictReader(f))
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +151,27 @@ def test_output_dir_of_another_run_is_refused_and_kept(fedavg_run):
   with pytest.raises(training.UsageError, match="pass --resume"):
     training.run_experiment(config)
   assert pathlib.Path(metrics_path).read_bytes() == before
+
+
+def test_run_from_before_a_new_flag_resumes_at_its_default(tmp_path):
+  config = dataclasses.replace(QUICK, output_dir=str(tmp_path), resume=True)
+  old = dataclasses.asdict(config)
+  del old["active_budget"]  # As if the run predates --active_budget.
+  (tmp_path / training.CONFIG_FILE).write_text(json.dumps(old))
+  training._Outputs(config, None).close()  # pylint: disable=protected-access
+  (tmp_path / training.CONFIG_FILE).write_text(json.dumps(old))
+  with pytest.raises(training.UsageError, match="differs in active_budget"):
+    training._Outputs(  # pylint: disable=protected-access
+        dataclasses.replace(config, active_budget=3), None)
+
+
+def test_max_update_norm_rejects_larger_updates(tmp_path):
+  config = dataclasses.replace(QUICK, rounds=1, eval_every=1,
+                               max_update_norm=1e-6, output_dir=str(tmp_path))
+  training.run_experiment(config)
+  row, = read_metrics(tmp_path)
+  assert float(row["rejected_updates"]) == config.clients_per_round
+  assert float(row["train_loss"]) == 0.0  # Rejected clients' metrics drop.
 
 
 def test_cli_missing_data_dir_is_one_line(tmp_path):

@@ -16,13 +16,17 @@ import tensorflow_federated as tff
 from tff_ens import client_work as client_work_lib
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
+from tff_ens import fedppd
 from tff_ens import server_distillation
 
 ModelWeights = tff.learning.models.ModelWeights
 
+FEDPPD_METHODS = ("fedppd", "fedppd_distill")
 ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble") + (
-    server_distillation.METHODS)
+    server_distillation.METHODS) + FEDPPD_METHODS
 LOCAL_OBJECTIVES = ("sgd", "fedprox")
+# Algorithms whose server step uses the server's data.
+SERVER_DATA_ALGORITHMS = server_distillation.METHODS + ("fedppd_distill",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,8 @@ class FederatedAlgorithm:
       images) -> probabilities` of the teachers the round `next_fn(state,
       datasets, ...)` distills from; None otherwise.
     server_device: where their server step runs; None otherwise.
+    evaluation_model_fn: builds the Keras model `models_fn`'s weights fit
+      when it is not the task's `--model` (FedPPD's student); None otherwise.
   """
 
   name: str
@@ -51,6 +57,7 @@ class FederatedAlgorithm:
   models_fn: Callable[[Any], list[ModelWeights]]
   teacher_fn: Callable[[Any, list, np.ndarray], np.ndarray] | None = None
   server_device: str | None = None
+  evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
 
   def bytes_per_client_round(self) -> tuple[int, int]:
     """(bytes down, bytes up) for one client in one round, from the types."""
@@ -88,7 +95,10 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                     server_config: (
                         server_distillation.ServerDistillationConfig | None
                     ) = None,
-                    clients_per_round: int = 10) -> FederatedAlgorithm:
+                    clients_per_round: int = 10,
+                    student_fn: Callable[[], tf.keras.Model] | None = None,
+                    posterior_config: fedppd.PosteriorConfig | None = None
+                    ) -> FederatedAlgorithm:
   """Builds algorithm `name`.
 
   Args:
@@ -107,9 +117,12 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     assignment: "permutation" or "random" (`fedensemble`).
     seed: seed of `fedensemble`'s permutations.
     server_data: the server's `server_data.ServerData` (fedbe, feddf,
-      vdistill).
-    server_config: their `ServerDistillationConfig` (its method is `name`).
-    clients_per_round: the largest cohort (fedbe, feddf, vdistill).
+      vdistill, fedppd_distill).
+    server_config: their `ServerDistillationConfig` (its method is `name`;
+      FedBE's for fedppd_distill).
+    clients_per_round: the largest cohort (the same four).
+    student_fn: builds FedPPD's student (`model_fn(0)` is its teacher).
+    posterior_config: FedPPD's client update.
   """
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}: choose one of "
@@ -122,9 +135,22 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
   if name == "fedensemble":
     return _build_fed_ensemble(model_fn, element_spec, local_config,
                                ensemble_size, assignment, seed)
+  if name in SERVER_DATA_ALGORITHMS and (server_data is None or
+                                         server_config is None):
+    raise ValueError(f"{name} needs server_data and server_config")
+  if name in FEDPPD_METHODS:
+    if student_fn is None or posterior_config is None:
+      raise ValueError(f"{name} needs student_fn and posterior_config")
+    if name == "fedppd":
+      built = fedppd.build_fedppd(lambda: model_fn(0), student_fn,
+                                  element_spec, posterior_config)
+    else:
+      built = fedppd.build_fedppd_distill(
+          lambda: model_fn(0), student_fn, element_spec, posterior_config,
+          server_data, dataclasses.replace(server_config, method="fedbe"),
+          clients_per_round=clients_per_round)
+    return _fedppd_algorithm(name, built, student_fn, server_config)
   if name in server_distillation.METHODS:
-    if server_data is None or server_config is None:
-      raise ValueError(f"{name} needs server_data and server_config")
     return _build_server_distillation(
         name, model_fn, element_spec, local_config, server_data,
         dataclasses.replace(server_config, method=name), clients_per_round)
@@ -133,18 +159,25 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
       server_learning_rate=server_learning_rate,
       server_momentum=server_momentum if name == "fedavgm" else 0.0)
 
-  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
-    del client_indices  # FedAvg's clients are interchangeable.
-    output = process.next(state, list(datasets))
-    return output.state, output.metrics
-
   # A client receives the client computation's parameters but for its own
   # data (a sequence, sized 0) and sends back the computation's result.
   client_update = client_work.client_update.type_signature
   return FederatedAlgorithm(
       name=name, process=process, download_type=client_update.parameter,
-      upload_type=client_update.result, next_fn=next_fn,
+      upload_type=client_update.result,
+      next_fn=_learning_process_next(process),
       models_fn=lambda state: [process.get_model_weights(state)])
+
+
+def _learning_process_next(process: tff.learning.templates.LearningProcess):
+  """`next_fn` of a `LearningProcess`, whose clients are interchangeable."""
+
+  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
+    del client_indices
+    output = process.next(state, list(datasets))
+    return output.state, output.metrics
+
+  return next_fn
 
 
 def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
@@ -172,17 +205,26 @@ def _build_server_distillation(name, model_fn, element_spec, local_config,
       server_config, clients_per_round=clients_per_round)
   process = built.process
 
-  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
-    del client_indices
-    output = process.next(state, list(datasets))
-    return output.state, output.metrics
-
   def teacher_fn(state, datasets, images):
     return built.teacher_probabilities(state, list(datasets), images)
 
   client_update = built.client_work.client_update.type_signature
   return FederatedAlgorithm(
       name=name, process=process, download_type=client_update.parameter,
-      upload_type=client_update.result, next_fn=next_fn,
+      upload_type=client_update.result,
+      next_fn=_learning_process_next(process),
       models_fn=lambda state: [process.get_model_weights(state)],
       teacher_fn=teacher_fn, server_device=server_config.device)
+
+
+def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn,
+                      server_config) -> FederatedAlgorithm:
+  client_update = built.client_work.client_update.type_signature
+  return FederatedAlgorithm(
+      name=name, process=built.process,
+      download_type=client_update.parameter,
+      upload_type=client_update.result,
+      next_fn=_learning_process_next(built.process),
+      models_fn=lambda state: [built.student_weights(state)],
+      server_device=server_config.device if server_config else None,
+      evaluation_model_fn=student_fn)

@@ -37,6 +37,8 @@ class LocalTrainingConfig:
     lr_schedule: "constant", or "step": the rate times 0.1 at 30% and again at
       60% of `total_rounds` (FedBE's schedule).
     total_rounds: number of rounds the schedule spans.
+    max_update_norm: an update whose trainable part has a larger L2 norm is
+      rejected (`reject_bad_update`); 0 accepts every finite update.
   """
 
   learning_rate: float = 0.05
@@ -45,6 +47,7 @@ class LocalTrainingConfig:
   proximal_mu: float = 0.0
   lr_schedule: str = "constant"
   total_rounds: int = 1
+  max_update_norm: float = 0.0
 
   def __post_init__(self):
     if self.lr_schedule not in LR_SCHEDULES:
@@ -54,7 +57,7 @@ class LocalTrainingConfig:
     for name in ("learning_rate", "total_rounds"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-    for name in ("momentum", "weight_decay", "proximal_mu"):
+    for name in ("momentum", "weight_decay", "proximal_mu", "max_update_norm"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -94,17 +97,24 @@ def weights_delta(initial: ModelWeights, final: ModelWeights) -> ModelWeights:
   return tf.nest.map_structure(tf.subtract, initial, final)
 
 
-def zero_if_non_finite(update, weight):
-  """Drops an update with NaN or Inf anywhere: zeros it and its weight.
+def reject_bad_update(update: ModelWeights, weight, max_norm: float = 0.0):
+  """Drops a broken or suspicious update: zeros it and its weight.
 
-  Returns the update, its weight and 1.0 if it was rejected (0.0 otherwise).
+  An update is rejected if any tensor has a NaN or Inf, or if `max_norm` > 0
+  and the global L2 norm of its trainable part exceeds `max_norm` (batch-norm
+  statistics move by data scale, not by learning, so they are left out of
+  the norm). Returns the update, its weight and 1.0 if it was rejected (0.0
+  otherwise).
   """
-  finite = tf.reduce_all([
+  good = tf.reduce_all([
       tf.reduce_all(tf.math.is_finite(t)) for t in tf.nest.flatten(update)])
+  if max_norm:
+    good = tf.logical_and(
+        good, tf.linalg.global_norm(list(update.trainable)) <= max_norm)
   update = tf.nest.map_structure(
-      lambda t: tf.where(finite, t, tf.zeros_like(t)), update)
-  weight = tf.where(finite, weight, 0.0)
-  return update, weight, 1.0 - tf.cast(finite, tf.float32)
+      lambda t: tf.where(good, t, tf.zeros_like(t)), update)
+  weight = tf.where(good, weight, 0.0)
+  return update, weight, 1.0 - tf.cast(good, tf.float32)
 
 
 @tf.function
@@ -128,7 +138,8 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
     `(ClientResult(update=initial - final ModelWeights, update_weight=number
     of examples), metrics)` where metrics holds sums over examples:
     `loss`, `correct`, `num_examples`, and `rejected` (1 if the update was not
-    finite and so was zeroed with weight 0; its other metrics are then 0).
+    finite or too large (`reject_bad_update`) and so was zeroed with weight 0;
+    its other metrics are then 0).
   """
   model_weights = ModelWeights.from_model(model)
   tf.nest.map_structure(lambda v, t: v.assign(t), model_weights,
@@ -166,8 +177,8 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
   _, loss_sum, correct, count = dataset.reduce(
       (opt_state, zero, zero, zero), step)
   final = tf.nest.map_structure(tf.identity, model_weights)
-  update, weight, rejected = zero_if_non_finite(
-      weights_delta(initial_weights, final), count)
+  update, weight, rejected = reject_bad_update(
+      weights_delta(initial_weights, final), count, config.max_update_norm)
   # A rejected client's training metrics are dropped with its update (its
   # loss may be NaN, so it is selected away rather than multiplied by 0).
   accepted = 1.0 - rejected
@@ -261,15 +272,28 @@ def build_client_work(model_fn: Callable[[], tf.keras.Model],
   def round_learning_rate(round_num):
     return learning_rate_at(round_num, config)
 
+  @tff.tensorflow.computation(client_update.type_signature.result[1])
+  def finalize(sums):
+    return finalize_train_metrics(sums)
+
+  return build_round_client_work(client_update, round_learning_rate, finalize)
+
+
+def build_round_client_work(client_update: tff.Computation,
+                            round_input: tff.Computation,
+                            finalize: tff.Computation) -> ClientWork:
+  """A client-work stage whose state is the 0-based round number.
+
+  Each round the server computes `round_input(round)` (the learning rate,
+  the round itself), broadcasts it, every client runs `client_update(weights,
+  data, that value) -> (ClientResult, metrics)`, and the clients' summed
+  metrics become the round's measurements through `finalize`.
+  """
+  weights_type, data_type, _ = client_update.type_signature.parameter
+
   @tff.tensorflow.computation(tf.int32)
   def increment(round_num):
     return round_num + 1
-
-  metrics_type = client_update.type_signature.result[1]
-
-  @tff.tensorflow.computation(metrics_type)
-  def finalize(sums):
-    return finalize_train_metrics(sums)
 
   @tff.federated_computation
   def init_fn():
@@ -280,10 +304,9 @@ def build_client_work(model_fn: Callable[[], tf.keras.Model],
       tff.FederatedType(weights_type, tff.CLIENTS),
       tff.FederatedType(data_type, tff.CLIENTS))
   def next_fn(state, weights, client_data):
-    learning_rate = tff.federated_broadcast(
-        tff.federated_map(round_learning_rate, state))
+    value = tff.federated_broadcast(tff.federated_map(round_input, state))
     results, metrics = tff.federated_map(
-        client_update, (weights, client_data, learning_rate))
+        client_update, (weights, client_data, value))
     measurements = tff.federated_map(finalize, tff.federated_sum(metrics))
     return tff.templates.MeasuredProcessOutput(
         tff.federated_map(increment, state), results, measurements)

@@ -22,16 +22,36 @@ from tff_ens import training
 import tasks
 
 
-flags.DEFINE_string("task", "femnist", "Task: femnist.")
+flags.DEFINE_string("task", "femnist", "Task: femnist, cifar10 or cifar100.")
 flags.DEFINE_string(
     "data_dir", None,
-    "Task data directory (FEMNIST: a LEAF directory with train/ and test/). "
-    "Defaults to $TFF_ENS_DATA_DIR, then TFF's own download.")
+    "Task data directory (FEMNIST: a LEAF directory with train/ and test/; "
+    "CIFAR: the directory holding cifar-10-batches-py/ or cifar-100-python/)."
+    " Defaults to $TFF_ENS_DATA_DIR, then TFF's (FEMNIST) or Keras' (CIFAR) "
+    "cache or download.")
+flags.DEFINE_integer("num_clients", 10, "CIFAR: clients sharing the data.")
+flags.DEFINE_enum("partition", "iid", ["iid", "dirichlet", "step", "classes"],
+                  "CIFAR: split over clients (tasks/partition.py).")
+flags.DEFINE_float("partition_alpha", 1.0,
+                   "CIFAR: Dirichlet alpha of --partition=dirichlet.")
+flags.DEFINE_integer("classes_per_client", 2,
+                     "CIFAR: labels per client of --partition=classes, major "
+                     "classes of --partition=step.")
+flags.DEFINE_integer("step_minor_examples", 10,
+                     "CIFAR: --partition=step examples of every class per "
+                     "client.")
+flags.DEFINE_integer("server_unlabeled_examples", 10_000,
+                     "CIFAR: training examples set aside as the server's "
+                     "unlabeled data.")
+flags.DEFINE_integer("server_validation_examples", 1_000,
+                     "CIFAR: training examples set aside as the server's "
+                     "labeled validation set.")
 flags.DEFINE_string(
     "algorithm", "fedavg",
-    "fedavg, fedprox, fedavgm, fedensemble, fedbe, feddf or vdistill "
-    "(FedBE's v-Distillation baseline).")
-flags.DEFINE_string("model", "cnn", "Model: cnn (LEAF CNN), resnet8, resnet20.")
+    "fedavg, fedprox, fedavgm, fedensemble, fedbe, feddf, vdistill "
+    "(FedBE's v-Distillation baseline) or fedppd.")
+flags.DEFINE_string("model", "cnn", "Model: cnn (FEMNIST: LEAF CNN; CIFAR: "
+                    "FedBE's ConvNet), resnet8, resnet20, resnet32 (CIFAR).")
 flags.DEFINE_enum("norm", "batch", ["batch", "group"],
                   "Normalization layers of ResNets.")
 flags.DEFINE_integer("rounds", 100, "Communication rounds.")
@@ -62,8 +82,8 @@ flags.DEFINE_float("personalization_temperature", 0.0,
 flags.DEFINE_string(
     "server_data", None,
     "FedBE/FedDF unlabeled server data: a LEAF directory or a .npz with x. "
-    "Default: the task's writers with test data only (see "
-    "tff_ens/server_data.py).")
+    "Default: the task's (FEMNIST: writers with test data only; CIFAR: "
+    "--server_unlabeled_examples set aside; see tff_ens/server_data.py).")
 flags.DEFINE_integer("distill_steps", 200,
                      "Server distillation steps per round (FedDF: at most).")
 flags.DEFINE_integer("distill_batch_size", 64, "Server distillation batch.")
@@ -85,6 +105,47 @@ flags.DEFINE_integer("distill_eval_every", 20,
 flags.DEFINE_string("server_device", "auto",
                     "Server distillation device: auto (GPU if TensorFlow "
                     "sees one), cpu, gpu or e.g. /GPU:1.")
+flags.DEFINE_string(
+    "student_model", "",
+    "FedPPD: the student (default: the task's for --model, FEMNIST's "
+    "cnn_ppd_student for cnn; else --model).")
+flags.DEFINE_float("teacher_lr", 4e-4,
+                   "FedPPD: SGLD step size eps of the teacher (noise variance "
+                   "eps * --sgld_temperature; like SGD at rate eps*N/2).")
+flags.DEFINE_float("sgld_temperature", 1.0,
+                   "FedPPD: posterior temperature T of SGLD (1: exact).")
+flags.DEFINE_float("prior_precision", 1.0,
+                   "FedPPD: precision of the teacher's Gaussian weight prior.")
+flags.DEFINE_float("student_lr", 0.05, "FedPPD: student SGD learning rate.")
+flags.DEFINE_float("student_momentum", 0.0,
+                   "FedPPD: student SGD momentum.")
+flags.DEFINE_float("student_weight_decay", 1e-4,
+                   "FedPPD: the student's L2 prior term.")
+flags.DEFINE_integer(
+    "active_learning_rounds", 0,
+    "Active learning: A acquisitions after A+1 equal phases of --rounds "
+    "(0: off).")
+flags.DEFINE_integer("active_budget", 10,
+                     "Active learning: inputs each client annotates per "
+                     "acquisition.")
+flags.DEFINE_float("active_initial_fraction", 0.1,
+                   "Active learning: labeled part of each client's data at "
+                   "the start.")
+flags.DEFINE_enum("active_selection", "entropy", ["entropy", "random"],
+                  "Active learning: annotate the highest predictive entropy, "
+                  "or at random (the baseline).")
+flags.DEFINE_float(
+    "max_update_norm", 0.0,
+    "Reject a client update whose trainable weights moved by a larger L2 "
+    "norm (counted in rejected_updates); 0: no limit. NaN/Inf updates are "
+    "always rejected.")
+flags.DEFINE_float("dropout_rate", 0.0,
+                   "Fault simulation: a sampled client returns nothing with "
+                   "this probability.")
+flags.DEFINE_float("straggler_rate", 0.0,
+                   "Fault simulation: a sampled client is a straggler with "
+                   "this probability and completes a U(0, 1] fraction of its "
+                   "local epochs (FedBE's systems heterogeneity).")
 flags.DEFINE_integer("seed", 0, "Seed of models, client sampling and data.")
 flags.DEFINE_string("output_dir", "runs/femnist", "Where outputs go.")
 flags.DEFINE_integer("eval_every", 10, "Evaluate on test data every N rounds.")

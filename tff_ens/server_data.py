@@ -5,14 +5,17 @@ Both papers distill on the server with data the clients never send: an
 Algorithm 1) and, for FedDF's early stopping and drop-worst, a small
 *labeled validation* set (Lin et al., Sec. 4).
 
-Default (`server_split`): the writers of the task that have test data only
-(`FederatedData.new_clients`, never sampled for training) are split by writer,
-seeded: a `validation_fraction` of them is the server's labeled validation
-set, the images of the others (labels dropped) are the unlabeled set. Neither
-contains an example of the training writers' test data, on which
-`test_accuracy` is measured; `check_disjoint` enforces that for any source.
-(`new_client_accuracy` is measured on all test-only writers, so for FedBE and
-FedDF it is transductive: the server saw those writers' images, unlabeled.)
+Default (`server_split`): a task that sets examples aside for the server
+(`FederatedData.server`; CIFAR carves them out of the training set before
+splitting the rest over the clients, as both papers do) gives them. Otherwise
+the writers of the task that have test data only (`FederatedData.new_clients`,
+never sampled for training) are split by writer, seeded: a
+`validation_fraction` of them is the server's labeled validation set, the
+images of the others (labels dropped) are the unlabeled set. Neither contains
+an example of the test data on which `test_accuracy` is measured;
+`check_disjoint` enforces that for any source. (`new_client_accuracy` is
+measured on all test-only writers, so for FedBE and FedDF it is transductive:
+the server saw those writers' images, unlabeled.)
 
 `--server_data=PATH` replaces the unlabeled set by another source: a LEAF
 directory of the same task (all its images) or a `.npz` file with an array
@@ -106,8 +109,36 @@ def server_split(data, task, *, seed: int, validation_fraction: float = 0.2,
   if not 0 < validation_fraction < 1:
     raise ValueError("validation_fraction must be in (0, 1), got "
                      f"{validation_fraction}")
+  if data.server is not None:
+    validation_x = data.server.validation_x
+    validation_y = data.server.validation_y
+    unlabeled = data.server.unlabeled
+    source = f"{data.source} (set aside from training, unlabeled)"
+  else:
+    validation_x, validation_y, unlabeled, source = _split_test_only_writers(
+        data, seed, validation_fraction, unlabeled_path is None)
+  if unlabeled_path is not None:
+    unlabeled = _load_unlabeled(unlabeled_path, task)
+    source = os.path.abspath(unlabeled_path)
+  if not len(validation_y):
+    raise tasks.DataError(
+        f"the data at {data.source} give the server no labeled validation "
+        "examples: set some aside (--server_validation_examples)")
+  test_x = data.test.concatenated()[0]
+  check_disjoint(unlabeled, test_x, f"the server's unlabeled data ({source})")
+  check_disjoint(validation_x, test_x, "the server's validation data")
+  if not len(unlabeled):
+    raise tasks.DataError(f"the server's unlabeled data ({source}) is empty: "
+                          "pass --server_data with images")
+  return ServerData(unlabeled=unlabeled, validation_x=validation_x,
+                    validation_y=validation_y, source=source)
+
+
+def _split_test_only_writers(data, seed: int, validation_fraction: float,
+                             need_unlabeled: bool):
+  """(validation x, y, unlabeled images, source) from the test-only writers."""
   writers = list(data.new_clients.client_ids)
-  if len(writers) < 2 and unlabeled_path is None:
+  if len(writers) < 2 and need_unlabeled:
     raise tasks.DataError(
         f"the data at {data.source} has {len(writers)} writers with test data "
         "only; the server needs at least 2 (unlabeled and validation): use a "
@@ -122,18 +153,7 @@ def server_split(data, task, *, seed: int, validation_fraction: float = 0.2,
   validation = data.new_clients.subset(
       [writers[i] for i in order[:num_validation]])
   validation_x, validation_y = validation.concatenated()
-  if unlabeled_path is None:
-    unlabeled = data.new_clients.subset(
-        [writers[i] for i in order[num_validation:]]).concatenated()[0]
-    source = f"{data.source} (test-only writers, unlabeled)"
-  else:
-    unlabeled = _load_unlabeled(unlabeled_path, task)
-    source = os.path.abspath(unlabeled_path)
-  test_x = data.test.concatenated()[0]
-  check_disjoint(unlabeled, test_x, f"the server's unlabeled data ({source})")
-  check_disjoint(validation_x, test_x, "the server's validation data")
-  if not len(unlabeled):
-    raise tasks.DataError(f"the server's unlabeled data ({source}) is empty: "
-                          "pass --server_data with images")
-  return ServerData(unlabeled=unlabeled, validation_x=validation_x,
-                    validation_y=validation_y, source=source)
+  unlabeled = data.new_clients.subset(
+      [writers[i] for i in order[num_validation:]]).concatenated()[0]
+  return (validation_x, validation_y, unlabeled,
+          f"{data.source} (test-only writers, unlabeled)")

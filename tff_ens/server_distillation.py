@@ -356,6 +356,38 @@ def teacher_probabilities(model_fn, global_weights, collected, round_num,
                          config)
 
 
+def build_step_finalizer(
+    server_step: tff.Computation) -> tff.learning.templates.FinalizerProcess:
+  """The finalizer running `server_step` at SERVER once a round.
+
+  `server_step(global_weights, collected, round_num) -> (new weights,
+  measurements)` is a `tff.tensorflow.computation`; the finalizer's state is
+  the 0-based round number, which seeds the step.
+  """
+  weights_type, collected_type, _ = server_step.type_signature.parameter
+
+  @tff.tensorflow.computation(np.int32)
+  def increment(round_num):
+    return round_num + 1
+
+  @tff.federated_computation
+  def finalizer_init():
+    return tff.federated_value(0, tff.SERVER)
+
+  @tff.federated_computation(
+      finalizer_init.type_signature.result,
+      tff.FederatedType(weights_type, tff.SERVER),
+      tff.FederatedType(collected_type, tff.SERVER))
+  def finalizer_next(round_num, global_weights, collected):
+    new_weights, measurements = tff.federated_map(
+        server_step, (global_weights, collected, round_num))
+    return tff.templates.MeasuredProcessOutput(
+        tff.federated_map(increment, round_num), new_weights, measurements)
+
+  return tff.learning.templates.FinalizerProcess(finalizer_init,
+                                                 finalizer_next)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerDistillationProcess:
   """The built process and its companion computations.
@@ -401,29 +433,9 @@ def build_server_distillation(
     return server_update(model_fn, global_weights, collected, round_num, data,
                          config)
 
-  @tff.tensorflow.computation(np.int32)
-  def increment(round_num):
-    return round_num + 1
-
-  @tff.federated_computation
-  def finalizer_init():
-    return tff.federated_value(0, tff.SERVER)
-
-  @tff.federated_computation(
-      finalizer_init.type_signature.result,
-      tff.FederatedType(weights_type, tff.SERVER),
-      tff.FederatedType(collected_type, tff.SERVER))
-  def finalizer_next(round_num, global_weights, collected):
-    new_weights, measurements = tff.federated_map(
-        server_step, (global_weights, collected, round_num))
-    return tff.templates.MeasuredProcessOutput(
-        tff.federated_map(increment, round_num), new_weights, measurements)
-
-  finalizer = tff.learning.templates.FinalizerProcess(finalizer_init,
-                                                      finalizer_next)
   process = tff.learning.templates.compose_learning_process(
       fedavg.build_initial_weights_fn(model_fn), distributor,
-      client_work.process, aggregator, finalizer)
+      client_work.process, aggregator, build_step_finalizer(server_step))
 
   images_type = tff.TensorType(np.float32, [None, *_input_shape(model_fn)])
 

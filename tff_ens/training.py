@@ -17,6 +17,7 @@ import csv
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -27,11 +28,13 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import active_learning
 from tff_ens import algorithms
 from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
 from tff_ens import evaluation
 from tff_ens import fed_ensemble
+from tff_ens import fedppd
 from tff_ens import personalization
 from tff_ens import runtime
 from tff_ens import server_data as server_data_lib
@@ -53,6 +56,10 @@ SWA_CYCLE_STEPS = 25
 _RESUME_FREE_KEYS = ("resume", "max_concurrent_clients")
 
 
+# Algorithms distilling with SWA unless --noswa.
+_SWA_ALGORITHMS = ("fedbe", "fedppd_distill")
+
+
 class UsageError(ValueError):
   """A bad flag value or output directory; the message names the fix."""
 
@@ -63,6 +70,13 @@ class ExperimentConfig:
 
   task: str = "femnist"
   data_dir: str | None = None
+  num_clients: int = 10
+  partition: str = "iid"
+  partition_alpha: float = 1.0
+  classes_per_client: int = 2
+  step_minor_examples: int = 10
+  server_unlabeled_examples: int = 10_000
+  server_validation_examples: int = 1_000
   algorithm: str = "fedavg"
   model: str = "cnn"
   norm: str = "batch"
@@ -93,6 +107,20 @@ class ExperimentConfig:
   distill_patience: int = 100
   distill_eval_every: int = 20
   server_device: str = "auto"
+  student_model: str = ""
+  teacher_lr: float = 4e-4
+  sgld_temperature: float = 1.0
+  prior_precision: float = 1.0
+  student_lr: float = 0.05
+  student_momentum: float = 0.0
+  student_weight_decay: float = 1e-4
+  active_learning_rounds: int = 0
+  active_budget: int = 10
+  active_initial_fraction: float = 0.1
+  active_selection: str = "entropy"
+  max_update_norm: float = 0.0
+  dropout_rate: float = 0.0
+  straggler_rate: float = 0.0
   seed: int = 0
   output_dir: str = "runs/femnist"
   eval_every: int = 10
@@ -139,49 +167,102 @@ class ExperimentConfig:
     if self.dirichlet_alpha <= 0:
       raise UsageError(f"--dirichlet_alpha must be > 0, got "
                        f"{self.dirichlet_alpha}")
-    if (self.algorithm == "fedbe" and self.swa and
+    if (self.algorithm in _SWA_ALGORITHMS and self.swa and
         self.distill_steps < SWA_CYCLE_STEPS):
       raise UsageError(
           f"--distill_steps={self.distill_steps} is shorter than one SWA "
           f"cycle ({SWA_CYCLE_STEPS} steps): use --distill_steps >= "
           f"{SWA_CYCLE_STEPS}, or --noswa")
-    if self.algorithm in server_distillation.METHODS:
+    if self.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
       try:
         self.server_distillation_config()
       except ValueError as e:
         raise UsageError(str(e)) from None
+    if self.algorithm in algorithms.FEDPPD_METHODS:
+      if self.resolved_student_model() not in task.MODEL_NAMES:
+        raise UsageError(
+            f"unknown --student_model={self.student_model} for task "
+            f"{self.task}: choose one of {', '.join(task.MODEL_NAMES)}")
+      try:
+        self.posterior_config()
+      except ValueError as e:
+        raise UsageError(f"fedppd: {e}") from None
+    for name in ("dropout_rate", "straggler_rate"):
+      if not 0 <= getattr(self, name) <= 1:
+        raise UsageError(f"--{name} must be in [0, 1], got "
+                         f"{getattr(self, name)}")
+    try:
+      self.active_learning_config()
+    except ValueError as e:
+      raise UsageError(str(e)) from None
     if self.personalization_temperature < 0:
       raise UsageError("--personalization_temperature must be > 0, or 0 to "
                        "choose it from training data")
     try:
       self.local_training_config()
+      self.partition_config()
     except ValueError as e:
       raise UsageError(str(e)) from None
 
   def server_distillation_config(
       self) -> server_distillation.ServerDistillationConfig:
-    """The server step of fedbe, feddf and vdistill from the flags."""
+    """The server step of fedbe, feddf, vdistill, fedppd_distill."""
     if self.algorithm == "feddf":
       distill = distillation.feddf_config(
           self.distill_steps, batch_size=self.distill_batch_size,
           patience=self.distill_patience, eval_every=self.distill_eval_every)
     else:  # FedBE (SWA or not); v-Distillation is FedBE's plain SGD.
       distill = distillation.fedbe_config(
-          self.distill_steps, swa=self.swa and self.algorithm == "fedbe",
+          self.distill_steps,
+          swa=self.swa and self.algorithm in _SWA_ALGORITHMS,
           batch_size=self.distill_batch_size, cycle_steps=SWA_CYCLE_STEPS)
     return server_distillation.ServerDistillationConfig(
-        method=self.algorithm, distill=distill,
+        # FedPPD+Distill distills the students with FedBE's server step.
+        method=("fedbe" if self.algorithm == "fedppd_distill" else
+                self.algorithm), distill=distill,
         distribution=self.fedbe_distribution, num_samples=self.fedbe_samples,
         targets=self.fedbe_targets, dirichlet_alpha=self.dirichlet_alpha,
         drop_worst=self.drop_worst and self.algorithm == "feddf",
         device=distillation.choose_device(self.server_device),
         seed=self.seed)
 
+  def partition_config(self) -> tasks.partition.PartitionConfig:
+    """How a task without natural clients (CIFAR) is split over clients."""
+    return tasks.partition.PartitionConfig(
+        partition=self.partition, num_clients=self.num_clients,
+        alpha=self.partition_alpha,
+        classes_per_client=self.classes_per_client,
+        step_minor_examples=self.step_minor_examples,
+        server_unlabeled_examples=self.server_unlabeled_examples,
+        server_validation_examples=self.server_validation_examples)
+
+  def resolved_student_model(self) -> str:
+    """FedPPD's student: --student_model, else the task's for --model."""
+    task = tasks.get_task(self.task)
+    return self.student_model or getattr(task, "STUDENT_MODELS", {}).get(
+        self.model, self.model)
+
+  def posterior_config(self) -> fedppd.PosteriorConfig:
+    """FedPPD's client update from the flags."""
+    return fedppd.PosteriorConfig(
+        teacher_step_size=self.teacher_lr, temperature=self.sgld_temperature,
+        prior_precision=self.prior_precision, student_lr=self.student_lr,
+        student_momentum=self.student_momentum,
+        student_weight_decay=self.student_weight_decay,
+        epochs=self.client_epochs, seed=self.seed,
+        max_update_norm=self.max_update_norm)
+
+  def active_learning_config(self) -> active_learning.ActiveLearningConfig:
+    return active_learning.ActiveLearningConfig(
+        phases=self.active_learning_rounds, budget=self.active_budget,
+        initial_fraction=self.active_initial_fraction,
+        selection=self.active_selection, rounds=self.rounds)
+
   def local_training_config(self) -> client_work_lib.LocalTrainingConfig:
     return client_work_lib.LocalTrainingConfig(
         learning_rate=self.client_lr, momentum=self.client_momentum,
         weight_decay=self.weight_decay, lr_schedule=self.lr_schedule,
-        total_rounds=self.rounds)
+        total_rounds=self.rounds, max_update_norm=self.max_update_norm)
 
 
 def sample_clients(num_clients: int, cohort_size: int, seed: int,
@@ -191,12 +272,49 @@ def sample_clients(num_clients: int, cohort_size: int, seed: int,
   return rng.choice(num_clients, size=cohort_size, replace=False)
 
 
+def simulate_faults(cohort_size: int, seed: int, round_num: int,
+                    dropout_rate: float, straggler_rate: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+  """Which sampled clients report this round, and how much work each does.
+
+  Each client independently drops out (returns nothing) with probability
+  `dropout_rate`, and is a straggler with probability `straggler_rate`: as in
+  FedBE's systems-heterogeneity experiment (Chen & Chao, ICLR 2021, Sec. 5),
+  its local epochs are drawn uniformly from (0, E], i.e. it completes a
+  fraction u ~ U(0, 1] of its E epochs. Seeded by (seed, round).
+
+  Returns:
+    (reports: bool [cohort_size], work: float [cohort_size] in (0, 1]).
+  """
+  rng = np.random.default_rng([seed, round_num, 2])
+  reports = rng.random(cohort_size) >= dropout_rate
+  straggles = rng.random(cohort_size) < straggler_rate
+  work = np.where(straggles, 1.0 - rng.random(cohort_size), 1.0)
+  return reports, work
+
+
 def client_dataset(x: np.ndarray, y: np.ndarray, *, epochs: int,
-                   batch_size: int, seed: int) -> tf.data.Dataset:
-  """One client's local training data: shuffled (seeded), repeated, batched."""
-  return (tf.data.Dataset.from_tensor_slices((x, y))
-          .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
-          .repeat(epochs).batch(batch_size))
+                   batch_size: int, seed: int, augmentation=None,
+                   work: float = 1.0) -> tf.data.Dataset:
+  """One client's local training data: shuffled (seeded), repeated, batched.
+
+  `augmentation` is the task's TRAIN_AUGMENTATION, `(x, y, seed) -> (x, y)`;
+  the i-th example of the stream gets the stateless seed (seed, i). A
+  straggler (`work` < 1) stops after that fraction of its batches (at least
+  one).
+  """
+  dataset = (tf.data.Dataset.from_tensor_slices((x, y))
+             .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+             .repeat(epochs))
+  if augmentation is not None:
+    dataset = dataset.enumerate().map(
+        lambda i, example: augmentation(
+            *example, tf.stack([tf.constant(seed, tf.int64), i])))
+  dataset = dataset.batch(batch_size)
+  if work < 1.0:
+    batches = math.ceil(len(x) * epochs / batch_size)
+    dataset = dataset.take(max(1, math.ceil(work * batches)))
+  return dataset
 
 
 def batch_element_spec(task) -> tuple[tf.TensorSpec, tf.TensorSpec]:
@@ -236,6 +354,11 @@ class _Outputs:
           saved = None
       saved = {k: v for k, v in (saved or {}).items()
                if k not in _RESUME_FREE_KEYS}
+      if saved:
+        # A flag added after the run started takes its default there.
+        defaults = {f.name: f.default
+                    for f in dataclasses.fields(ExperimentConfig)}
+        saved = {**{k: defaults[k] for k in wanted}, **saved}
       if saved != wanted:
         changed = sorted(k for k in set(saved) | set(wanted)
                          if saved.get(k) != wanted.get(k))
@@ -381,7 +504,8 @@ def run_experiment(config: ExperimentConfig) -> dict:
   """Runs (or resumes) one experiment and returns its summary."""
   config.validate()
   task = tasks.get_task(config.task)
-  data = task.load_data(config.data_dir)
+  data = task.load_data(config.data_dir, partition=config.partition_config(),
+                        seed=config.seed)
   train_ids = data.train.client_ids
   if config.clients_per_round > len(train_ids):
     raise UsageError(
@@ -389,7 +513,7 @@ def run_experiment(config: ExperimentConfig) -> dict:
         f"{len(train_ids)} training writers in the data: use at most "
         f"{len(train_ids)}")
   server_data = server_config = None
-  if config.algorithm in server_distillation.METHODS:
+  if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
     server_data = server_data_lib.server_split(
         data, task, seed=config.seed, unlabeled_path=config.server_data)
     server_config = config.server_distillation_config()
@@ -411,12 +535,18 @@ def run_experiment(config: ExperimentConfig) -> dict:
         ensemble_size=config.ensemble_size, assignment=config.assignment,
         seed=config.seed, server_data=server_data,
         server_config=server_config,
-        clients_per_round=config.clients_per_round)
+        clients_per_round=config.clients_per_round,
+        student_fn=lambda: task.build_model(
+            config.resolved_student_model(), seed=config.seed + 7919,
+            norm=config.norm),
+        posterior_config=(config.posterior_config()
+                          if config.algorithm in algorithms.FEDPPD_METHODS
+                          else None))
     state = algorithm.process.initialize()
     outputs = _Outputs(config, state)
     try:
-      return _train(config, data, algorithm, state, outputs,
-                    _Evaluator(model_fn))
+      return _train(config, data, algorithm, state, outputs, _Evaluator(
+          algorithm.evaluation_model_fn or model_fn))
     finally:
       outputs.close()
 
@@ -429,7 +559,11 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
     if checkpoint is not None:
       start_round, state = checkpoint
       logging.info("resuming from round %d", start_round)
-  train = data.train
+  active = config.active_learning_config()
+  sizes = {c: data.train.num_examples(c) for c in data.train.client_ids}
+  pool = _active_learning_pool(config, sizes, outputs.dir, start_round)
+  train = _labeled(data.train, pool, sizes)
+  augmentation = tasks.get_task(config.task).TRAIN_AUGMENTATION
   with _progress(config, start_round) as report:
     for round_num in range(start_round + 1, config.rounds + 1):
       start = time.perf_counter()
@@ -437,36 +571,86 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
                               config.seed, round_num)
       seeds = np.random.default_rng([config.seed, round_num, 1]).integers(
           2**31, size=len(cohort))
+      reports, work = simulate_faults(len(cohort), config.seed, round_num,
+                                      config.dropout_rate,
+                                      config.straggler_rate)
       datasets = [
           client_dataset(train.x[train.client_ids[i]],
                          train.y[train.client_ids[i]],
                          epochs=config.client_epochs,
-                         batch_size=config.batch_size, seed=int(s))
-          for i, s in zip(cohort, seeds)]
-      if round_num == config.rounds and algorithm.teacher_fn is not None:
-        # The last round's teacher ensemble, for `ensemble_test_accuracy`.
-        teacher_test = algorithm.teacher_fn(
-            state, datasets, data.test.concatenated()[0])
-      state, metrics = algorithm.next_fn(state, datasets, cohort)
-      row = {"train_loss": float(metrics["client_work"]["train_loss"]),
-             "train_accuracy": float(metrics["client_work"]["train_accuracy"]),
-             "seconds": time.perf_counter() - start}
-      server = metrics.get("finalizer")
-      if isinstance(server, dict):  # FedAvg's finalizer measures nothing.
-        row.update({k: float(v) for k, v in server.items()})
+                         batch_size=config.batch_size, seed=int(s),
+                         augmentation=augmentation, work=w)
+          for i, s, w in zip(cohort[reports], seeds[reports], work[reports])]
+      row = {"clients_used": float(len(datasets)),
+             "stragglers": float(np.sum(reports & (work < 1.0)))}
+      if datasets:
+        if round_num == config.rounds and algorithm.teacher_fn is not None:
+          # The last round's teacher ensemble, for `ensemble_test_accuracy`.
+          teacher_test = algorithm.teacher_fn(
+              state, datasets, data.test.concatenated()[0])
+        state, metrics = algorithm.next_fn(state, datasets, cohort[reports])
+        # train_loss, train_accuracy, num_examples, rejected_updates (and
+        # FedPPD's student_loss).
+        row.update({k: float(v) for k, v in metrics["client_work"].items()})
+        server = metrics.get("finalizer")
+        if isinstance(server, dict):  # FedAvg's finalizer measures nothing.
+          row.update({k: float(v) for k, v in server.items()})
+      # else: every sampled client dropped out; no model changes this round.
+      row["seconds"] = time.perf_counter() - start
       last = round_num == config.rounds
-      if round_num % config.eval_every == 0 or last:
+      phase_end = pool is not None and round_num in active.phase_ends()
+      if round_num % config.eval_every == 0 or last or phase_end:
         row.update(evaluator.summary(algorithm.models_fn(state), data.test))
+      if phase_end:
+        row["labeled_examples"] = float(train.num_examples())
+        pool.curve.append({"round": round_num,
+                           "labeled": train.num_examples(),
+                           "test_accuracy": row["test_accuracy"]})
+        if not last:
+          probs = evaluator.member_probabilities(
+              algorithm.models_fn(state), data.train)
+          row["annotated"] = float(pool.acquire(
+              round_num, {c: p.mean(0) for c, p in probs.items()}, sizes,
+              active, config.seed))
+          train = _labeled(data.train, pool, sizes)
+        # The pool is saved before the checkpoint of this round: a run killed
+        # in between resumes from an earlier checkpoint and rewinds the pool.
+        pool.save(outputs.dir)
       outputs.release_metrics(round_num, row)
-      if round_num % config.checkpoint_every == 0 or last:
+      if round_num % config.checkpoint_every == 0 or last or phase_end:
         outputs.save_checkpoint(round_num, state)
       report(round_num, row)
   return _write_summary(config, data, algorithm, state, outputs, evaluator,
-                        teacher_test)
+                        teacher_test, pool)
+
+
+def _active_learning_pool(config: ExperimentConfig, sizes: dict[str, int],
+                          output_dir: str, start_round: int
+                          ) -> active_learning.Pool | None:
+  """The labeled pool of an active-learning run at `start_round`, or None."""
+  active = config.active_learning_config()
+  if not active.enabled:
+    return None
+  pool = active_learning.Pool.load(output_dir) if start_round else None
+  if pool is None:
+    pool = active_learning.Pool.start(sizes, active.initial_fraction,
+                                      config.seed)
+  pool.rewind(start_round)
+  return pool
+
+
+def _labeled(train, pool: active_learning.Pool | None, sizes):
+  """The training split restricted to the pool's labeled examples."""
+  if pool is None:
+    return train
+  masks = pool.masks(sizes)
+  return dataclasses.replace(
+      train, x={c: train.x[c][masks[c]] for c in train.client_ids},
+      y={c: train.y[c][masks[c]] for c in train.client_ids})
 
 
 def _write_summary(config, data, algorithm, state, outputs, evaluator,
-                   teacher_test=None):
+                   teacher_test=None, pool=None):
   models = algorithm.models_fn(state)
   member_test = evaluator.member_probabilities(models, data.test)
   summary = evaluator.summary(models, data.test, member_probs=member_test)
@@ -475,7 +659,7 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
         models, data, member_test, config.personalization_temperature,
         config.seed))
   rows = outputs.metrics_rows()
-  if config.algorithm in server_distillation.METHODS:
+  if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
     summary.update(_server_distillation_summary(
         data, rows, summary, teacher_test, algorithm.server_device))
   new_clients = evaluator.summary(models, data.new_clients, prefix="new")
@@ -488,6 +672,9 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
       bytes_down_per_client_round=down, bytes_up_per_client_round=up,
       seconds_per_round=statistics.median(seconds) if seconds else None,
       config=dataclasses.asdict(config))
+  if pool is not None:
+    summary["active_learning_curve"] = [[p["labeled"], p["test_accuracy"]]
+                                        for p in pool.curve]
   _save_models(outputs.dir, evaluator.model, models)
   _write_json_atomically(os.path.join(outputs.dir, SUMMARY_FILE), summary)
   return summary

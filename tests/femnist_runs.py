@@ -1,0 +1,21 @@
+"""Short, real training runs on the FEMNIST slice, shared by the run tests."""
+
+import csv
+import os
+import pathlib
+
+from tff_ens import training
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA_DIR = str(ROOT.parent / "shared" / "data" / "femnist")
+
+# Small but real: 4 writers a round, batch 20, a few rounds.
+QUICK = training.ExperimentConfig(
+    data_dir=DATA_DIR, rounds=4, clients_per_round=4, eval_every=2,
+    checkpoint_every=2, client_lr=0.1, seed=3)
+
+
+def read_metrics(output_dir):
+  """The rows of a run's metrics.csv."""
+  with open(os.path.join(output_dir, training.METRICS_FILE)) as f:
+    return list(csv.DictReader(f))

@@ -1,0 +1,70 @@
+"""Client dropouts, stragglers and rejected updates in the training loop."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.femnist_runs import QUICK, read_metrics
+from tff_ens import training
+
+
+def test_no_faults_by_default():
+  reports, work = training.simulate_faults(10, seed=0, round_num=1,
+                                           dropout_rate=0.0, straggler_rate=0.0)
+  assert reports.all() and (work == 1.0).all()
+
+
+def test_faults_are_seeded_and_follow_the_rates():
+  reports, work = training.simulate_faults(10_000, seed=1, round_num=2,
+                                           dropout_rate=0.3, straggler_rate=0.4)
+  again = training.simulate_faults(10_000, seed=1, round_num=2,
+                                   dropout_rate=0.3, straggler_rate=0.4)
+  np.testing.assert_array_equal(reports, again[0])
+  np.testing.assert_array_equal(work, again[1])
+  assert abs(1 - reports.mean() - 0.3) < 0.02
+  straggles = work < 1.0
+  assert abs(straggles.mean() - 0.4) < 0.02
+  # A straggler's share of its epochs is uniform on (0, 1].
+  assert work.min() > 0.0
+  assert abs(work[straggles].mean() - 0.5) < 0.02
+
+
+def test_straggler_dataset_stops_after_its_share_of_batches():
+  x = np.zeros((100, 28, 28, 1), np.float32)
+  y = np.zeros(100, np.int32)
+  count = lambda work: sum(1 for _ in training.client_dataset(
+      x, y, epochs=2, batch_size=10, seed=0, work=work))
+  assert count(1.0) == 20
+  assert count(0.25) == 5
+  assert count(1e-9) == 1
+
+
+def test_fed_ensemble_survives_dropouts_and_stragglers(tmp_path):
+  # Fed-ensemble: the clients that report keep their assigned models (FedAvg
+  # shares the loop; its all-dropout round is tested below).
+  config = dataclasses.replace(
+      QUICK, algorithm="fedensemble", ensemble_size=2, rounds=3, eval_every=3,
+      dropout_rate=0.5, straggler_rate=0.5, output_dir=str(tmp_path))
+  summary = training.run_experiment(config)
+  assert np.isfinite(summary["test_accuracy"])
+  rows = read_metrics(tmp_path)
+  used = [float(r["clients_used"]) for r in rows]
+  expected = [training.simulate_faults(4, config.seed, r, 0.5, 0.5)[0].sum()
+              for r in (1, 2, 3)]
+  assert used == expected
+
+
+def test_round_where_every_client_drops_out_keeps_the_model(tmp_path):
+  config = dataclasses.replace(QUICK, rounds=2, eval_every=1,
+                               dropout_rate=1.0, output_dir=str(tmp_path))
+  training.run_experiment(config)
+  rows = read_metrics(tmp_path)
+  assert [float(r["clients_used"]) for r in rows] == [0.0, 0.0]
+  # No client trained: the model is the initial one in both rounds.
+  assert rows[0]["test_accuracy"] == rows[1]["test_accuracy"]
+
+
+def test_fault_rates_outside_zero_one_are_refused():
+  with pytest.raises(training.UsageError, match="--dropout_rate must be in"):
+    dataclasses.replace(QUICK, dropout_rate=1.5).validate()

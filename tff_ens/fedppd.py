@@ -1,0 +1,404 @@
+"""FedPPD: Bayesian clients whose posterior predictive is distilled online.
+
+Bhatt, Gupta, Rai: "Federated Learning with Uncertainty via Distilled
+Predictive Distributions", ACML 2023 (arXiv:2206.07562), supplement,
+Algorithm 1.
+
+Each client keeps two networks. The *teacher* (the baselines' architecture)
+draws samples of the client's posterior p(theta | D_k) by stochastic gradient
+Langevin dynamics; at every local iteration the *student* (a larger network)
+takes one SGD step towards the current teacher's predictive distribution on a
+noise-perturbed minibatch, so that over the iterations it distills the
+posterior predictive distribution (PPD) sum_s p(y | x, theta_s) / S into one
+network. The server averages the clients' students (the global PPD model,
+the next round's student initialization) and, as the authors' code does, the
+teachers (the next round's chain start).
+
+In the four TFF stages FedPPD swaps only the client work: the model the
+process carries is teacher and student joined into one `ModelWeights`
+(`join`), so FedAvg's broadcast, weighted mean (with its rejection of
+non-finite updates) and finalizer are reused unchanged.
+
+SGLD (Welling & Teh, ICML 2011, eq. 4), with U(theta) = -log p(theta) -
+(N/n) sum_{i in batch} log p(y_i | x_i, theta) and a N(0, 1/lambda) prior:
+
+    theta <- theta - (eps/2) grad U(theta) + xi,   xi ~ N(0, eps * T),
+
+T = 1 being exact SGLD and T < 1 a tempered ("cold") posterior. In terms of
+the minibatch's mean loss, grad U = N grad mean_nll + lambda theta, so the
+step is SGD with learning rate eps N / 2 plus noise of standard deviation
+sqrt(eps T).
+"""
+
+import collections
+import dataclasses
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import client_work as client_work_lib
+from tff_ens import fedavg
+from tff_ens import server_data as server_data_lib
+from tff_ens import server_distillation
+
+ModelWeights = tff.learning.models.ModelWeights
+
+
+@dataclasses.dataclass(frozen=True)
+class PosteriorConfig:
+  """Hyperparameters of FedPPD's client update.
+
+  Attributes:
+    teacher_step_size: eps of SGLD (the noise variance at T = 1).
+    temperature: T; the SGLD noise variance is eps * T.
+    prior_precision: lambda of the teacher's N(0, 1/lambda) weight prior.
+    student_lr: learning rate of the student's SGD.
+    student_momentum: heavy-ball momentum of the student's SGD (0: plain).
+    student_weight_decay: the student's prior (L2) term, added to its
+      gradient as `student_weight_decay * w`.
+    input_noise_std: standard deviation of the Gaussian noise added to the
+      minibatch the teacher labels and the student learns from.
+    epochs: local epochs; the client's dataset repeats this many times, so N
+      (the number of examples of the likelihood) is its size / epochs.
+    max_update_norm: larger updates (teacher and student) are rejected
+      (`client_work.reject_bad_update`); 0: no limit.
+    seed: the run's seed, from which every client's noise is drawn.
+  """
+
+  teacher_step_size: float = 4e-4
+  temperature: float = 1.0
+  prior_precision: float = 1.0
+  student_lr: float = 0.05
+  student_momentum: float = 0.0
+  student_weight_decay: float = 0.0
+  input_noise_std: float = 0.001
+  epochs: int = 1
+  max_update_norm: float = 0.0
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("teacher_step_size", "student_lr", "epochs"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    for name in ("temperature", "prior_precision", "student_momentum",
+                 "student_weight_decay",
+                 "input_noise_std", "max_update_norm"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def sgld_step(weights, gradients, step_size, temperature, seed):
+  """One SGLD step, Welling & Teh eq. 4: w - (eps/2) g + N(0, eps T).
+
+  Args:
+    weights: tensors theta.
+    gradients: grad U(theta) for each tensor (potential energy, i.e. minus
+      the log prior minus the rescaled minibatch log-likelihood).
+    step_size: eps.
+    temperature: T (1: exact SGLD).
+    seed: a stateless-RNG seed `int64[2]`; tensor i draws from fold_in(seed,
+      i).
+
+  Returns:
+    The new tensors.
+  """
+  noise_std = tf.sqrt(step_size * temperature)
+  return [w - 0.5 * step_size * g + noise_std * tf.random.stateless_normal(
+              tf.shape(w), seed=tf.random.experimental.stateless_fold_in(
+                  seed, i), dtype=w.dtype)
+          for i, (w, g) in enumerate(zip(weights, gradients))]
+
+
+def distillation_loss(teacher_probabilities, student_logits):
+  """Mean cross-entropy -sum_c p_T(c|x) log p_S(c|x) over the minibatch.
+
+  The student's objective of Algorithm 1 (its KL to the teacher's predictive
+  distribution up to the teacher's entropy, which has no student gradient).
+  """
+  return -tf.reduce_mean(tf.reduce_sum(
+      teacher_probabilities * tf.nn.log_softmax(student_logits), axis=-1))
+
+
+def join(teacher: ModelWeights, student: ModelWeights) -> ModelWeights:
+  """Teacher and student as one `ModelWeights`: teacher tensors first."""
+  return ModelWeights(list(teacher.trainable) + list(student.trainable),
+                      list(teacher.non_trainable) +
+                      list(student.non_trainable))
+
+
+def split(weights: ModelWeights, teacher_sizes: tuple[int, int]
+          ) -> tuple[ModelWeights, ModelWeights]:
+  """Inverse of `join`; `teacher_sizes` = (trainable, non-trainable) counts."""
+  t, n = teacher_sizes
+  trainable, non_trainable = list(weights.trainable), list(
+      weights.non_trainable)
+  return (ModelWeights(trainable[:t], non_trainable[:n]),
+          ModelWeights(trainable[t:], non_trainable[n:]))
+
+
+def _teacher_sizes(teacher_fn) -> tuple[int, int]:
+  """(trainable, non-trainable) tensor counts of the teacher, for `split`."""
+  with tf.Graph().as_default():
+    teacher = teacher_fn()
+    return len(teacher.trainable_weights), len(teacher.non_trainable_weights)
+
+
+def _client_seed(run_seed: int, round_num, dataset: tf.data.Dataset):
+  """A stateless seed unique to (run seed, round, client).
+
+  The client is identified by its first batch (its pixel and label sums):
+  the training loop shuffles each client's data with a seed of (run seed,
+  round, client), so this is reproducible and differs between clients
+  without an extra argument to `next` (which `LearningProcess` does not
+  allow).
+  """
+  pixels, labels = dataset.take(1).reduce(
+      (tf.constant(0.0), tf.constant(0, tf.int64)),
+      lambda acc, batch: (acc[0] + tf.reduce_sum(batch[0]),
+                          acc[1] + tf.reduce_sum(tf.cast(batch[1], tf.int64))))
+  key = tf.stack([tf.constant(run_seed, tf.int64),
+                  tf.cast(round_num, tf.int64)])
+  key = tf.random.experimental.stateless_fold_in(
+      key, tf.cast(tf.bitcast(pixels, tf.int32), tf.int64))
+  return tf.random.experimental.stateless_fold_in(key, labels)
+
+
+@tf.function
+def train_teacher_student(teacher: tf.keras.Model, student: tf.keras.Model,
+                          initial_weights: ModelWeights,
+                          dataset: tf.data.Dataset, round_num,
+                          config: PosteriorConfig):
+  """FedPPD's client update (Bhatt et al., supplement, Algorithm 1).
+
+  For each minibatch: one SGLD step of the teacher on the client's data
+  (`sgld_step`, likelihood rescaled by N/n), then one SGD step of the student
+  on the cross-entropy to the updated teacher's predictive distribution on
+  the minibatch plus Gaussian input noise (`distillation_loss`).
+
+  Args:
+    teacher: Keras model (logits) of the baselines' architecture.
+    student: Keras model (logits), usually larger.
+    initial_weights: `join(teacher weights, student weights)` to start from.
+    dataset: batches `(x, y)`, repeated `config.epochs` times.
+    round_num: the 0-based round (seeds the noise with the client's data).
+    config: `PosteriorConfig`.
+
+  Returns:
+    `(ClientResult(update=initial - final joined weights, update_weight=N),
+    metrics)`, metrics as sums over examples: `loss` (teacher NLL),
+    `student_loss` (distillation loss), `correct` (the student's correct
+    predictions of the labels), `num_examples`, `rejected`.
+  """
+  teacher_weights = ModelWeights.from_model(teacher)
+  student_weights = ModelWeights.from_model(student)
+  tf.nest.map_structure(lambda v, t: v.assign(t),
+                        join(teacher_weights, student_weights),
+                        initial_weights)
+  seen = dataset.reduce(tf.constant(0.0), lambda n, batch: n + tf.cast(
+      tf.shape(batch[1])[0], tf.float32))
+  num_data = seen / float(config.epochs)
+  seed = _client_seed(config.seed, round_num, dataset)
+  student_optimizer = tff.learning.optimizers.build_sgdm(
+      learning_rate=config.student_lr,
+      momentum=config.student_momentum or None)
+  student_vars = student_weights.trainable
+  opt_state = student_optimizer.initialize(
+      tuple(tf.TensorSpec(v.shape, v.dtype) for v in student_vars))
+  nll = tf.keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=tf.keras.losses.Reduction.SUM)
+
+  def step(carry, batch):
+    opt_state, counter, nll_sum, student_sum, correct, count = carry
+    x, y = batch
+    n = tf.cast(tf.shape(y)[0], tf.float32)
+    step_seed = tf.random.experimental.stateless_fold_in(seed, counter)
+    with tf.GradientTape() as tape:
+      batch_nll = nll(y, teacher(x, training=True))
+      mean_nll = batch_nll / n
+    grads = tape.gradient(mean_nll, teacher_weights.trainable)
+    potential = [num_data * g + config.prior_precision * w
+                 for g, w in zip(grads, teacher_weights.trainable)]
+    new_teacher = sgld_step(
+        teacher_weights.trainable, potential, config.teacher_step_size,
+        config.temperature,
+        tf.random.experimental.stateless_fold_in(step_seed, 0))
+    for v, t in zip(teacher_weights.trainable, new_teacher):
+      v.assign(v.constraint(t) if v.constraint is not None else t)
+    noisy = x + config.input_noise_std * tf.random.stateless_normal(
+        tf.shape(x), seed=tf.random.experimental.stateless_fold_in(
+            step_seed, 1))
+    targets = tf.nn.softmax(teacher(noisy, training=False))
+    with tf.GradientTape() as tape:
+      logits = student(noisy, training=True)
+      loss = distillation_loss(targets, logits)
+    grads = tape.gradient(loss, student_vars)
+    grads = [g + config.student_weight_decay * w
+             for g, w in zip(grads, student_vars)]
+    opt_state, new_student = student_optimizer.next(
+        opt_state, tuple(student_vars), tuple(grads))
+    for v, t in zip(student_vars, new_student):
+      v.assign(t)
+    hits = tf.reduce_sum(tf.cast(tf.equal(
+        tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)),
+                                 tf.float32))
+    return (opt_state, counter + 1, nll_sum + batch_nll,
+            student_sum + loss * n, correct + hits, count + n)
+
+  zero = tf.constant(0.0)
+  carry = dataset.reduce(
+      (opt_state, tf.constant(0, tf.int64), zero, zero, zero, zero), step)
+  _, _, nll_sum, student_sum, correct, count = carry
+  final = tf.nest.map_structure(
+      tf.identity, join(teacher_weights, student_weights))
+  update, weight, rejected = client_work_lib.reject_bad_update(
+      client_work_lib.weights_delta(initial_weights, final), num_data,
+      config.max_update_norm)
+  accepted = 1.0 - rejected
+  metrics = collections.OrderedDict(
+      loss=tf.where(accepted > 0, nll_sum, 0.0),
+      student_loss=tf.where(accepted > 0, student_sum, 0.0),
+      correct=correct * accepted, num_examples=count * accepted,
+      rejected=rejected)
+  return tff.learning.templates.ClientResult(update, weight), metrics
+
+
+def joint_weights_type(teacher_fn, student_fn) -> tff.Type:
+  """TFF type of `join(teacher weights, student weights)`."""
+  with tf.Graph().as_default():
+    weights = join(ModelWeights.from_model(teacher_fn()),
+                   ModelWeights.from_model(student_fn()))
+    return tff.types.tensorflow_to_type(tf.nest.map_structure(
+        lambda v: tf.TensorSpec(v.shape, v.dtype), weights))
+
+
+def build_client_work(teacher_fn: Callable[[], tf.keras.Model],
+                      student_fn: Callable[[], tf.keras.Model], element_spec,
+                      config: PosteriorConfig
+                      ) -> client_work_lib.ClientWork:
+  """FedPPD's client-work stage: `train_teacher_student` at every client.
+
+  Its state is the 0-based round number, broadcast to seed the clients'
+  noise.
+  """
+  for model_fn in (teacher_fn, student_fn):
+    client_work_lib.check_data_fits_model(model_fn, element_spec)
+  data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
+  weights_type = joint_weights_type(teacher_fn, student_fn)
+
+  @tff.tensorflow.computation(weights_type, data_type, tf.int32)
+  def client_update(initial_weights, dataset, round_num):
+    return train_teacher_student(teacher_fn(), student_fn(), initial_weights,
+                                 dataset, round_num, config)
+
+  @tff.tensorflow.computation(tf.int32)
+  def round_number(round_num):
+    return round_num
+
+  @tff.tensorflow.computation(client_update.type_signature.result[1])
+  def finalize(sums):
+    metrics = client_work_lib.finalize_train_metrics(sums)
+    metrics["student_loss"] = sums["student_loss"] / tf.maximum(
+        sums["num_examples"], 1.0)
+    return metrics
+
+  return client_work_lib.build_round_client_work(client_update, round_number,
+                                                 finalize)
+
+
+@dataclasses.dataclass(frozen=True)
+class FedPPD:
+  """A built FedPPD process and how to read its student.
+
+  Attributes:
+    process: the `LearningProcess`; its model is `join(teacher, student)`.
+    client_work: its client work (for communication accounting).
+    teacher_sizes: (trainable, non-trainable) tensor counts of the teacher,
+      for `split`.
+  """
+
+  process: tff.learning.templates.LearningProcess
+  client_work: client_work_lib.ClientWork
+  teacher_sizes: tuple[int, int]
+
+  def student_weights(self, state) -> ModelWeights:
+    """The global PPD model (the student) of a process state."""
+    return split(self.process.get_model_weights(state), self.teacher_sizes)[1]
+
+
+def build_fedppd(teacher_fn: Callable[[], tf.keras.Model],
+                 student_fn: Callable[[], tf.keras.Model], element_spec,
+                 config: PosteriorConfig) -> FedPPD:
+  """Builds FedPPD: FedAvg's stages with `build_client_work`'s client work.
+
+  The server averages the clients' students and teachers (weighted by their
+  number of examples), the mean of Bhatt et al., Sec. 3.2.
+  """
+  weights_type = joint_weights_type(teacher_fn, student_fn)
+  return _compose(
+      teacher_fn, student_fn, element_spec, config,
+      tff.aggregators.MeanFactory(no_nan_division=True).create(
+          weights_type, tff.TensorType(np.float32)),
+      fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type))
+
+
+def build_fedppd_distill(
+    teacher_fn: Callable[[], tf.keras.Model],
+    student_fn: Callable[[], tf.keras.Model], element_spec,
+    config: PosteriorConfig, data: server_data_lib.ServerData,
+    server_config: server_distillation.ServerDistillationConfig, *,
+    clients_per_round: int) -> FedPPD:
+  """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
+
+  The clients' students are distilled into the global student on the
+  server's unlabeled data by FedBE's server step
+  (`server_distillation.server_update` with `server_config`: teachers from
+  the average, the clients' students and samples around them, SWA), instead
+  of averaged; the teachers are averaged as in FedPPD. Aggregator and
+  finalizer are FedBE's, client work FedPPD's.
+  """
+  teacher_sizes = _teacher_sizes(teacher_fn)
+  weights_type = joint_weights_type(teacher_fn, student_fn)
+  aggregator = server_distillation.build_collect_aggregator(
+      weights_type, clients_per_round)
+  collected_type = aggregator.next.type_signature.result.result.member
+
+  @tff.tensorflow.computation(weights_type, collected_type, np.int32)
+  def server_step(global_weights, collected, round_num):
+    updates, weights = collected
+    global_teacher, global_student = split(global_weights, teacher_sizes)
+    teacher_updates, student_updates = split(updates, teacher_sizes)
+    clients = server_distillation.client_models(global_teacher,
+                                                teacher_updates)
+    received = tf.reduce_any(weights > 0)
+    teacher = tf.nest.map_structure(
+        lambda a, g: tf.where(received, a, g),
+        server_distillation.weighted_average(clients, weights),
+        global_teacher)
+    student, measurements = server_distillation.server_update(
+        student_fn, global_student, (student_updates, weights), round_num,
+        data, server_config)
+    return join(teacher, student), measurements
+
+  return _compose(teacher_fn, student_fn, element_spec, config, aggregator,
+                  server_distillation.build_step_finalizer(server_step))
+
+
+def _compose(teacher_fn, student_fn, element_spec, config, aggregator,
+             finalizer) -> FedPPD:
+  """FedPPD's distributor and client work with `aggregator` and finalizer."""
+  weights_type = joint_weights_type(teacher_fn, student_fn)
+  client_work = build_client_work(teacher_fn, student_fn, element_spec,
+                                  config)
+
+  @tff.tensorflow.computation
+  def initial_weights():
+    return join(ModelWeights.from_model(teacher_fn()),
+                ModelWeights.from_model(student_fn()))
+
+  process = tff.learning.templates.compose_learning_process(
+      initial_weights,
+      tff.learning.templates.build_broadcast_process(weights_type),
+      client_work.process, aggregator, finalizer)
+  return FedPPD(process, client_work, _teacher_sizes(teacher_fn))

@@ -275,17 +275,16 @@ def joint_weights_type(teacher_fn, student_fn) -> tff.Type:
 
 def build_client_work(teacher_fn: Callable[[], tf.keras.Model],
                       student_fn: Callable[[], tf.keras.Model], element_spec,
-                      config: PosteriorConfig
+                      config: PosteriorConfig, weights_type: tff.Type
                       ) -> client_work_lib.ClientWork:
   """FedPPD's client-work stage: `train_teacher_student` at every client.
 
   Its state is the 0-based round number, broadcast to seed the clients'
-  noise.
+  noise. `weights_type` is `joint_weights_type(teacher_fn, student_fn)`.
   """
   for model_fn in (teacher_fn, student_fn):
     client_work_lib.check_data_fits_model(model_fn, element_spec)
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
-  weights_type = joint_weights_type(teacher_fn, student_fn)
 
   @tff.tensorflow.computation(weights_type, data_type, tf.int32)
   def client_update(initial_weights, dataset, round_num):
@@ -337,7 +336,8 @@ def build_fedppd(teacher_fn: Callable[[], tf.keras.Model],
   """
   weights_type = joint_weights_type(teacher_fn, student_fn)
   return _compose(
-      teacher_fn, student_fn, element_spec, config,
+      teacher_fn, student_fn, element_spec, config, weights_type,
+      _teacher_sizes(teacher_fn),
       tff.aggregators.MeanFactory(no_nan_division=True).create(
           weights_type, tff.TensorType(np.float32)),
       fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type))
@@ -381,16 +381,16 @@ def build_fedppd_distill(
         data, server_config)
     return join(teacher, student), measurements
 
-  return _compose(teacher_fn, student_fn, element_spec, config, aggregator,
+  return _compose(teacher_fn, student_fn, element_spec, config, weights_type,
+                  teacher_sizes, aggregator,
                   server_distillation.build_step_finalizer(server_step))
 
 
-def _compose(teacher_fn, student_fn, element_spec, config, aggregator,
-             finalizer) -> FedPPD:
+def _compose(teacher_fn, student_fn, element_spec, config, weights_type,
+             teacher_sizes, aggregator, finalizer) -> FedPPD:
   """FedPPD's distributor and client work with `aggregator` and finalizer."""
-  weights_type = joint_weights_type(teacher_fn, student_fn)
   client_work = build_client_work(teacher_fn, student_fn, element_spec,
-                                  config)
+                                  config, weights_type)
 
   @tff.tensorflow.computation
   def initial_weights():
@@ -401,4 +401,4 @@ def _compose(teacher_fn, student_fn, element_spec, config, aggregator,
       initial_weights,
       tff.learning.templates.build_broadcast_process(weights_type),
       client_work.process, aggregator, finalizer)
-  return FedPPD(process, client_work, _teacher_sizes(teacher_fn))
+  return FedPPD(process, client_work, teacher_sizes)

@@ -561,7 +561,8 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       logging.info("resuming from round %d", start_round)
   active = config.active_learning_config()
   sizes = {c: data.train.num_examples(c) for c in data.train.client_ids}
-  pool = _active_learning_pool(config, sizes, outputs.dir, start_round)
+  pool = _active_learning_pool(active, config.seed, sizes, outputs.dir,
+                               start_round)
   train = _labeled(data.train, pool, sizes)
   augmentation = tasks.get_task(config.task).TRAIN_AUGMENTATION
   with _progress(config, start_round) as report:
@@ -624,17 +625,15 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
                         teacher_test, pool)
 
 
-def _active_learning_pool(config: ExperimentConfig, sizes: dict[str, int],
-                          output_dir: str, start_round: int
-                          ) -> active_learning.Pool | None:
+def _active_learning_pool(active: active_learning.ActiveLearningConfig,
+                          seed: int, sizes: dict[str, int], output_dir: str,
+                          start_round: int) -> active_learning.Pool | None:
   """The labeled pool of an active-learning run at `start_round`, or None."""
-  active = config.active_learning_config()
   if not active.enabled:
     return None
   pool = active_learning.Pool.load(output_dir) if start_round else None
   if pool is None:
-    pool = active_learning.Pool.start(sizes, active.initial_fraction,
-                                      config.seed)
+    pool = active_learning.Pool.start(sizes, active.initial_fraction, seed)
   pool.rewind(start_round)
   return pool
 

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import glob
 import json
+import logging
 import os
 import socket
 import sqlite3
@@ -164,40 +165,55 @@ def _split_by_writer(train, test, source: str) -> FederatedData:
 def _leaf_writer(path: str, writer: str, count, data) -> tuple[np.ndarray, np.ndarray]:
   """One writer's (x, y) from a LEAF file, checked; raises DataError naming file and writer."""
   where = f"{path}: writer {writer!r}"
+  fix = "regenerate the file with LEAF"
   if not isinstance(data, dict) or "x" not in data or "y" not in data:
-    raise DataError(f"{where}: user_data entry needs keys x and y; regenerate the file with LEAF")
+    raise DataError(f"{where}: user_data entry needs keys x and y; {fix}")
+  if not isinstance(data["x"], list) or not isinstance(data["y"], list):
+    raise DataError(f"{where}: x and y must be lists, found "
+                    f"{type(data['x']).__name__} and "
+                    f"{type(data['y']).__name__}; {fix}")
+  if isinstance(count, bool) or not isinstance(count, int):
+    raise DataError(f"{where}: num_samples entry {repr(count)[:20]} is not "
+                    f"an integer; {fix}")
   try:
-    x = np.asarray(data["x"], dtype=np.float32)
+    x = np.asarray(data["x"])
   except (ValueError, TypeError):
-    rows = data["x"] if isinstance(data["x"], list) else []
-    lengths = sorted({len(r) if isinstance(r, list) else 1 for r in rows})
+    lengths = sorted({len(r) if isinstance(r, list) else 1 for r in data["x"]})
     raise DataError(f"{where}: each x row must be a list of {_PIXELS} numbers (28x28 pixels), "
-                    f"found row lengths {lengths[:5]}; regenerate the file with LEAF") from None
-  y = np.asarray(data["y"] if isinstance(data["y"], list) else [None], dtype=object)
-  if y.size and not all(isinstance(v, int) and not isinstance(v, bool) for v in y):
+                    f"found row lengths {lengths[:5]}; {fix}") from None
+  if x.size and x.dtype.kind not in "fiu":  # Strings, null, booleans.
+    value = next(v for row in data["x"]
+                 for v in (row if isinstance(row, list) else [row])
+                 if isinstance(v, bool) or not isinstance(v, (int, float)) or
+                 not 0 <= v <= 1)
+    raise DataError(f"{where}: pixel values must be numbers in [0, 1], found "
+                    f"{repr(value)[:20]}; {fix}")
+  labels = data["y"]
+  if not all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
     raise DataError(f"{where}: labels must be integers in 0..{NUM_CLASSES - 1}, found "
-                    f"{str(data['y'])[:40]}; regenerate the file with LEAF")
-  y = y.astype(np.int64)
-  if count != len(y):
-    raise DataError(f"{where}: num_samples says {count} but y has {len(y)} labels; "
-                    "regenerate the file with LEAF")
-  if len(x) != len(y):
-    raise DataError(f"{where}: {len(x)} images but {len(y)} labels; regenerate the file with LEAF")
-  if not len(y):
-    return np.zeros((0, *INPUT_SHAPE), np.float32), y.astype(np.int32)
+                    f"{str(labels)[:40]}; {fix}")
+  if count != len(labels):
+    raise DataError(f"{where}: num_samples says {count} but y has "
+                    f"{len(labels)} labels; {fix}")
+  if len(x) != len(labels):
+    raise DataError(f"{where}: {len(x)} images but {len(labels)} labels; {fix}")
+  if not labels:
+    return np.zeros((0, *INPUT_SHAPE), np.float32), np.zeros((0,), np.int32)
   if x.ndim != 2 or x.shape[1] != _PIXELS:
     raise DataError(f"{where}: each x row must have {_PIXELS} values (28x28 pixels), "
-                    f"got shape {list(x.shape)}; regenerate the file with LEAF")
-  bad = y[(y < 0) | (y >= NUM_CLASSES)]
-  if bad.size:
+                    f"got shape {list(x.shape)}; {fix}")
+  # Checked as Python ints: a label beyond int64 must not overflow first.
+  bad = [v for v in labels if not 0 <= v < NUM_CLASSES]
+  if bad:
     raise DataError(f"{where}: labels must be integers in 0..{NUM_CLASSES - 1}, found "
-                    f"{bad[:3].tolist()}; regenerate the file with LEAF")
+                    f"{bad[:3]}; {fix}")
+  x = x.astype(np.float32)
   if np.isnan(x).any():
-    raise DataError(f"{where}: NaN pixel values; regenerate the file with LEAF")
+    raise DataError(f"{where}: NaN pixel values; {fix}")
   if x.min() < 0 or x.max() > 1:
     raise DataError(f"{where}: pixel values must be in [0, 1], found {x.min()}..{x.max()}; "
-                    "regenerate the file with LEAF")
-  return x.reshape(-1, *INPUT_SHAPE), y.astype(np.int32)
+                    f"{fix}")
+  return x.reshape(-1, *INPUT_SHAPE), np.asarray(labels, np.int32)
 
 
 def _load_leaf_file(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -209,24 +225,56 @@ def _load_leaf_file(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     problem = "empty" if not e.doc.strip() else f"not valid JSON ({e.msg} at char {e.pos})"
     raise DataError(f"{path}: {problem}; the file may be truncated: copy it again or "
                     "regenerate it with LEAF") from None
-  except (OSError, UnicodeDecodeError) as e:
-    raise DataError(f"{path}: cannot be read ({e}); check the file") from None
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                    "the file may be damaged: copy it again or regenerate it "
+                    "with LEAF") from None
+  except OSError as e:
+    raise DataError(f"{path}: cannot be read ({e.strerror}): make it a "
+                    "readable LEAF JSON file, or move it out of the "
+                    "directory") from None
   missing = [k for k in _LEAF_KEYS if not isinstance(content, dict) or k not in content]
   if missing:
     raise DataError(f"{path}: missing key(s) {', '.join(missing)}: a LEAF file is a JSON object "
                     "with users, num_samples and user_data; regenerate it with LEAF")
   users, counts, user_data = (content[k] for k in _LEAF_KEYS)
+  fix = "regenerate the file with LEAF"
+  if not (isinstance(users, list) and isinstance(counts, list) and
+          isinstance(user_data, dict)):
+    raise DataError(
+        f"{path}: users and num_samples must be lists and user_data an "
+        f"object, found {type(users).__name__}, {type(counts).__name__} and "
+        f"{type(user_data).__name__}; {fix}")
   if len(users) != len(counts):
     raise DataError(f"{path}: {len(users)} users but {len(counts)} num_samples entries; "
-                    "regenerate the file with LEAF")
-  examples = {}
+                    f"{fix}")
+  odd = [w for w in users if not isinstance(w, str)]
+  if odd:
+    raise DataError(f"{path}: users must be writer id strings, found "
+                    f"{repr(odd[0])[:20]}; {fix}")
+  repeated = [w for w, n in collections.Counter(users).items() if n > 1]
+  if repeated:
+    raise DataError(f"{path}: writer {repeated[0]!r} is listed more than once "
+                    f"in users; {fix}")
+  unlisted = sorted(set(user_data) - set(users))
+  if unlisted:
+    raise DataError(f"{path}: user_data holds writer(s) missing from users "
+                    f"({', '.join(map(repr, unlisted[:3]))}); {fix}")
+  examples, empty = {}, []
   for writer, count in zip(users, counts):
     if writer not in user_data:
       raise DataError(f"{path}: writer {writer!r} is in users but not in user_data; "
-                      "regenerate the file with LEAF")
+                      f"{fix}")
     x, y = _leaf_writer(path, writer, count, user_data[writer])
     if len(y):
       examples[writer] = (x, y)
+    else:
+      empty.append(writer)
+  if empty:
+    # A writer without examples is harmless (it is never sampled), so it is
+    # skipped rather than refused; the log says which.
+    logging.warning("%s: skipping %d writer(s) without examples (%s)", path,
+                    len(empty), ", ".join(empty[:3]) + (", ..." if len(empty) > 3 else ""))
   return examples
 
 
@@ -262,8 +310,13 @@ def load_leaf(data_dir: str) -> FederatedData:
   if not os.path.isdir(data_dir):
     raise DataError(f"FEMNIST data directory {data_dir} is not a directory: pass a LEAF "
                     "femnist directory with train/ and test/")
-  return _split_by_writer(_load_leaf_split(data_dir, "train"),
-                          _load_leaf_split(data_dir, "test"), f"leaf:{data_dir}")
+  train = _load_leaf_split(data_dir, "train")
+  test = _load_leaf_split(data_dir, "test")
+  if not train:
+    raise DataError(f"{os.path.join(data_dir, 'train')}: no writer in its "
+                    "*.json files has examples (every num_samples is 0): "
+                    "copy LEAF's train files into it")
+  return _split_by_writer(train, test, f"leaf:{data_dir}")
 
 
 def _read_tff_split(database: str, split: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:

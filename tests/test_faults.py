@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.femnist_runs import QUICK, read_metrics
 from tff_ens import training
@@ -68,3 +69,52 @@ def test_round_where_every_client_drops_out_keeps_the_model(tmp_path):
 def test_fault_rates_outside_zero_one_are_refused():
   with pytest.raises(training.UsageError, match="--dropout_rate must be in"):
     dataclasses.replace(QUICK, dropout_rate=1.5).validate()
+
+
+def test_first_to_finish_keeps_the_fastest_reporting_clients():
+  durations = np.array([5.0, 1.0, 3.0, 2.0, 4.0])
+  reports = np.array([True, True, True, False, True])
+  kept = training.first_to_finish(durations, reports, m=2)
+  # Client 3 would be second but dropped out.
+  np.testing.assert_array_equal(kept, [False, True, True, False, False])
+  np.testing.assert_array_equal(
+      training.first_to_finish(durations, reports, m=0), reports)
+  # Fewer reporting clients than m: all of them.
+  np.testing.assert_array_equal(
+      training.first_to_finish(durations, reports, m=9), reports)
+
+
+def test_round_plan_poisons_and_drops_only_reporting_clients():
+  config = dataclasses.replace(QUICK, clients_per_round=8, dropout_rate=0.3,
+                               aggregate_first=4, nan_clients_per_round=2)
+  sizes = np.arange(20, 220, 10)
+  speeds = training.client_speeds(len(sizes), config.seed)
+  for round_num in range(1, 30):
+    plan = training.plan_round(config, sizes, speeds, round_num)
+    again = training.plan_round(config, sizes, speeds, round_num)
+    np.testing.assert_array_equal(plan.reports, again.reports)
+    assert plan.reports.sum() <= 4
+    assert not (plan.late & plan.reports).any()
+    assert not (plan.poisoned & ~plan.reports).any()
+    assert plan.poisoned.sum() == min(2, plan.reports.sum())
+    # Every late client is slower than every aggregated one.
+    batches = np.ceil(sizes[plan.cohort] / config.batch_size)
+    durations = plan.work * batches / speeds[plan.cohort]
+    if plan.late.any() and plan.reports.any():
+      assert durations[plan.late].min() >= durations[plan.reports].max()
+
+
+def test_nan_updates_are_rejected_and_late_clients_left_out(tmp_path):
+  config = dataclasses.replace(QUICK, rounds=2, eval_every=2,
+                               aggregate_first=3, nan_clients_per_round=1,
+                               output_dir=str(tmp_path))
+  summary = training.run_experiment(config)
+  rows = read_metrics(tmp_path)
+  assert [float(r["clients_used"]) for r in rows] == [3.0, 3.0]
+  assert [float(r["late_clients"]) for r in rows] == [1.0, 1.0]
+  assert [float(r["rejected_updates"]) for r in rows] == [1.0, 1.0]
+  # The NaN client never reaches the model.
+  assert np.isfinite(float(rows[-1]["train_loss"]))
+  assert np.isfinite(summary["test_loss"])
+  model = tf.keras.models.load_model(tmp_path / "model.keras")
+  assert all(np.isfinite(w).all() for w in model.get_weights())

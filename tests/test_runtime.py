@@ -17,12 +17,14 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import worker_processes
 from tff_ens import runtime
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every worker pid a test saw, checked once more when the module ends.
-_SEEN_WORKER_PIDS = set()
+# The fixtures every test here uses (pytest finds them by name).
+no_stray_workers = worker_processes.no_stray_workers
+two_workers = worker_processes.two_workers
 
 
 @tff.tensorflow.computation(np.int32)
@@ -54,87 +56,6 @@ def _doubles_at_clients(xs):
   return tff.federated_map(_double, xs)
 
 
-def _is_worker(proc: psutil.Process) -> bool:
-  try:
-    return any('data/worker_binary' in arg for arg in proc.cmdline())
-  except (psutil.NoSuchProcess, psutil.ZombieProcess):
-    return False
-
-
-def _worker_children() -> list[psutil.Process]:
-  """Live worker_binary processes descending from this process."""
-  workers = [c for c in psutil.Process().children(recursive=True)
-             if _is_worker(c)]
-  _SEEN_WORKER_PIDS.update(w.pid for w in workers)
-  return workers
-
-
-def _is_gone(pid: int) -> bool:
-  try:
-    return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-  except psutil.NoSuchProcess:
-    return True
-
-
-def _is_live_worker(pid: int) -> bool:
-  try:
-    return not _is_gone(pid) and _is_worker(psutil.Process(pid))
-  except psutil.NoSuchProcess:
-    return False
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-  deadline = time.monotonic() + timeout_s
-  while not _is_gone(pid):
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.05)
-  return True
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int):
-  """Fails the test (instead of hanging) if the block takes too long."""
-
-  def on_alarm(signum, frame):
-    del signum, frame
-    raise TimeoutError(f'no result within {seconds} s')
-
-  previous = signal.signal(signal.SIGALRM, on_alarm)
-  signal.alarm(seconds)
-  try:
-    yield
-  finally:
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-@pytest.fixture(scope='module', autouse=True)
-def _no_stray_workers():
-  assert not _worker_children(), 'worker_binary children before the tests'
-  yield
-  assert not _worker_children()
-  stray = [pid for pid in _SEEN_WORKER_PIDS if _is_live_worker(pid)]
-  assert not stray, f'worker_binary processes left running: {stray}'
-
-
-@pytest.fixture
-def two_workers():
-  """Two worker services on free 127.0.0.1 ports, always stopped afterwards."""
-  processes = []
-  try:
-    addresses = []
-    for _ in range(2):
-      port = portpicker.pick_unused_port()
-      processes.append(runtime.start_worker(port))
-      _SEEN_WORKER_PIDS.add(processes[-1].pid)
-      addresses.append(f'127.0.0.1:{port}')
-    yield addresses, processes
-  finally:
-    for process in processes:
-      runtime.stop_worker(process)
-
-
 def test_worker_binary_path_is_the_one_in_the_tff_wheel():
   path = runtime.worker_binary_path()
   assert path.endswith(os.path.join('tensorflow_federated', 'data',
@@ -143,16 +64,27 @@ def test_worker_binary_path_is_the_one_in_the_tff_wheel():
 
 
 def test_local_context_runs_computations_and_stops_its_worker():
-  with _deadline(120), runtime.execution_context():
+  with worker_processes.deadline(120), runtime.execution_context():
     assert _sum_of_doubles([1, 2, 3]) == 12
     assert _double(21) == 42
     # Ours is the only worker: TFF's default context did not start one.
-    (worker,) = _worker_children()
+    (worker,) = worker_processes.descendants()
     # Its output goes to /dev/null, not to pytest's pipes.
     for fd in (1, 2):
       assert os.readlink(f'/proc/{worker.pid}/fd/{fd}') == '/dev/null'
-  assert _is_gone(worker.pid)
-  assert not _worker_children()
+  assert worker_processes.is_gone(worker.pid)
+  assert not worker_processes.descendants()
+
+
+def test_changing_cohort_sizes_reuse_one_worker_correctly():
+  # Each new cohort size closes the previous executor on the worker
+  # (benchmarks/worker_memory.py measures the memory that frees); values of
+  # later calls are still right, also back at an earlier size.
+  with worker_processes.deadline(120), runtime.execution_context():
+    for n in (2, 3, 2, 5, 3):
+      assert _sum_of_doubles(list(range(n))) == n * (n - 1)
+    (worker,) = worker_processes.descendants()
+  assert worker_processes.is_gone(worker.pid)
 
 
 def test_previous_context_is_restored():
@@ -164,18 +96,18 @@ def test_previous_context_is_restored():
 
 @pytest.mark.parametrize('error', [ValueError, KeyboardInterrupt])
 def test_exception_in_block_stops_worker(error):
-  with _deadline(120), pytest.raises(error):
+  with worker_processes.deadline(120), pytest.raises(error):
     with runtime.execution_context(max_concurrent_computation_calls=1):
       assert _sum_of_doubles([4, 5]) == 18
-      (worker,) = _worker_children()
+      (worker,) = worker_processes.descendants()
       raise error('boom')
-  assert _is_gone(worker.pid)
+  assert worker_processes.is_gone(worker.pid)
 
 
 def test_computation_fails_instead_of_hanging_when_worker_dies():
-  with _deadline(60), runtime.execution_context():
+  with worker_processes.deadline(60), runtime.execution_context():
     assert _sum_of_doubles([1]) == 2
-    (worker,) = _worker_children()
+    (worker,) = worker_processes.descendants()
     worker.kill()
     with pytest.raises(RuntimeError, match='exited with code'):
       _sum_of_doubles([5])  # Same cardinality: the cached executor fails first.
@@ -233,14 +165,14 @@ def _child_in_block(body: str):
         text=True,
     )
     try:
-      with _deadline(180):
+      with worker_processes.deadline(180):
         line = child.stdout.readline()
       if not line:
         child_stderr.seek(0)
         pytest.fail(f'child failed: {child_stderr.read()[-3000:]!r}')
       worker_pid = int(line)
-      _SEEN_WORKER_PIDS.add(worker_pid)
-      assert _is_worker(psutil.Process(worker_pid))
+      worker_processes.SEEN_PIDS.add(worker_pid)
+      assert worker_processes.is_worker(psutil.Process(worker_pid))
       yield child, worker_pid
     finally:
       child.kill()
@@ -252,10 +184,10 @@ def test_worker_dies_when_its_parent_is_sigkilled():
   with _child_in_block('time.sleep(600)') as (child, worker_pid):
     child.kill()
     child.wait()
-    assert _wait_gone(worker_pid, timeout_s=5)
+    assert worker_processes.wait_gone(worker_pid, timeout_s=5)
     # Nothing else holds the child's stdout pipe open (the worker did not
     # inherit it), so reading it ends.
-    with _deadline(5):
+    with worker_processes.deadline(5):
       child.stdout.read()
 
 
@@ -274,20 +206,20 @@ def test_sigint_during_a_computation_stops_the_worker():
   with _child_in_block(body) as (child, worker_pid):
     time.sleep(1)  # Let the computation start.
     child.send_signal(signal.SIGINT)
-    with _deadline(30):
+    with worker_processes.deadline(30):
       assert child.stdout.read() == 'interrupted\nworker gone\n'
       child.wait()
     assert child.returncode != 0
-    assert _is_gone(worker_pid)
+    assert worker_processes.is_gone(worker_pid)
 
 
 def test_two_workers_split_clients_and_agree_with_local(two_workers):
   addresses, processes = two_workers
   clients = list(range(1, 7))
-  with _deadline(120), runtime.execution_context():
+  with worker_processes.deadline(120), runtime.execution_context():
     local = _busy_sum_of_doubles(clients)
   assert local == 42
-  with _deadline(120), runtime.execution_context(workers=addresses):
+  with worker_processes.deadline(120), runtime.execution_context(workers=addresses):
     assert _busy_sum_of_doubles(clients) == local  # Warm-up (compilation).
     workers = [psutil.Process(p.pid) for p in processes]
     cpu_before = [sum(w.cpu_times()[:2]) for w in workers]
@@ -303,10 +235,10 @@ def test_two_workers_split_clients_and_agree_with_local(two_workers):
 
 def test_two_workers_refuse_clients_placed_results(two_workers):
   addresses, _ = two_workers
-  with _deadline(60), runtime.execution_context(workers=addresses):
+  with worker_processes.deadline(60), runtime.execution_context(workers=addresses):
     with pytest.raises(ValueError, match='CLIENTS-placed'):
       _doubles_at_clients([1, 2, 3])
-  with _deadline(60), runtime.execution_context(workers=addresses[:1]):
+  with worker_processes.deadline(60), runtime.execution_context(workers=addresses[:1]):
     assert _doubles_at_clients([1, 2, 3]) == [2, 4, 6]
 
 
@@ -339,11 +271,11 @@ def test_two_workers_run_a_tff_learning_round_like_local(two_workers):
   data = [client_data(i) for i in range(5)]
   # `get_model_weights` is a computation too: outside a block it would run in
   # TFF's default context, which starts a worker of its own.
-  with _deadline(300), runtime.execution_context():
+  with worker_processes.deadline(300), runtime.execution_context():
     state = process.initialize()
     local = process.next(state, data)
     local_weights = process.get_model_weights(local.state).trainable
-  with _deadline(300), runtime.execution_context(workers=addresses):
+  with worker_processes.deadline(300), runtime.execution_context(workers=addresses):
     merged = process.next(state, data)
     merged_weights = process.get_model_weights(merged.state).trainable
   tf.nest.map_structure(
@@ -357,7 +289,7 @@ def test_two_workers_run_a_tff_learning_round_like_local(two_workers):
 def test_unreachable_worker_gives_one_line_error_quickly():
   address = f'127.0.0.1:{portpicker.pick_unused_port()}'
   start = time.monotonic()
-  with _deadline(60):
+  with worker_processes.deadline(60):
     with pytest.raises(RuntimeError) as error:
       with runtime.execution_context(workers=[address]):
         pytest.fail('entered the block without a worker')

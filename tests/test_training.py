@@ -182,25 +182,26 @@ def test_cli_missing_data_dir_is_one_line(tmp_path):
   assert "nowhere" in result.stderr.strip().splitlines()[-1]
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
-  config, summary = fedavg_run
-  output_dir = tmp_path / "killed"
+def _start_and_await(config, output_dir, path):
+  """Starts the CLI run of `config` in its own process group; waits for `path`.
+
+  Returns the process and the run's flags.
+  """
   flags = [f"--{k}={v}" for k, v in dataclasses.asdict(config).items()
            if k not in ("output_dir", "resume") and v is not None]
   process = subprocess.Popen(
       [sys.executable, "-m", "tff_ens.main", *flags,
-       f"--output_dir={output_dir}"], cwd=ROOT,
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  first_checkpoint = output_dir / training.CHECKPOINT_DIR / "round_2"
+       f"--output_dir={output_dir}"], cwd=ROOT, start_new_session=True,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
-  while not first_checkpoint.exists() and time.time() < deadline:
+  while not path() and time.time() < deadline:
     if process.poll() is not None:
-      pytest.fail("the run ended before it could be killed")
+      pytest.fail("the run ended before it could be signalled")
     time.sleep(0.2)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  assert not (output_dir / training.SUMMARY_FILE).exists()
+  return process, flags
 
+
+def _resume_matches(flags, output_dir, summary):
   result = run_cli(*flags, f"--output_dir={output_dir}", "--resume")
   assert result.returncode == 0, result.stderr[-2000:]
   with open(output_dir / training.SUMMARY_FILE) as f:
@@ -208,3 +209,43 @@ def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
   assert resumed["test_accuracy"] == pytest.approx(summary["test_accuracy"],
                                                    abs=0.005)
   assert [int(r["round"]) for r in read_metrics(output_dir)] == [1, 2, 3, 4]
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
+  config, summary = fedavg_run
+  output_dir = tmp_path / "killed"
+  first_checkpoint = output_dir / training.CHECKPOINT_DIR / "round_2"
+  process, flags = _start_and_await(config, output_dir,
+                                    first_checkpoint.exists)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert not (output_dir / training.SUMMARY_FILE).exists()
+  _resume_matches(flags, output_dir, summary)
+
+
+def test_sigterm_checkpoints_the_round_and_stops(fedavg_run, tmp_path):
+  config, summary = fedavg_run
+  output_dir = tmp_path / "terminated"
+  # No checkpoint before round 4 but the one SIGTERM makes; the signal goes
+  # to the whole process group, TFF's worker included, as systemd sends it.
+  config = dataclasses.replace(config, checkpoint_every=4)
+  process, flags = _start_and_await(
+      config, output_dir, lambda: len(_metrics_or_empty(output_dir)) >= 1)
+  os.killpg(process.pid, signal.SIGTERM)
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+  last = stderr.strip().splitlines()[-1]
+  stopped_after = int(last.split("after round ")[1].split(",")[0])
+  assert last.endswith("continue with --resume")
+  checkpoints = os.listdir(output_dir / training.CHECKPOINT_DIR)
+  assert checkpoints == [f"round_{stopped_after}"]
+  assert len(read_metrics(output_dir)) == stopped_after
+  assert not (output_dir / training.SUMMARY_FILE).exists()
+  _resume_matches(flags, output_dir, summary)
+
+
+def _metrics_or_empty(output_dir):
+  try:
+    return read_metrics(output_dir)
+  except FileNotFoundError:
+    return []

@@ -17,6 +17,7 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
 from tff_ens import fedppd
+from tff_ens import privacy
 from tff_ens import server_distillation
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -27,6 +28,9 @@ ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble") + (
 LOCAL_OBJECTIVES = ("sgd", "fedprox")
 # Algorithms whose server step uses the server's data.
 SERVER_DATA_ALGORITHMS = server_distillation.METHODS + ("fedppd_distill",)
+# Algorithms whose server only needs the mean of the clients' updates, so
+# DP-FedAvg's clipped and noised mean (`privacy`) can replace it.
+DP_ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble", "fedppd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +101,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                     ) = None,
                     clients_per_round: int = 10,
                     student_fn: Callable[[], tf.keras.Model] | None = None,
-                    posterior_config: fedppd.PosteriorConfig | None = None
+                    posterior_config: fedppd.PosteriorConfig | None = None,
+                    dp: privacy.DPConfig | None = None
                     ) -> FederatedAlgorithm:
   """Builds algorithm `name`.
 
@@ -123,6 +128,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     clients_per_round: the largest cohort (the same four).
     student_fn: builds FedPPD's student (`model_fn(0)` is its teacher).
     posterior_config: FedPPD's client update.
+    dp: DP-FedAvg's clipped, noised mean of the updates (`DP_ALGORITHMS`);
+      None for the plain mean.
   """
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}: choose one of "
@@ -132,9 +139,13 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                      f"one of {', '.join(LOCAL_OBJECTIVES)}")
   if name == "fedprox" or local_objective == "fedprox":
     local_config = dataclasses.replace(local_config, proximal_mu=proximal_mu)
+  if dp is not None and name not in DP_ALGORITHMS:
+    raise ValueError(f"{name} distills from each client's model: DP on the "
+                     f"mean does not apply; use one of "
+                     f"{', '.join(DP_ALGORITHMS)}")
   if name == "fedensemble":
     return _build_fed_ensemble(model_fn, element_spec, local_config,
-                               ensemble_size, assignment, seed)
+                               ensemble_size, assignment, seed, dp)
   if name in SERVER_DATA_ALGORITHMS and (server_data is None or
                                          server_config is None):
     raise ValueError(f"{name} needs server_data and server_config")
@@ -142,8 +153,9 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     if student_fn is None or posterior_config is None:
       raise ValueError(f"{name} needs student_fn and posterior_config")
     if name == "fedppd":
-      built = fedppd.build_fedppd(lambda: model_fn(0), student_fn,
-                                  element_spec, posterior_config)
+      built = fedppd.build_fedppd(
+          lambda: model_fn(0), student_fn, element_spec, posterior_config,
+          aggregator_factory=dp.aggregator_factory() if dp else None)
     else:
       built = fedppd.build_fedppd_distill(
           lambda: model_fn(0), student_fn, element_spec, posterior_config,
@@ -157,7 +169,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
   process, client_work = fedavg.build_fedavg(
       lambda: model_fn(0), element_spec, local_config,
       server_learning_rate=server_learning_rate,
-      server_momentum=server_momentum if name == "fedavgm" else 0.0)
+      server_momentum=server_momentum if name == "fedavgm" else 0.0,
+      aggregator_factory=dp.aggregator_factory() if dp else None)
 
   # A client receives the client computation's parameters but for its own
   # data (a sequence, sized 0) and sends back the computation's result.
@@ -181,10 +194,10 @@ def _learning_process_next(process: tff.learning.templates.LearningProcess):
 
 
 def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
-                        assignment, seed) -> FederatedAlgorithm:
+                        assignment, seed, dp) -> FederatedAlgorithm:
   built = fed_ensemble.build_fed_ensemble(
       model_fn, element_spec, local_config, ensemble_size=ensemble_size,
-      seed=seed, assignment=assignment)
+      seed=seed, assignment=assignment, dp=dp)
 
   def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
     return built.process.next(state, list(datasets),

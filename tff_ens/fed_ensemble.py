@@ -17,6 +17,11 @@ algorithm is FedAvg's four stages with two swapped:
 * finalizer: model k moves by its slot's mean update; a model no client
   trained this round stays as it was.
 
+With DP (`privacy.DPConfig`, fixed clip C), each client clips its update to
+norm C before upload, the slots sum the clipped updates unweighted, and the
+server adds N(0, (z C)^2) noise to every slot and divides by the expected
+clients per slot, m / K (`privatize_slots`).
+
 The K models live in the server state (a tuple of K `ModelWeights`), and the
 assignment is a stateless function of (seed, client index, round), so a
 checkpoint of the state is complete.
@@ -31,6 +36,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import client_work as client_work_lib
+from tff_ens import privacy
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -128,6 +134,26 @@ def apply_slot_means(members, slots, weights):
                for k, (m, s) in enumerate(zip(members, slots)))
 
 
+def privatize_slots(slots, noise_stddev, clients_per_slot: float):
+  """DP-FedAvg's server step on the K slot sums of clipped updates.
+
+  McMahan et al., ICLR 2018, Algorithm 1, applied per slot: every slot sum
+  gets Gaussian noise of standard deviation `noise_stddev` (z C,
+  `privacy.add_gaussian_noise`, unseeded), and every slot's weight becomes
+  the fixed `clients_per_slot` (m / K), so `apply_slot_means` divides by a
+  count that does not depend on who was sampled. A client adds to one slot
+  only, so the K sums together have DP-FedAvg's L2 sensitivity C and the same
+  privacy accounting (`privacy.epsilons`).
+
+  Returns:
+    (noised slots, weights [K]) for `apply_slot_means`.
+  """
+  noised = tuple(privacy.add_gaussian_noise(slot, noise_stddev)
+                 for slot in slots)
+  return noised, tf.fill([len(slots)], tf.constant(clients_per_slot,
+                                                    tf.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class FedEnsembleProcess:
   """The built Fed-ensemble process and the types that cross the network.
@@ -149,6 +175,7 @@ def build_fed_ensemble(
     ensemble_size: int,
     seed: int = 0,
     assignment: str = "permutation",
+    dp: privacy.DPConfig | None = None,
 ) -> FedEnsembleProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
@@ -164,12 +191,16 @@ def build_fed_ensemble(
     ensemble_size: K.
     seed: seed of the permutations.
     assignment: "permutation" or "random".
+    dp: clip every update to `dp.clip_norm` and noise the slot sums
+      (`privatize_slots`); fixed clipping only. None: plain slot means.
   """
   if ensemble_size < 1:
     raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
   if assignment not in ASSIGNMENTS:
     raise ValueError(f"unknown assignment {assignment!r}: choose one of "
                      f"{', '.join(ASSIGNMENTS)}")
+  if dp is not None and dp.adaptive:
+    raise ValueError("Fed-ensemble's DP needs a fixed clip norm > 0")
   k = ensemble_size
   architecture_fn = lambda: member_model_fn(0)
   weights_type = client_work_lib.weights_type_of(architecture_fn)
@@ -242,9 +273,19 @@ def build_fed_ensemble(
   def report(accumulator):
     return accumulator
 
+  if dp is not None:
+    @tff.tensorflow.computation(update_type, np.float32)
+    def clip(update, weight):
+      # A rejected update (weight 0) is zeros and stays uncounted.
+      return (privacy.clip_update(update, dp.clip_norm),
+              tf.minimum(weight, 1.0))
+
   @tff.tensorflow.computation(members_type, accumulator_type)
   def finalize(members, accumulator):
     slots, weights = accumulator
+    if dp is not None:
+      slots, weights = privatize_slots(
+          slots, dp.noise_multiplier * dp.clip_norm, dp.clients_per_round / k)
     return apply_slot_means(members, slots, weights)
 
   @tff.tensorflow.computation(accumulator_type)
@@ -276,12 +317,15 @@ def build_fed_ensemble(
     # Client work: FedAvg's.
     work = client_work.process.next(state.client_work, start_weights,
                                     client_data)
-    # Aggregator: one update and its key per client, summed into K slots.
+    # Aggregator: one update and its key per client, summed into K slots
+    # (with DP: clipped on the client, weighted 1).
+    update, weight = work.result.update, work.result.update_weight
+    if dp is not None:
+      update, weight = tff.federated_map(clip, (update, weight))
     slots = tff.federated_aggregate(
-        tff.federated_zip((work.result.update, work.result.update_weight,
-                           keys)),
+        tff.federated_zip((update, weight, keys)),
         zero_slots(), accumulate, merge, report)
-    # Finalizer: per-model mean update.
+    # Finalizer: per-model mean update (with DP: noised, fixed count).
     members = tff.federated_map(finalize, (state.members, slots))
     new_state = tff.federated_zip(collections.OrderedDict(
         members=members,

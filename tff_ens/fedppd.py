@@ -328,18 +328,25 @@ class FedPPD:
 
 def build_fedppd(teacher_fn: Callable[[], tf.keras.Model],
                  student_fn: Callable[[], tf.keras.Model], element_spec,
-                 config: PosteriorConfig) -> FedPPD:
+                 config: PosteriorConfig, *,
+                 aggregator_factory: (
+                     tff.aggregators.WeightedAggregationFactory | None) = None
+                 ) -> FedPPD:
   """Builds FedPPD: FedAvg's stages with `build_client_work`'s client work.
 
   The server averages the clients' students and teachers (weighted by their
-  number of examples), the mean of Bhatt et al., Sec. 3.2.
+  number of examples), the mean of Bhatt et al., Sec. 3.2. Clients upload
+  the change of the joined weights, so a weighted `tff.aggregators`
+  `aggregator_factory` (e.g. DP-FedAvg's, `privacy.DPConfig`) can replace
+  the mean.
   """
   weights_type = joint_weights_type(teacher_fn, student_fn)
+  factory = aggregator_factory or tff.aggregators.MeanFactory(
+      no_nan_division=True)
   return _compose(
       teacher_fn, student_fn, element_spec, config, weights_type,
       _teacher_sizes(teacher_fn),
-      tff.aggregators.MeanFactory(no_nan_division=True).create(
-          weights_type, tff.TensorType(np.float32)),
+      factory.create(weights_type, tff.TensorType(np.float32)),
       fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type))
 
 

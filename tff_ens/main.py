@@ -9,6 +9,7 @@ Flags map one to one onto `training.ExperimentConfig`; see `--help`.
 import dataclasses
 import logging as std_logging
 import os
+import signal
 import sys
 
 from absl import app
@@ -18,6 +19,7 @@ from absl import logging
 # TensorFlow must be imported before absl parses flags: Keras 2.14 imported
 # inside `main` builds broken Sequential models ("Output tensors of a
 # Sequential model must be the output of a TensorFlow `Layer`").
+from tff_ens import runtime
 from tff_ens import training
 import tasks
 
@@ -139,6 +141,15 @@ flags.DEFINE_float(
     "Reject a client update whose trainable weights moved by a larger L2 "
     "norm (counted in rejected_updates); 0: no limit. NaN/Inf updates are "
     "always rejected.")
+flags.DEFINE_integer(
+    "aggregate_first", 0,
+    "FedScale's over-commitment: aggregate only the first M reporting "
+    "clients to finish (simulated device speeds; select e.g. 1.3 M with "
+    "--clients_per_round); 0: all.")
+flags.DEFINE_integer(
+    "nan_clients_per_round", 0,
+    "Fault injection: this many reporting clients a round train on NaN "
+    "inputs and so send NaN updates (which are rejected).")
 flags.DEFINE_float("dropout_rate", 0.0,
                    "Fault simulation: a sampled client returns nothing with "
                    "this probability.")
@@ -146,6 +157,19 @@ flags.DEFINE_float("straggler_rate", 0.0,
                    "Fault simulation: a sampled client is a straggler with "
                    "this probability and completes a U(0, 1] fraction of its "
                    "local epochs (FedBE's systems heterogeneity).")
+flags.DEFINE_float(
+    "dp_noise_multiplier", 0.0,
+    "DP-FedAvg: Gaussian noise z times the clip norm on the sum of clipped "
+    "client updates (0: no noise; fedavg, fedprox, fedavgm, fedensemble, "
+    "fedppd).")
+flags.DEFINE_float(
+    "dp_clip_norm", 0.0,
+    "DP-FedAvg: clip each client's update to this L2 norm; 0 with "
+    "--dp_noise_multiplier > 0: adaptive clip (to the median norm).")
+flags.DEFINE_float(
+    "dp_target_delta", 0.0,
+    "DP-FedAvg: delta of the reported epsilon (0: 1/N^1.1 for N training "
+    "clients).")
 flags.DEFINE_integer("seed", 0, "Seed of models, client sampling and data.")
 flags.DEFINE_string("output_dir", "runs/femnist", "Where outputs go.")
 flags.DEFINE_integer("eval_every", 10, "Evaluate on test data every N rounds.")
@@ -154,6 +178,11 @@ flags.DEFINE_integer(
     "max_concurrent_clients", 0,
     "Clients trained at once by the TFF runtime (<= 0: no limit; see "
     "benchmarks/RESULTS.md).")
+flags.DEFINE_string(
+    "workers", "",
+    "Run on TFF worker services at host:port,host:port (each started with "
+    "`python -m tff_ens.worker --port=PORT`), clients split across them; "
+    "empty: a local worker.")
 flags.DEFINE_bool("resume", False,
                   "Continue the run in --output_dir from its last checkpoint.")
 
@@ -175,6 +204,12 @@ def main(argv):
   except (training.UsageError, tasks.DataError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except runtime.WorkerError as e:  # Lost mid-run; the message says resume.
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except training.Stopped as e:
+    print(str(e), file=sys.stderr)
+    return 128 + signal.SIGTERM
   print(f"test_accuracy={summary['test_accuracy']:.4f} "
         f"summary={os.path.join(config.output_dir, training.SUMMARY_FILE)}")
   return 0

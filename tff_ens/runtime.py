@@ -49,6 +49,10 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+class WorkerError(RuntimeError):
+  """A TFF worker did not come up, exited, or stopped answering."""
+
+
 class _NoExecutionContext(tff.framework.SyncContext):
   """Default context outside `execution_context()`: refuses to run.
 
@@ -80,6 +84,10 @@ def _die_with_parent(parent_pid: int):
     # Ignored signals stay ignored across exec, and a parent started in the
     # background by a shell ignores SIGINT: `stop_worker` needs it.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # A SIGTERM to the whole process group (systemd, `kill -- -PGID`) is for
+    # the driver, which finishes its round, checkpoints and then stops the
+    # worker; the worker must not die under the round in flight.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
       raise OSError(ctypes.get_errno(), 'prctl(PR_SET_PDEATHSIG) failed')
     # The parent may have died between fork() and prctl(): then no signal
@@ -154,7 +162,7 @@ def _wait_until_serving(
     address: str,
     process: Optional[subprocess.Popen],
 ) -> None:
-  """Blocks until `stub` is connected, or raises a one-line RuntimeError.
+  """Blocks until `stub` is connected, or raises a one-line WorkerError.
 
   Polls `stub.is_ready` as TFF does. (A `grpc.channel_ready_future` would add a
   second connectivity subscription, which makes grpc's polling thread raise
@@ -170,18 +178,52 @@ def _wait_until_serving(
   deadline = time.monotonic() + timeout
   while True:
     if process is not None and process.poll() is not None:
-      raise RuntimeError(
+      raise WorkerError(
           f'TFF worker {process.args[0]} for {address} exited with code '
           f'{process.returncode}.'
       )
     if stub.is_ready:
       return
     if time.monotonic() > deadline:
-      raise RuntimeError(
+      raise WorkerError(
           f'TFF worker at {address} is unreachable (no gRPC connection within'
           f' {timeout:g} s).'
       )
     time.sleep(0.05)
+
+
+class _LatestExecutorFactory(tff.framework.ExecutorFactory):
+  """Holds one executor, for the cardinalities of the latest computation.
+
+  TFF's `ResourceManagingExecutorFactory` keeps an executor per distinct
+  cardinality (up to 10) and drops old ones without closing them. On the C++
+  worker every executor keeps its own copy of the computations it ran: with
+  Fed-ensemble's five LEAF CNNs the worker grew by ~1.2 GB for every new
+  cohort size and never shrank, so client dropouts (a different cohort size
+  most rounds) ran it out of memory (measured in benchmarks/RESULTS.md,
+  "Worker memory"). Closing the previous executor when the cardinalities
+  change frees it on the worker. Computations run one at a time per worker,
+  so no value of the closed executor is still in use.
+  """
+
+  def __init__(self, stack_fn):
+    self._stack_fn = stack_fn
+    self._key = None
+    self._executor = None
+
+  def create_executor(self, cardinalities):
+    key = sorted((str(placement), n) for placement, n in cardinalities.items())
+    if key != self._key:
+      self.clean_up_executor(cardinalities)
+      self._executor = self._stack_fn(cardinalities)
+      self._key = key
+    return self._executor
+
+  def clean_up_executor(self, cardinalities):
+    del cardinalities  # There is only one executor.
+    if self._executor is not None:
+      self._executor.close()
+    self._executor = self._key = None
 
 
 def _executor_factory(
@@ -189,7 +231,7 @@ def _executor_factory(
     address: str,
     process: Optional[subprocess.Popen],
     executors: list[tff.framework.RemoteExecutor],
-) -> tff.framework.ResourceManagingExecutorFactory:
+) -> tff.framework.ExecutorFactory:
   """Executor factory over one worker, as TFF's `local_cpp_executor_factory`."""
 
   def stack_fn(cardinalities):
@@ -205,7 +247,7 @@ def _executor_factory(
     executors.append(executor)
     return executor
 
-  return tff.framework.ResourceManagingExecutorFactory(stack_fn)
+  return _LatestExecutorFactory(stack_fn)
 
 
 def _is_per_client(type_spec: tff.types.Type) -> bool:
@@ -262,7 +304,8 @@ def execution_context(
       configured when they were started.
 
   Raises:
-    RuntimeError: If a worker does not come up or is unreachable.
+    WorkerError: If a worker does not come up or is unreachable, on entry or
+      when a computation finds it gone.
     ValueError: If `max_concurrent_computation_calls` is set with `workers`.
   """
   if workers and max_concurrent_computation_calls > 0:

@@ -19,8 +19,10 @@ import json
 import logging
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -36,6 +38,7 @@ from tff_ens import evaluation
 from tff_ens import fed_ensemble
 from tff_ens import fedppd
 from tff_ens import personalization
+from tff_ens import privacy
 from tff_ens import runtime
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation
@@ -53,7 +56,7 @@ SWA_CYCLE_STEPS = 25
 
 # Keys that may differ between an interrupted run and its `--resume`: how
 # the run executes, not what it computes.
-_RESUME_FREE_KEYS = ("resume", "max_concurrent_clients")
+_RESUME_FREE_KEYS = ("resume", "max_concurrent_clients", "workers")
 
 
 # Algorithms distilling with SWA unless --noswa.
@@ -62,6 +65,10 @@ _SWA_ALGORITHMS = ("fedbe", "fedppd_distill")
 
 class UsageError(ValueError):
   """A bad flag value or output directory; the message names the fix."""
+
+
+class Stopped(Exception):
+  """The run stopped on SIGTERM after checkpointing its last round."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +126,19 @@ class ExperimentConfig:
   active_initial_fraction: float = 0.1
   active_selection: str = "entropy"
   max_update_norm: float = 0.0
+  aggregate_first: int = 0
+  nan_clients_per_round: int = 0
   dropout_rate: float = 0.0
   straggler_rate: float = 0.0
+  dp_noise_multiplier: float = 0.0
+  dp_clip_norm: float = 0.0
+  dp_target_delta: float = 0.0
   seed: int = 0
   output_dir: str = "runs/femnist"
   eval_every: int = 10
   checkpoint_every: int = 10
   max_concurrent_clients: int = 0
+  workers: str = ""
   resume: bool = False
 
   def validate(self):
@@ -191,6 +204,12 @@ class ExperimentConfig:
       if not 0 <= getattr(self, name) <= 1:
         raise UsageError(f"--{name} must be in [0, 1], got "
                          f"{getattr(self, name)}")
+    for name in ("aggregate_first", "nan_clients_per_round"):
+      if not 0 <= getattr(self, name) <= self.clients_per_round:
+        raise UsageError(
+            f"--{name}={getattr(self, name)} must be between 0 and "
+            f"--clients_per_round={self.clients_per_round}")
+    self._validate_privacy()
     try:
       self.active_learning_config()
     except ValueError as e:
@@ -203,6 +222,29 @@ class ExperimentConfig:
       self.partition_config()
     except ValueError as e:
       raise UsageError(str(e)) from None
+    workers = self.worker_addresses()
+    if workers and self.max_concurrent_clients > 0:
+      raise UsageError(
+          "--max_concurrent_clients is a flag of the worker process when "
+          "--workers is given: start each worker with `python -m "
+          "tff_ens.worker --max_concurrent_clients=N` instead")
+
+  def worker_addresses(self) -> list[str]:
+    """The "host:port" addresses of --workers (empty: a local worker)."""
+    if not self.workers:
+      return []
+    addresses = [a.strip() for a in self.workers.split(",")]
+    for address in addresses:
+      host, _, port = address.rpartition(":")
+      if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(
+            f"--workers={self.workers}: {address!r} is not host:port: pass "
+            "e.g. --workers=10.0.0.2:8000,10.0.0.3:8000")
+    for address in set(addresses):
+      if addresses.count(address) > 1:
+        raise UsageError(f"--workers={self.workers}: {address} is named "
+                         "twice: list each worker once")
+    return addresses
 
   def server_distillation_config(
       self) -> server_distillation.ServerDistillationConfig:
@@ -264,6 +306,50 @@ class ExperimentConfig:
         weight_decay=self.weight_decay, lr_schedule=self.lr_schedule,
         total_rounds=self.rounds, max_update_norm=self.max_update_norm)
 
+  def _validate_privacy(self):
+    """The --dp_* flags: values, and an algorithm DP aggregation applies to."""
+    for name in ("dp_noise_multiplier", "dp_clip_norm"):
+      if getattr(self, name) < 0:
+        raise UsageError(f"--{name} must be >= 0 (0: off), got "
+                         f"{getattr(self, name)}")
+    if not 0 <= self.dp_target_delta < 1:
+      raise UsageError(f"--dp_target_delta must be in (0, 1), or 0 for "
+                       f"1/N^1.1 of N clients, got {self.dp_target_delta}")
+    if self.dp_target_delta and not self.dp_noise_multiplier:
+      raise UsageError("--dp_target_delta needs --dp_noise_multiplier > 0: "
+                       "without noise there is no epsilon to report")
+    if not (self.dp_noise_multiplier or self.dp_clip_norm):
+      return
+    if self.algorithm not in algorithms.DP_ALGORITHMS:
+      raise UsageError(
+          f"--dp_noise_multiplier/--dp_clip_norm do not apply to "
+          f"--algorithm={self.algorithm}: its server distills from every "
+          "client's own model, which central DP on the aggregate cannot "
+          f"protect; use one of {', '.join(algorithms.DP_ALGORITHMS)}")
+    if self.algorithm == "fedensemble" and not self.dp_clip_norm:
+      raise UsageError("--algorithm=fedensemble clips with a fixed norm "
+                       "only: set --dp_clip_norm > 0")
+    try:
+      self.dp_config()
+    except ValueError as e:
+      raise UsageError(f"--dp_noise_multiplier: {e}") from None
+
+  def dp_config(self) -> privacy.DPConfig | None:
+    """DP-FedAvg aggregation from the --dp_* flags; None when they are 0."""
+    if not (self.dp_noise_multiplier or self.dp_clip_norm):
+      return None
+    # The noised sum is divided by the updates a round aggregates: the
+    # first M with --aggregate_first (the accounting still charges the whole
+    # sampled cohort).
+    return privacy.DPConfig(noise_multiplier=self.dp_noise_multiplier,
+                            clip_norm=self.dp_clip_norm,
+                            clients_per_round=(self.aggregate_first or
+                                               self.clients_per_round))
+
+  def dp_delta(self, num_clients: int) -> float:
+    """--dp_target_delta, or `privacy.default_target_delta` of N clients."""
+    return self.dp_target_delta or privacy.default_target_delta(num_clients)
+
 
 def sample_clients(num_clients: int, cohort_size: int, seed: int,
                    round_num: int) -> np.ndarray:
@@ -293,16 +379,100 @@ def simulate_faults(cohort_size: int, seed: int, round_num: int,
   return reports, work
 
 
+def client_speeds(num_clients: int, seed: int) -> np.ndarray:
+  """Each client's device speed (local batches per unit of time).
+
+  FedScale (Lai et al., ICML 2022) replays measured device traces; without
+  them we assume speeds spread log-normally (sigma 0.5, so the 10% slowest
+  are about 2x slower than the median), fixed per client for the run.
+  """
+  return np.random.default_rng([seed, 3]).lognormal(0.0, 0.5, num_clients)
+
+
+def first_to_finish(durations: np.ndarray, reports: np.ndarray,
+                    m: int) -> np.ndarray:
+  """FedScale's over-commitment: the first `m` reporting clients to finish.
+
+  The server selects more clients than it needs (FedScale: 1.3 m) and
+  aggregates the `m` whose updates arrive first; the rest are discarded.
+  Ties go to the earlier client of the cohort.
+
+  Args:
+    durations: each cohort client's simulated training time.
+    reports: which cohort clients report at all (not dropped out).
+    m: updates to aggregate; 0 keeps every reporting client.
+
+  Returns:
+    bool [cohort]: the clients whose updates are aggregated.
+  """
+  if m <= 0:
+    return reports.copy()
+  order = np.argsort(np.where(reports, durations, np.inf), kind="stable")
+  kept = np.zeros_like(reports)
+  kept[order[:m]] = True
+  return kept & reports
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+  """Who is sampled in a round, who reports and how much each one trains.
+
+  Attributes:
+    cohort: indices of the sampled training clients.
+    seeds: each sampled client's data-shuffling seed.
+    reports: the clients whose updates the server aggregates.
+    work: each client's completed share of its local epochs, in (0, 1].
+    late: reporting clients left out by --aggregate_first.
+    poisoned: reporting clients injected with NaN data
+      (--nan_clients_per_round), whose updates must be rejected.
+  """
+  cohort: np.ndarray
+  seeds: np.ndarray
+  reports: np.ndarray
+  work: np.ndarray
+  late: np.ndarray
+  poisoned: np.ndarray
+
+
+def plan_round(config: "ExperimentConfig", sizes: np.ndarray,
+               speeds: np.ndarray, round_num: int) -> RoundPlan:
+  """The round's cohort and faults: a function of (seed, round) only.
+
+  Args:
+    config: the run's flags.
+    sizes: labeled training examples of every client.
+    speeds: `client_speeds` of every client.
+    round_num: the round, from 1.
+  """
+  cohort = sample_clients(len(sizes), config.clients_per_round, config.seed,
+                          round_num)
+  seeds = np.random.default_rng([config.seed, round_num, 1]).integers(
+      2**31, size=len(cohort))
+  reports, work = simulate_faults(len(cohort), config.seed, round_num,
+                                  config.dropout_rate, config.straggler_rate)
+  batches = np.ceil(sizes[cohort] * config.client_epochs / config.batch_size)
+  kept = first_to_finish(work * batches / speeds[cohort], reports,
+                         config.aggregate_first)
+  poisoned = np.zeros_like(kept)
+  poisoned[np.flatnonzero(kept)[:config.nan_clients_per_round]] = True
+  return RoundPlan(cohort=cohort, seeds=seeds, reports=kept, work=work,
+                   late=reports & ~kept, poisoned=poisoned)
+
+
 def client_dataset(x: np.ndarray, y: np.ndarray, *, epochs: int,
                    batch_size: int, seed: int, augmentation=None,
-                   work: float = 1.0) -> tf.data.Dataset:
+                   work: float = 1.0, poisoned: bool = False
+                   ) -> tf.data.Dataset:
   """One client's local training data: shuffled (seeded), repeated, batched.
 
   `augmentation` is the task's TRAIN_AUGMENTATION, `(x, y, seed) -> (x, y)`;
   the i-th example of the stream gets the stateless seed (seed, i). A
   straggler (`work` < 1) stops after that fraction of its batches (at least
-  one).
+  one). A `poisoned` client (fault injection) has NaN inputs, so its local
+  training ends in NaN weights, as a broken device's would.
   """
+  if poisoned:
+    x = np.full_like(x, np.nan)
   dataset = (tf.data.Dataset.from_tensor_slices((x, y))
              .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
              .repeat(epochs))
@@ -328,11 +498,12 @@ class _Outputs:
   def __init__(self, config: ExperimentConfig, initial_state):
     self.dir = config.output_dir
     self._loop = asyncio.new_event_loop()
+    self._structure = {"round": 0, "state": initial_state}
+    self._resumed = None
     self._prepare_dir(config)
     self._checkpoints = tff.program.FileProgramStateManager(
         os.path.join(self.dir, CHECKPOINT_DIR), prefix=CHECKPOINT_PREFIX,
         keep_total=2, keep_first=False)
-    self._structure = {"round": 0, "state": initial_state}
     self._csv = tff.program.CSVFileReleaseManager(
         os.path.join(self.dir, METRICS_FILE),
         save_mode=tff.program.CSVSaveMode.WRITE, key_fieldname="round")
@@ -347,13 +518,16 @@ class _Outputs:
     wanted = {k: v for k, v in dataclasses.asdict(config).items()
               if k not in _RESUME_FREE_KEYS}
     if os.path.exists(config_path):
-      with open(config_path) as f:
-        try:
+      try:
+        with open(config_path, "rb") as f:
           saved = json.load(f)
-        except json.JSONDecodeError:
-          saved = None
-      saved = {k: v for k, v in (saved or {}).items()
-               if k not in _RESUME_FREE_KEYS}
+      except (OSError, ValueError):  # Unreadable, not UTF-8 or not JSON.
+        saved = None
+      if not isinstance(saved, dict):
+        raise UsageError(
+            f"{config_path} is not a run's config (a JSON object of its "
+            "flags): restore it, or choose a new --output_dir")
+      saved = {k: v for k, v in saved.items() if k not in _RESUME_FREE_KEYS}
       if saved:
         # A flag added after the run started takes its default there.
         defaults = {f.name: f.default
@@ -365,13 +539,17 @@ class _Outputs:
         raise UsageError(
             f"--output_dir={self.dir} holds a different run (differs in "
             f"{', '.join(changed)}): choose a new --output_dir")
-      checkpoints = os.path.join(self.dir, CHECKPOINT_DIR)
-      started = os.path.isdir(checkpoints) and any(
-          name.startswith(CHECKPOINT_PREFIX) for name in os.listdir(checkpoints))
-      if started and not config.resume:
-        raise UsageError(
-            f"--output_dir={self.dir} already holds this run: pass --resume "
-            "to continue it, or choose a new --output_dir")
+    checkpoints = os.path.join(self.dir, CHECKPOINT_DIR)
+    started = os.path.isdir(checkpoints) and any(
+        name.startswith(CHECKPOINT_PREFIX) for name in os.listdir(checkpoints))
+    if started and not config.resume:
+      raise UsageError(
+          f"--output_dir={self.dir} already holds this run: pass --resume "
+          "to continue it, or choose a new --output_dir")
+    if started:
+      # Read before anything is written: a checkpoint that does not fit
+      # leaves the directory as it was.
+      self._resumed = self._read_checkpoint(checkpoints, config)
     try:
       os.makedirs(self.dir, exist_ok=True)
       _write_json_atomically(config_path, dataclasses.asdict(config))
@@ -379,14 +557,56 @@ class _Outputs:
       raise UsageError(f"cannot write to --output_dir={self.dir} "
                        f"({e.strerror}): choose a writable directory") from None
 
-  def latest_checkpoint(self) -> tuple[int, Any] | None:
-    """(round, state) of the last checkpoint, or None."""
-    versions = self._loop.run_until_complete(self._checkpoints.get_versions())
+  def _read_checkpoint(self, directory: str,
+                       config: ExperimentConfig) -> tuple[int, Any] | None:
+    """(round, state) of the last checkpoint in `directory`, or None.
+
+    Raises UsageError, naming the checkpoint, if it cannot be read or its
+    state does not have this run's structure, shapes and dtypes (e.g.
+    checkpoints copied from another run, or a config.json edited by hand).
+    """
+    manager = tff.program.FileProgramStateManager(directory,
+                                                  prefix=CHECKPOINT_PREFIX)
+    versions = self._loop.run_until_complete(manager.get_versions())
     if not versions:
       return None
-    saved = self._loop.run_until_complete(
-        self._checkpoints.load(versions[-1], self._structure))
-    return int(saved["round"]), saved["state"]
+    path = os.path.join(directory, f"{CHECKPOINT_PREFIX}{versions[-1]}")
+    try:
+      saved = self._loop.run_until_complete(
+          manager.load(versions[-1], self._structure))
+    except (ValueError, TypeError):  # The nesting differs.
+      mismatch = "its nesting differs"
+    except (tf.errors.OpError, OSError) as e:
+      raise UsageError(
+          f"cannot read checkpoint {path} ({' '.join(str(e).split())[:200]})"
+          ": delete it to resume from the one before it, or choose a new "
+          "--output_dir") from None
+    else:
+      mismatch = _state_mismatch(self._structure["state"], saved["state"])
+      if mismatch is None:
+        return int(saved["round"]), saved["state"]
+    raise UsageError(
+        f"checkpoint {path} does not fit the state of --algorithm="
+        f"{config.algorithm} --model={config.model} ({mismatch}): another "
+        "run wrote it; restore this run's own checkpoints, or choose a new "
+        "--output_dir")
+
+  def latest_checkpoint(self) -> tuple[int, Any] | None:
+    """(round, state) of the checkpoint a `--resume` continues from, or None.
+
+    Read and checked when the outputs were opened, before anything was
+    written.
+    """
+    return self._resumed
+
+  def resume_hint(self) -> str:
+    """Where a stopped run continues from: its last checkpoint, if any."""
+    versions = self._loop.run_until_complete(self._checkpoints.get_versions())
+    if not versions:
+      return (f"No round of --output_dir={self.dir} was checkpointed: run it "
+              "again")
+    return (f"The run's last checkpoint is round {versions[-1]}: rerun with "
+            "--resume (on the same or other --workers) to continue from it")
 
   def save_checkpoint(self, round_num: int, state):
     self._loop.run_until_complete(self._checkpoints.save(
@@ -404,6 +624,20 @@ class _Outputs:
 
   def close(self):
     self._loop.close()
+
+
+def _state_mismatch(expected, loaded) -> str | None:
+  """The first tensor of `loaded` whose shape or dtype is not `expected`'s.
+
+  Both are process states of one nesting; None if every tensor matches.
+  """
+  for i, (want, got) in enumerate(zip(tf.nest.flatten(expected),
+                                      tf.nest.flatten(loaded))):
+    want, got = np.asarray(want), np.asarray(got)
+    if (want.shape, want.dtype) != (got.shape, got.dtype):
+      return (f"tensor {i} is {got.dtype} {list(got.shape)} where this run "
+              f"has {want.dtype} {list(want.shape)}")
+  return None
 
 
 def _write_json_atomically(path: str, value):
@@ -500,8 +734,51 @@ def _progress(config: ExperimentConfig, start_round: int):
                  if isinstance(v, float)))
 
 
+@contextlib.contextmanager
+def _stop_on_sigterm():
+  """Yields an event that SIGTERM sets instead of killing the process.
+
+  The loop finishes the round in flight, checkpoints it and raises `Stopped`
+  (a scheduler's SIGTERM, e.g. on preemption, ends the run resumable). Only
+  the main thread can handle signals; elsewhere SIGTERM keeps its default.
+  """
+  requested = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield requested
+    return
+  previous = signal.signal(signal.SIGTERM, lambda *_: requested.set())
+  try:
+    yield requested
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _execution_context(config: ExperimentConfig):
+  """The run's TFF context: a local worker, or the workers of --workers."""
+  workers = config.worker_addresses()
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(runtime.execution_context(
+          workers=workers,
+          max_concurrent_computation_calls=config.max_concurrent_clients))
+    except runtime.WorkerError as e:
+      if not workers:
+        raise
+      raise UsageError(
+          f"--workers={config.workers}: {e} Start it there with `python -m "
+          "tff_ens.worker --port=PORT`, or fix the address") from None
+    yield
+
+
 def run_experiment(config: ExperimentConfig) -> dict:
-  """Runs (or resumes) one experiment and returns its summary."""
+  """Runs (or resumes) one experiment and returns its summary.
+
+  Raises:
+    UsageError: for a bad flag or output directory.
+    runtime.WorkerError: if a TFF worker dies or stops answering during the
+      run; the message says from which round `--resume` continues.
+  """
   config.validate()
   task = tasks.get_task(config.task)
   data = task.load_data(config.data_dir, partition=config.partition_config(),
@@ -524,8 +801,7 @@ def run_experiment(config: ExperimentConfig) -> dict:
   # Member k of an ensemble starts from its own seed; k = 0 for one model.
   model_fn = lambda k=0: task.build_model(
       config.model, seed=config.seed + 1009 * k, norm=config.norm)
-  with runtime.execution_context(
-      max_concurrent_computation_calls=config.max_concurrent_clients):
+  with _execution_context(config):
     algorithm = algorithms.build_algorithm(
         config.algorithm, model_fn, batch_element_spec(task),
         config.local_training_config(), proximal_mu=config.proximal_mu,
@@ -541,12 +817,15 @@ def run_experiment(config: ExperimentConfig) -> dict:
             norm=config.norm),
         posterior_config=(config.posterior_config()
                           if config.algorithm in algorithms.FEDPPD_METHODS
-                          else None))
+                          else None),
+        dp=config.dp_config())
     state = algorithm.process.initialize()
     outputs = _Outputs(config, state)
     try:
       return _train(config, data, algorithm, state, outputs, _Evaluator(
           algorithm.evaluation_model_fn or model_fn))
+    except runtime.WorkerError as e:
+      raise runtime.WorkerError(f"{e} {outputs.resume_hint()}") from None
     finally:
       outputs.close()
 
@@ -565,38 +844,49 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
                                start_round)
   train = _labeled(data.train, pool, sizes)
   augmentation = tasks.get_task(config.task).TRAIN_AUGMENTATION
-  with _progress(config, start_round) as report:
+  num_clients = len(data.train.client_ids)
+  # With DP noise, metrics.csv gets the epsilon spent after each round.
+  dp_epsilons = (privacy.epsilons(
+      config.dp_noise_multiplier, config.clients_per_round, num_clients,
+      config.rounds, config.dp_delta(num_clients))
+                 if config.dp_noise_multiplier else None)
+  speeds = client_speeds(len(train.client_ids), config.seed)
+  with _progress(config, start_round) as report, \
+      _stop_on_sigterm() as stop_requested:
     for round_num in range(start_round + 1, config.rounds + 1):
       start = time.perf_counter()
-      cohort = sample_clients(len(train.client_ids), config.clients_per_round,
-                              config.seed, round_num)
-      seeds = np.random.default_rng([config.seed, round_num, 1]).integers(
-          2**31, size=len(cohort))
-      reports, work = simulate_faults(len(cohort), config.seed, round_num,
-                                      config.dropout_rate,
-                                      config.straggler_rate)
+      plan = plan_round(config, np.array([len(train.y[c])
+                                          for c in train.client_ids]),
+                        speeds, round_num)
+      reports = plan.reports
       datasets = [
           client_dataset(train.x[train.client_ids[i]],
                          train.y[train.client_ids[i]],
                          epochs=config.client_epochs,
                          batch_size=config.batch_size, seed=int(s),
-                         augmentation=augmentation, work=w)
-          for i, s, w in zip(cohort[reports], seeds[reports], work[reports])]
+                         augmentation=augmentation, work=w, poisoned=p)
+          for i, s, w, p in zip(plan.cohort[reports], plan.seeds[reports],
+                                plan.work[reports], plan.poisoned[reports])]
       row = {"clients_used": float(len(datasets)),
-             "stragglers": float(np.sum(reports & (work < 1.0)))}
+             "stragglers": float(np.sum(reports & (plan.work < 1.0))),
+             "late_clients": float(np.sum(plan.late))}
       if datasets:
         if round_num == config.rounds and algorithm.teacher_fn is not None:
           # The last round's teacher ensemble, for `ensemble_test_accuracy`.
           teacher_test = algorithm.teacher_fn(
               state, datasets, data.test.concatenated()[0])
-        state, metrics = algorithm.next_fn(state, datasets, cohort[reports])
+        state, metrics = algorithm.next_fn(state, datasets,
+                                           plan.cohort[reports])
         # train_loss, train_accuracy, num_examples, rejected_updates (and
         # FedPPD's student_loss).
         row.update({k: float(v) for k, v in metrics["client_work"].items()})
         server = metrics.get("finalizer")
         if isinstance(server, dict):  # FedAvg's finalizer measures nothing.
           row.update({k: float(v) for k, v in server.items()})
+        row.update(privacy.aggregator_metrics(metrics.get("aggregator")))
       # else: every sampled client dropped out; no model changes this round.
+      if dp_epsilons is not None:
+        row["dp_epsilon"] = float(dp_epsilons[round_num - 1])
       row["seconds"] = time.perf_counter() - start
       last = round_num == config.rounds
       phase_end = pool is not None and round_num in active.phase_ends()
@@ -618,9 +908,14 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
         # in between resumes from an earlier checkpoint and rewinds the pool.
         pool.save(outputs.dir)
       outputs.release_metrics(round_num, row)
-      if round_num % config.checkpoint_every == 0 or last or phase_end:
+      stopping = stop_requested.is_set()
+      if (round_num % config.checkpoint_every == 0 or last or phase_end or
+          stopping):
         outputs.save_checkpoint(round_num, state)
       report(round_num, row)
+      if stopping and not last:
+        raise Stopped(f"stopped by SIGTERM after round {round_num}, which is "
+                      f"checkpointed in {outputs.dir}: continue with --resume")
   return _write_summary(config, data, algorithm, state, outputs, evaluator,
                         teacher_test, pool)
 
@@ -661,6 +956,9 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
   if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
     summary.update(_server_distillation_summary(
         data, rows, summary, teacher_test, algorithm.server_device))
+  if config.dp_config() is not None:
+    summary.update(_privacy_summary(config, rows,
+                                    len(data.train.client_ids)))
   new_clients = evaluator.summary(models, data.new_clients, prefix="new")
   down, up = algorithm.bytes_per_client_round()
   seconds = [float(r["seconds"]) for r in rows if r.get("seconds")]
@@ -677,6 +975,27 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
   _save_models(outputs.dir, evaluator.model, models)
   _write_json_atomically(os.path.join(outputs.dir, SUMMARY_FILE), summary)
   return summary
+
+
+def _privacy_summary(config, rows, num_clients: int) -> dict:
+  """DP keys: epsilon at delta after all rounds (None without noise), z, C.
+
+  `dp_clip_norm` is the fixed clip, or the adaptive clip after the last round
+  (`dp_clipping` says which).
+  """
+  clips = [float(r["dp_clip_norm"]) for r in rows if r.get("dp_clip_norm")]
+  dp = config.dp_config()
+  noised = dp.noise_multiplier > 0
+  delta = config.dp_delta(num_clients) if noised else None
+  return {
+      "dp_epsilon": float(privacy.epsilons(
+          dp.noise_multiplier, config.clients_per_round, num_clients,
+          config.rounds, delta)[-1]) if noised else None,
+      "dp_delta": delta,
+      "dp_noise_multiplier": dp.noise_multiplier,
+      "dp_clip_norm": clips[-1] if dp.adaptive and clips else dp.clip_norm,
+      "dp_clipping": "adaptive" if dp.adaptive else "fixed",
+  }
 
 
 def _server_distillation_summary(data, rows, summary, teacher_test,

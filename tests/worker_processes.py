@@ -1,0 +1,99 @@
+"""The `worker_binary` processes of a test module: finding, awaiting, stopping.
+
+Test modules that start TFF workers import `no_stray_workers` (autouse: no
+worker before the module's tests, none left after) and `two_workers`.
+"""
+
+import contextlib
+import signal
+import time
+
+import portpicker
+import psutil
+import pytest
+
+from tff_ens import runtime
+
+# Every worker pid a test saw, checked once more when its module ends.
+SEEN_PIDS = set()
+
+
+def is_worker(proc: psutil.Process) -> bool:
+  try:
+    return any("data/worker_binary" in arg for arg in proc.cmdline())
+  except (psutil.NoSuchProcess, psutil.ZombieProcess):
+    return False
+
+
+def descendants() -> list[psutil.Process]:
+  """Live worker_binary processes descending from this process."""
+  workers = [c for c in psutil.Process().children(recursive=True)
+             if is_worker(c)]
+  SEEN_PIDS.update(w.pid for w in workers)
+  return workers
+
+
+def is_gone(pid: int) -> bool:
+  try:
+    return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
+    return True
+
+
+def is_live_worker(pid: int) -> bool:
+  try:
+    return not is_gone(pid) and is_worker(psutil.Process(pid))
+  except psutil.NoSuchProcess:
+    return False
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+  deadline_s = time.monotonic() + timeout_s
+  while not is_gone(pid):
+    if time.monotonic() > deadline_s:
+      return False
+    time.sleep(0.05)
+  return True
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+  """Fails the test (instead of hanging) if the block takes too long."""
+
+  def on_alarm(signum, frame):
+    del signum, frame
+    raise TimeoutError(f"no result within {seconds} s")
+
+  previous = signal.signal(signal.SIGALRM, on_alarm)
+  signal.alarm(seconds)
+  try:
+    yield
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_stray_workers():
+  assert not descendants(), "worker_binary processes before the tests"
+  yield
+  assert not descendants()
+  stray = [pid for pid in SEEN_PIDS if is_live_worker(pid)]
+  assert not stray, f"worker_binary processes left running: {stray}"
+
+
+@pytest.fixture
+def two_workers():
+  """Two worker services on free 127.0.0.1 ports, always stopped afterwards."""
+  processes = []
+  try:
+    addresses = []
+    for _ in range(2):
+      port = portpicker.pick_unused_port()
+      processes.append(runtime.start_worker(port))
+      SEEN_PIDS.add(processes[-1].pid)
+      addresses.append(f"127.0.0.1:{port}")
+    yield addresses, processes
+  finally:
+    for process in processes:
+      runtime.stop_worker(process)

@@ -843,6 +843,8 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
   pool = _active_learning_pool(active, config.seed, sizes, outputs.dir,
                                start_round)
   train = _labeled(data.train, pool, sizes)
+  # Labeled examples per client, for the simulated finishing times.
+  train_sizes = np.array([len(train.y[c]) for c in train.client_ids])
   augmentation = tasks.get_task(config.task).TRAIN_AUGMENTATION
   num_clients = len(data.train.client_ids)
   # With DP noise, metrics.csv gets the epsilon spent after each round.
@@ -850,14 +852,12 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       config.dp_noise_multiplier, config.clients_per_round, num_clients,
       config.rounds, config.dp_delta(num_clients))
                  if config.dp_noise_multiplier else None)
-  speeds = client_speeds(len(train.client_ids), config.seed)
+  speeds = client_speeds(num_clients, config.seed)
   with _progress(config, start_round) as report, \
       _stop_on_sigterm() as stop_requested:
     for round_num in range(start_round + 1, config.rounds + 1):
       start = time.perf_counter()
-      plan = plan_round(config, np.array([len(train.y[c])
-                                          for c in train.client_ids]),
-                        speeds, round_num)
+      plan = plan_round(config, train_sizes, speeds, round_num)
       reports = plan.reports
       datasets = [
           client_dataset(train.x[train.client_ids[i]],
@@ -904,6 +904,7 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
               round_num, {c: p.mean(0) for c, p in probs.items()}, sizes,
               active, config.seed))
           train = _labeled(data.train, pool, sizes)
+          train_sizes = np.array([len(train.y[c]) for c in train.client_ids])
         # The pool is saved before the checkpoint of this round: a run killed
         # in between resumes from an earlier checkpoint and rewinds the pool.
         pool.save(outputs.dir)

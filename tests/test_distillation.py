@@ -276,6 +276,31 @@ def test_early_stopping_stops_and_returns_the_best_student():
     distillation.distill(model, initial, images(X), TARGETS, config, seed=1)
 
 
+def test_early_stopping_takes_only_improvements_above_the_margin():
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  # Validation labels are the targets' classes on the training images.
+  y_val = np.asarray(TARGETS).argmax(-1).astype(np.int32)
+  start = np.mean(numpy_logits(initial, X).argmax(-1) == y_val)
+  assert start < 1.0
+  results = {}
+  for margin in (0.0, 1.0):
+    config = Config(num_steps=40, batch_size=2, optimizer="adam",
+                    learning_rate=0.1, lr_schedule="cosine", loss="kl",
+                    swa=False, eval_every=2, patience=20,
+                    min_improvement=margin)
+    results[margin] = distillation.distill(
+        model, initial, images(X), TARGETS, config, seed=1,
+        validation=(images(X), y_val))
+  # Any improvement counts without a margin; none can beat a margin of 1.
+  assert float(results[0.0][1]["validation_accuracy"]) > start
+  weights, stats = results[1.0]
+  assert int(stats["steps"]) == 20
+  np.testing.assert_allclose(stats["validation_accuracy"], start)
+  for got, want in zip(weights.trainable, initial.trainable):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_shuffles_are_seeded():
   model = tiny_model(seed=0)
   initial = weights_of(model)

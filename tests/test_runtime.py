@@ -72,6 +72,9 @@ def test_local_context_runs_computations_and_stops_its_worker():
     # Its output goes to /dev/null, not to pytest's pipes.
     for fd in (1, 2):
       assert os.readlink(f'/proc/{worker.pid}/fd/{fd}') == '/dev/null'
+    # It runs with few malloc arenas, unless the caller chose a number.
+    assert worker.environ().get('MALLOC_ARENA_MAX') == os.environ.get(
+        'MALLOC_ARENA_MAX', runtime.WORKER_MALLOC_ARENAS)
   assert worker_processes.is_gone(worker.pid)
   assert not worker_processes.descendants()
 

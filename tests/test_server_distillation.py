@@ -10,21 +10,13 @@ from tff_ens import client_work
 from tff_ens import distillation
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation as sd
+from tiny import CLIENT_DATA
+from tiny import SERVER
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model
 
 ModelWeights = tff.learning.models.ModelWeights
-
-RNG = np.random.default_rng(0)
-# The server's data: 24 unlabeled 2x2 images and 6 labeled validation ones.
-SERVER = server_data_lib.ServerData(
-    unlabeled=RNG.random((24, 2, 2, 1), dtype=np.float32),
-    validation_x=RNG.random((6, 2, 2, 1), dtype=np.float32),
-    validation_y=np.array([0, 1, 2, 0, 1, 2], np.int32), source="test")
-CLIENT_DATA = [([[1, 0, 0, 0], [0, 1, 0, 0]], [0, 1]),
-               ([[0, 0, 1, 0], [0, 0, 0, 1], [1, 1, 0, 0]], [2, 0, 1]),
-               ([[0, 1, 1, 0]], [2])]
 
 
 def _weights(value):

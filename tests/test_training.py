@@ -124,7 +124,34 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
   assert all(0 <= float(r["student_validation_accuracy"]) <= 1 for r in rows)
 
 
+def test_feddf_over_two_prototypes_reports_each(tmp_path):
+  from tasks import femnist  # pylint: disable=g-import-not-at-top
+  unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:64]
+  np.savez(tmp_path / "server.npz", x=unlabeled)
+  summary = training.run_experiment(dataclasses.replace(
+      QUICK, algorithm="feddf", prototypes="cnn,resnet8", rounds=1,
+      clients_per_round=2, distill_steps=4, distill_batch_size=32,
+      distill_eval_every=2, server_data=str(tmp_path / "server.npz"),
+      output_dir=str(tmp_path / "out")))
+  accuracies = summary["prototype_test_accuracy"]
+  assert sorted(accuracies) == ["cnn", "resnet8"]
+  assert accuracies["cnn"] == summary["test_accuracy"]
+  assert 0.0 <= accuracies["resnet8"] <= 1.0
+  assert sorted(os.listdir(tmp_path / "out" / "prototypes")) == [
+      "cnn.keras", "resnet8.keras"]
+  (row,) = read_metrics(tmp_path / "out")
+  assert 0 <= float(row["student_validation_accuracy_resnet8"]) <= 1
+
+
 @pytest.mark.parametrize("change, message", [
+    (dict(algorithm="fedavg", prototypes="cnn,resnet8"),
+     "--prototypes is FedDF's"),
+    (dict(algorithm="feddf", prototypes="cnn"), "two or more different"),
+    (dict(algorithm="feddf", prototypes="cnn,vgg"), "unknown model vgg"),
+    (dict(algorithm="feddf", prototypes="resnet8,cnn"),
+     "starts with resnet8 but --model=cnn"),
+    (dict(algorithm="feddf", distill_min_improvement=-0.1),
+     "--distill_min_improvement must be >= 0"),
     (dict(rounds=0), "--rounds must be a positive integer"),
     (dict(algorithm="feddf", server_device="tpu"), "--server_device='tpu'"),
     (dict(algorithm="fedbe", distill_steps=10), "--distill_steps=10 is shorter"),

@@ -17,6 +17,7 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
 from tff_ens import fedppd
+from tff_ens import model_prototypes
 from tff_ens import privacy
 from tff_ens import server_distillation
 
@@ -51,6 +52,9 @@ class FederatedAlgorithm:
     server_device: where their server step runs; None otherwise.
     evaluation_model_fn: builds the Keras model `models_fn`'s weights fit
       when it is not the task's `--model` (FedPPD's student); None otherwise.
+    prototypes_fn: for FedDF over model prototypes, `state -> [(name,
+      model_fn, weights)]`, every prototype's model (`models_fn` gives the
+      first); None otherwise.
   """
 
   name: str
@@ -62,6 +66,8 @@ class FederatedAlgorithm:
   teacher_fn: Callable[[Any, list, np.ndarray], np.ndarray] | None = None
   server_device: str | None = None
   evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
+  prototypes_fn: Callable[[Any], list[tuple[str, Callable[
+      [], tf.keras.Model], ModelWeights]]] | None = None
 
   def bytes_per_client_round(self) -> tuple[int, int]:
     """(bytes down, bytes up) for one client in one round, from the types."""
@@ -102,7 +108,9 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                     clients_per_round: int = 10,
                     student_fn: Callable[[], tf.keras.Model] | None = None,
                     posterior_config: fedppd.PosteriorConfig | None = None,
-                    dp: privacy.DPConfig | None = None
+                    dp: privacy.DPConfig | None = None,
+                    prototypes: Sequence[tuple[str, Callable[
+                        [], tf.keras.Model]]] = ()
                     ) -> FederatedAlgorithm:
   """Builds algorithm `name`.
 
@@ -130,6 +138,9 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     posterior_config: FedPPD's client update.
     dp: DP-FedAvg's clipped, noised mean of the updates (`DP_ALGORITHMS`);
       None for the plain mean.
+    prototypes: `feddf` over model prototypes: `(name, model_fn)` of each
+      architecture the clients run (`model_prototypes`); the first is the
+      run's main model. Empty: every client runs `model_fn(0)`.
   """
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}: choose one of "
@@ -137,6 +148,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
   if local_objective not in LOCAL_OBJECTIVES:
     raise ValueError(f"unknown local objective {local_objective!r}: choose "
                      f"one of {', '.join(LOCAL_OBJECTIVES)}")
+  if prototypes and name != "feddf":
+    raise ValueError(f"model prototypes are FedDF's, not {name}'s")
   if name == "fedprox" or local_objective == "fedprox":
     local_config = dataclasses.replace(local_config, proximal_mu=proximal_mu)
   if dp is not None and name not in DP_ALGORITHMS:
@@ -162,6 +175,10 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
           server_data, dataclasses.replace(server_config, method="fedbe"),
           clients_per_round=clients_per_round)
     return _fedppd_algorithm(name, built, student_fn, server_config)
+  if prototypes:
+    return _build_heterogeneous_feddf(
+        prototypes, element_spec, local_config, server_data,
+        dataclasses.replace(server_config, method=name), clients_per_round)
   if name in server_distillation.METHODS:
     return _build_server_distillation(
         name, model_fn, element_spec, local_config, server_data,
@@ -193,20 +210,30 @@ def _learning_process_next(process: tff.learning.templates.LearningProcess):
   return next_fn
 
 
+def _indexed_next(process: tff.templates.IterativeProcess):
+  """`next_fn` of a process whose clients' work depends on their index.
+
+  `process.next(state, datasets, indices)`, the indices int32 at CLIENTS
+  (Fed-ensemble's permutation rows, FedDF's prototypes).
+  """
+
+  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
+    return process.next(state, list(datasets),
+                        [np.int32(i) for i in client_indices])
+
+  return next_fn
+
+
 def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
                         assignment, seed, dp) -> FederatedAlgorithm:
   built = fed_ensemble.build_fed_ensemble(
       model_fn, element_spec, local_config, ensemble_size=ensemble_size,
       seed=seed, assignment=assignment, dp=dp)
 
-  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
-    return built.process.next(state, list(datasets),
-                              [np.int32(i) for i in client_indices])
-
   return FederatedAlgorithm(
       name="fedensemble", process=built.process,
       download_type=built.download_type, upload_type=built.upload_type,
-      next_fn=next_fn,
+      next_fn=_indexed_next(built.process),
       models_fn=lambda state: list(state["members"]))
 
 
@@ -228,6 +255,25 @@ def _build_server_distillation(name, model_fn, element_spec, local_config,
       next_fn=_learning_process_next(process),
       models_fn=lambda state: [process.get_model_weights(state)],
       teacher_fn=teacher_fn, server_device=server_config.device)
+
+
+def _build_heterogeneous_feddf(prototypes, element_spec, local_config,
+                               server_data, server_config,
+                               clients_per_round) -> FederatedAlgorithm:
+  names = [name for name, _ in prototypes]
+  model_fns = [model_fn for _, model_fn in prototypes]
+  built = model_prototypes.build_heterogeneous_feddf(
+      model_fns, names, element_spec, local_config, server_data,
+      server_config, clients_per_round=clients_per_round)
+
+  return FederatedAlgorithm(
+      name="feddf", process=built.process,
+      download_type=built.download_type, upload_type=built.upload_type,
+      next_fn=_indexed_next(built.process),
+      models_fn=lambda state: [state["prototypes"][0]],
+      server_device=server_config.device,
+      prototypes_fn=lambda state: list(zip(names, model_fns,
+                                           state["prototypes"])))
 
 
 def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn,

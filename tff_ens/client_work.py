@@ -258,15 +258,32 @@ def build_client_work(model_fn: Callable[[], tf.keras.Model],
     config: the `LocalTrainingConfig`.
   """
   check_data_fits_model(model_fn, element_spec)
+
+  def local_update(initial_weights, dataset, learning_rate, optimizer):
+    return train_locally(model_fn(), optimizer, initial_weights, dataset,
+                         learning_rate, config)
+
+  return build_sgd_client_work(local_update, weights_type_of(model_fn),
+                               element_spec, config)
+
+
+def build_sgd_client_work(local_update, download_type: tff.Type,
+                          element_spec,
+                          config: LocalTrainingConfig) -> ClientWork:
+  """The client-work stage around one client's local SGD.
+
+  `local_update(download, dataset, learning_rate, optimizer) ->
+  (ClientResult, metric sums)` runs at every client on what it downloaded
+  (`download_type`), with the SGD(M) optimizer and the round's learning rate
+  of `config`; `train_locally` is its body for one architecture.
+  """
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
-  weights_type = weights_type_of(model_fn)
   optimizer = tff.learning.optimizers.build_sgdm(
       learning_rate=config.learning_rate, momentum=config.momentum or None)
 
-  @tff.tensorflow.computation(weights_type, data_type, tf.float32)
-  def client_update(initial_weights, dataset, learning_rate):
-    return train_locally(model_fn(), optimizer, initial_weights, dataset,
-                         learning_rate, config)
+  @tff.tensorflow.computation(download_type, data_type, tf.float32)
+  def client_update(download, dataset, learning_rate):
+    return local_update(download, dataset, learning_rate, optimizer)
 
   @tff.tensorflow.computation(tf.int32)
   def round_learning_rate(round_num):

@@ -100,6 +100,14 @@ flags.DEFINE_enum("fedbe_targets", "S+A+C",
 flags.DEFINE_float("dirichlet_alpha", 1.0, "FedBE: Dirichlet alpha (eq. 7).")
 flags.DEFINE_bool("drop_worst", True, "FedDF: leave out client models at "
                   "chance level on server validation.")
+flags.DEFINE_string(
+    "prototypes", "", "FedDF over model prototypes: comma-separated models, "
+    "e.g. cnn,resnet8; client i runs the (i mod P)-th, the first is --model "
+    "(summary.json: prototype_test_accuracy). Empty: one model.")
+flags.DEFINE_float(
+    "distill_min_improvement", 0.0, "FedDF: a student replaces the best one "
+    "only if its server validation accuracy is higher by more than this (0: "
+    "any improvement, the paper's).")
 flags.DEFINE_integer("distill_patience", 100,
                      "FedDF: early-stopping patience in steps.")
 flags.DEFINE_integer("distill_eval_every", 20,

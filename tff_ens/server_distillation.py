@@ -268,7 +268,8 @@ def _distillation_targets(config: ServerDistillationConfig, predictions):
   return predictions["mean_probabilities"]
 
 
-def _round_seed(config: ServerDistillationConfig, round_num):
+def round_seed(config: ServerDistillationConfig, round_num):
+  """The server step's stateless seed for 0-based `round_num`."""
   return tf.random.experimental.stateless_fold_in(
       tf.constant([config.seed, 3], tf.int64), tf.cast(round_num, tf.int64))
 
@@ -325,7 +326,7 @@ def server_update(model_fn: Callable[[], tf.keras.Model], global_weights,
   validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
   with tf.device(config.device):
     return _server_step(model, global_weights, collected,
-                        _round_seed(config, round_num),
+                        round_seed(config, round_num),
                         tf.constant(data.unlabeled), validation, config)
 
 
@@ -352,7 +353,7 @@ def teacher_probabilities(model_fn, global_weights, collected, round_num,
   validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
   with tf.device(config.device):
     return _teacher_step(model_fn(), global_weights, collected,
-                         _round_seed(config, round_num), validation, images,
+                         round_seed(config, round_num), validation, images,
                          config)
 
 

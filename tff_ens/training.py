@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import csv
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -111,8 +112,10 @@ class ExperimentConfig:
   fedbe_targets: str = "S+A+C"
   dirichlet_alpha: float = 1.0
   drop_worst: bool = True
+  prototypes: str = ""
   distill_patience: int = 100
   distill_eval_every: int = 20
+  distill_min_improvement: float = 0.0
   server_device: str = "auto"
   student_model: str = ""
   teacher_lr: float = 4e-4
@@ -177,6 +180,9 @@ class ExperimentConfig:
       if value not in choices:
         raise UsageError(f"unknown --{name}={value}: choose one of "
                          f"{', '.join(choices)}")
+    if self.distill_min_improvement < 0:
+      raise UsageError("--distill_min_improvement must be >= 0, got "
+                       f"{self.distill_min_improvement}")
     if self.dirichlet_alpha <= 0:
       raise UsageError(f"--dirichlet_alpha must be > 0, got "
                        f"{self.dirichlet_alpha}")
@@ -191,6 +197,7 @@ class ExperimentConfig:
         self.server_distillation_config()
       except ValueError as e:
         raise UsageError(str(e)) from None
+    self._validate_prototypes(task)
     if self.algorithm in algorithms.FEDPPD_METHODS:
       if self.resolved_student_model() not in task.MODEL_NAMES:
         raise UsageError(
@@ -229,6 +236,34 @@ class ExperimentConfig:
           "--workers is given: start each worker with `python -m "
           "tff_ens.worker --max_concurrent_clients=N` instead")
 
+  def prototype_names(self) -> list[str]:
+    """The architectures of --prototypes (empty: every client runs --model)."""
+    return [n.strip() for n in self.prototypes.split(",")] if (
+        self.prototypes) else []
+
+  def _validate_prototypes(self, task):
+    names = self.prototype_names()
+    if not names:
+      return
+    if self.algorithm != "feddf":
+      raise UsageError(
+          f"--prototypes is FedDF's (clients running different models): "
+          f"use it with --algorithm=feddf, not --algorithm={self.algorithm}")
+    if len(names) < 2 or len(set(names)) < len(names):
+      raise UsageError(f"--prototypes={self.prototypes}: list two or more "
+                       "different models, e.g. --prototypes=cnn,resnet8")
+    for name in names:
+      if name not in task.MODEL_NAMES:
+        raise UsageError(
+            f"--prototypes={self.prototypes}: unknown model {name} for task "
+            f"{self.task}: choose from {', '.join(task.MODEL_NAMES)}")
+    if names[0] != self.model:
+      raise UsageError(
+          f"--prototypes={self.prototypes} starts with {names[0]} but "
+          f"--model={self.model}: the first prototype is the run's model "
+          f"(test_accuracy, model.keras); pass --model={names[0]} or list "
+          f"{self.model} first")
+
   def worker_addresses(self) -> list[str]:
     """The "host:port" addresses of --workers (empty: a local worker)."""
     if not self.workers:
@@ -252,7 +287,8 @@ class ExperimentConfig:
     if self.algorithm == "feddf":
       distill = distillation.feddf_config(
           self.distill_steps, batch_size=self.distill_batch_size,
-          patience=self.distill_patience, eval_every=self.distill_eval_every)
+          patience=self.distill_patience, eval_every=self.distill_eval_every,
+          min_improvement=self.distill_min_improvement)
     else:  # FedBE (SWA or not); v-Distillation is FedBE's plain SGD.
       distill = distillation.fedbe_config(
           self.distill_steps,
@@ -818,7 +854,11 @@ def run_experiment(config: ExperimentConfig) -> dict:
         posterior_config=(config.posterior_config()
                           if config.algorithm in algorithms.FEDPPD_METHODS
                           else None),
-        dp=config.dp_config())
+        dp=config.dp_config(),
+        prototypes=[(name, functools.partial(
+            task.build_model, name, seed=config.seed + 1009 * p,
+            norm=config.norm))
+                    for p, name in enumerate(config.prototype_names())])
     state = algorithm.process.initialize()
     outputs = _Outputs(config, state)
     try:
@@ -960,6 +1000,9 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
   if config.dp_config() is not None:
     summary.update(_privacy_summary(config, rows,
                                     len(data.train.client_ids)))
+  if algorithm.prototypes_fn is not None:
+    summary["prototype_test_accuracy"] = _prototype_accuracies(
+        algorithm.prototypes_fn(state), data.test, outputs.dir)
   new_clients = evaluator.summary(models, data.new_clients, prefix="new")
   down, up = algorithm.bytes_per_client_round()
   seconds = [float(r["seconds"]) for r in rows if r.get("seconds")]
@@ -1024,6 +1067,19 @@ def _server_distillation_summary(data, rows, summary, teacher_test,
   return extra
 
 
+def _prototype_accuracies(prototypes, split, output_dir: str
+                          ) -> dict[str, float]:
+  """Each prototype's test accuracy; saved as `prototypes/<name>.keras`."""
+  os.makedirs(os.path.join(output_dir, "prototypes"), exist_ok=True)
+  accuracies = {}
+  for name, model_fn, weights in prototypes:
+    evaluator = _Evaluator(model_fn)
+    accuracies[name] = evaluator.summary([weights], split)["test_accuracy"]
+    _save_model(os.path.join(output_dir, "prototypes", f"{name}.keras"),
+                evaluator.model, weights)
+  return accuracies
+
+
 def _save_models(output_dir: str, model: tf.keras.Model, models: list):
   """Saves the final model(s): `model.keras`, or `members/member_k.keras`."""
   if len(models) == 1:
@@ -1033,7 +1089,12 @@ def _save_models(output_dir: str, model: tf.keras.Model, models: list):
     paths = [os.path.join(output_dir, "members", f"member_{k}.keras")
              for k in range(len(models))]
   for weights, path in zip(models, paths):
-    evaluation.assign_weights(model, weights)
-    tmp = path[:-len(".keras")] + ".tmp.keras"
-    model.save(tmp)
-    os.replace(tmp, path)
+    _save_model(path, model, weights)
+
+
+def _save_model(path: str, model: tf.keras.Model, weights):
+  """Saves `model` with `weights` to `path` (.keras) atomically."""
+  evaluation.assign_weights(model, weights)
+  tmp = path[:-len(".keras")] + ".tmp.keras"
+  model.save(tmp)
+  os.replace(tmp, path)

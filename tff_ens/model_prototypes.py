@@ -1,0 +1,356 @@
+"""FedDF across model prototypes: clients that run different architectures.
+
+Lin, Kong, Stich and Jaggi, "Ensemble Distillation for Robust Model Fusion in
+Federated Learning", NeurIPS 2020, Sec. 3, its extension to heterogeneous
+systems: each client runs one of P architectures, the "prototypes". The
+server averages each prototype's models over the clients that ran it, then
+distills every prototype's average towards the AVGLOGITS of all the round's
+client models, whatever their architecture.
+
+One TFF round has one cohort, so FedDF's four stages serve all prototypes at
+once:
+
+* distributor: client i runs prototype i mod P and downloads only that
+  prototype's model, with `tff.federated_select`. A selected value has one
+  type, so a model travels as one float32 vector the length of the largest
+  prototype (`pack`); a smaller prototype's vector is padded, and the bytes
+  reported per client are the largest prototype's (an upper bound);
+* client work: `client_work.train_locally` on the client's architecture
+  (`tf.switch_case` over the P of them), its update packed again with the
+  prototype's index;
+* aggregator: `server_distillation.build_collect_aggregator` on the
+  (packed update, prototype) pairs, FedDF's;
+* finalizer (`server_update`): per prototype, the clients' models (global
+  minus update) and their weighted average; drop-worst on each client with
+  its own architecture; AVGLOGITS over every kept client; each prototype's
+  student distilled from its average with FedDF's config
+  (`distillation.distill`).
+"""
+
+import collections
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import client_work as client_work_lib
+from tff_ens import distillation
+from tff_ens import server_data as server_data_lib
+from tff_ens import server_distillation
+
+ModelWeights = tff.learning.models.ModelWeights
+
+
+def packed_size(weights) -> int:
+  """Number of values in a structure of tensors or `tf.TensorSpec`s."""
+  return sum(int(np.prod(t.shape)) for t in tf.nest.flatten(weights))
+
+
+def pack(weights, size: int):
+  """The tensors of `weights` flattened into one float32 vector [size].
+
+  Zero-padded past the model's own values; `unpack` inverts it.
+  """
+  flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1])
+                    for t in tf.nest.flatten(weights)], 0)
+  return tf.pad(flat, [[0, size - packed_size(weights)]])
+
+
+def unpack(vector, like):
+  """The structure of `like` (tensors or specs) from `pack`ed `vector`.
+
+  `vector` is [size] or stacked [M, size]; leading dimensions carry over.
+  """
+  flat = tf.nest.flatten(like)
+  sizes = [int(np.prod(t.shape)) for t in flat]
+  parts = tf.split(vector[..., :sum(sizes)], sizes, axis=-1)
+  lead = tf.shape(vector)[:-1]
+  return tf.nest.pack_sequence_as(like, [
+      tf.reshape(part, tf.concat([lead, tf.constant(t.shape.as_list(),
+                                                     tf.int32)], 0))
+      for part, t in zip(parts, flat)])
+
+
+def _gather(stacked, indices):
+  return tf.nest.map_structure(lambda t: tf.gather(t, indices), stacked)
+
+
+def mean_logits_across(predictions: Sequence[dict], counts):
+  """AVGLOGITS over the teachers of all prototypes.
+
+  `predictions[p]["mean_logits"]` is the mean over prototype p's `counts[p]`
+  teachers (`distillation.ensemble_predictions`); the result is the mean over
+  all sum(counts) teachers (Lin et al., Algorithm 1, line 8, with the
+  ensemble of every received model).
+  """
+  counts = tf.cast(tf.stack(counts), tf.float32)
+  stacked = tf.cast(tf.stack([p["mean_logits"] for p in predictions]),
+                    tf.float32)
+  return tf.math.divide_no_nan(tf.tensordot(counts, stacked, 1),
+                               tf.reduce_sum(counts))
+
+
+@tf.function
+def _prototype_step(models, global_prototypes, collected, seed, unlabeled,
+                    validation, config, names):
+  start = tf.timestamp()
+  with tf.control_dependencies([start]):
+    (packed, keys), weights = collected
+    weights = tf.cast(weights, tf.float32)
+    received = weights > 0
+    val_x, val_y = validation
+    chance = distillation.chance_accuracy(val_y, models[0].output_shape[-1])
+    clients, client_weights, above = [], [], []
+    for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
+      mine = tf.where(tf.logical_and(received, tf.equal(keys, p)))[:, 0]
+      clients.append(server_distillation.client_models(
+          global_p, unpack(tf.gather(packed, mine), global_p)))
+      client_weights.append(tf.gather(weights, mine))
+      if config.drop_worst:
+        above.append(distillation.member_accuracies(
+            model, clients[p], val_x, val_y) > chance)
+      else:
+        above.append(tf.ones_like(client_weights[p], tf.bool))
+    # Drop-worst over the whole cohort; if every client is at chance, the
+    # round is a FedAvg step per prototype (server_distillation.teachers).
+    informative = tf.reduce_any([tf.reduce_any(a) for a in above])
+    keep = [tf.cast(tf.where(informative, a, tf.ones_like(a)), tf.float32)
+            for a in above]
+    predictions = [distillation.ensemble_predictions(
+        model, stack, unlabeled, k)
+                   for model, stack, k in zip(models, clients, keep)]
+    targets = distillation.avg_logits_targets(mean_logits_across(
+        predictions, [tf.reduce_sum(k) for k in keep]))
+    new_prototypes, measurements = [], collections.OrderedDict()
+    steps = examples = tf.constant(0)
+    for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
+      kept = client_weights[p] * keep[p]
+      start_p = tf.nest.map_structure(
+          lambda a, g, any_kept=tf.reduce_sum(kept) > 0: tf.where(
+              any_kept, a, g),
+          server_distillation.weighted_average(clients[p], kept), global_p)
+      student, stats = distillation.distill(
+          model, start_p, unlabeled, targets, config.distill,
+          tf.random.experimental.stateless_fold_in(seed, p),
+          validation=validation)
+      new_prototypes.append(tf.nest.map_structure(
+          lambda s, a: tf.where(informative, s, a), student, start_p))
+      distillation.assign_weights(model, new_prototypes[p])
+      measurements[f"student_validation_accuracy_{names[p]}"] = (
+          distillation.accuracy(distillation.predict_logits(
+              model, val_x, distillation.EVAL_BATCH_SIZE), val_y))
+      steps += stats["steps"]
+      examples += stats["examples"]
+  # With no client this round, every prototype stays as it was.
+  any_received = tf.reduce_any(received)
+  new_prototypes = tf.nest.map_structure(
+      lambda n, g: tf.where(any_received, n, g), tuple(new_prototypes),
+      tuple(global_prototypes))
+  with tf.control_dependencies(tf.nest.flatten(new_prototypes) +
+                               list(measurements.values())):
+    seconds = tf.timestamp() - start
+  measurements.update(
+      student_validation_accuracy=measurements[
+          f"student_validation_accuracy_{names[0]}"],
+      dropped_clients=(tf.reduce_sum(tf.cast(received, tf.int32)) -
+                       tf.cast(tf.add_n([tf.reduce_sum(k) for k in keep]),
+                               tf.int32)),
+      distilled=tf.cast(informative, tf.int32),
+      distill_steps=steps, distill_examples=examples,
+      server_seconds=tf.cast(seconds, tf.float32))
+  return new_prototypes, measurements
+
+
+def server_update(model_fns: Sequence[Callable[[], tf.keras.Model]],
+                  names: Sequence[str], global_prototypes, collected,
+                  round_num, data: server_data_lib.ServerData,
+                  config: server_distillation.ServerDistillationConfig):
+  """One round's server step over all prototypes (see the module docstring).
+
+  Args:
+    model_fns: builds each prototype's Keras model.
+    names: the prototypes' names (measurement keys).
+    global_prototypes: a tuple of P `ModelWeights`.
+    collected: `((packed updates [C, size], prototypes [C]), weights [C])`
+      from the collect aggregator.
+    round_num: 0-based round (seeds the step).
+    data: the server's unlabeled and validation data.
+    config: FedDF's `ServerDistillationConfig`.
+
+  Returns:
+    `(new prototypes, measurements)`.
+  """
+  validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
+  with tf.device(config.device):
+    return _prototype_step(
+        [fn() for fn in model_fns], global_prototypes, collected,
+        server_distillation.round_seed(config, round_num),
+        tf.constant(data.unlabeled), validation, config, tuple(names))
+
+
+def build_prototype_client_work(
+    model_fns: Sequence[Callable[[], tf.keras.Model]], element_spec,
+    config: client_work_lib.LocalTrainingConfig, size: int
+) -> client_work_lib.ClientWork:
+  """Client work training the architecture of the client's prototype.
+
+  A client downloads `(packed model [size], prototype)` and uploads
+  `(packed update, prototype)` with its number of examples.
+  """
+  for model_fn in model_fns:
+    client_work_lib.check_data_fits_model(model_fn, element_spec)
+  download_type = tff.StructType([tff.TensorType(np.float32, [size]),
+                                  tff.TensorType(np.int32)])
+
+  def local_update(download, dataset, learning_rate, optimizer):
+    packed, prototype = download
+    models = [fn() for fn in model_fns]
+
+    def train(model):
+      def branch():
+        result, metrics = client_work_lib.train_locally(
+            model, optimizer,
+            unpack(packed, ModelWeights.from_model(model)), dataset,
+            learning_rate, config)
+        return pack(result.update, size), result.update_weight, metrics
+      return branch
+
+    update, weight, metrics = tf.switch_case(
+        prototype, [train(model) for model in models])
+    return tff.learning.templates.ClientResult((update, prototype),
+                                               weight), metrics
+
+  return client_work_lib.build_sgd_client_work(local_update, download_type,
+                                               element_spec, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrototypeProcess:
+  """The built process and the types that cross the network.
+
+  `download_type` is what one client receives in a round, `upload_type`
+  what it sends (the largest prototype's size, see the module docstring).
+  """
+
+  process: tff.templates.IterativeProcess
+  download_type: tff.Type
+  upload_type: tff.Type
+
+
+def build_heterogeneous_feddf(
+    model_fns: Sequence[Callable[[], tf.keras.Model]], names: Sequence[str],
+    element_spec, local_config: client_work_lib.LocalTrainingConfig,
+    data: server_data_lib.ServerData,
+    config: server_distillation.ServerDistillationConfig, *,
+    clients_per_round: int) -> PrototypeProcess:
+  """Builds FedDF over P prototypes as a `tff.templates.IterativeProcess`.
+
+  `next(state, client_data, client_indices)`: client i (its fixed index in
+  the population) runs prototype `i mod P`. The state's `prototypes` are
+  the P global models.
+
+  Args:
+    model_fns: builds prototype p's Keras model (logits), its initial
+      weights included; the models share input and classes.
+    names: the prototypes' names.
+    element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
+    local_config: the clients' training (FedAvg's).
+    data: the server's unlabeled and validation data.
+    config: FedDF's server step (`method="feddf"`).
+    clients_per_round: the largest cohort.
+  """
+  if len(model_fns) < 2 or len(names) != len(model_fns):
+    raise ValueError("heterogeneous FedDF needs two or more prototypes, one "
+                     f"name each; got {len(model_fns)} and names {names}")
+  if config.method != "feddf":
+    raise ValueError(f"prototypes are FedDF's; got method {config.method!r}")
+  num_prototypes = len(model_fns)
+  weights_types = [client_work_lib.weights_type_of(fn) for fn in model_fns]
+  specs = [tff.types.type_to_tf_tensor_specs(t) for t in weights_types]
+  for name, spec in zip(names, specs):
+    if any(s.dtype != tf.float32 for s in tf.nest.flatten(spec)):
+      raise ValueError(f"prototype {name} has weights that are not float32: "
+                       "they cannot be packed into one float32 vector")
+  size = max(packed_size(spec) for spec in specs)
+  client_work = build_prototype_client_work(model_fns, element_spec,
+                                            local_config, size)
+  client_update = client_work.client_update
+  download_type = client_update.type_signature.parameter[0]
+  update_type = client_update.type_signature.result[0].update
+  aggregator = server_distillation.build_collect_aggregator(
+      update_type, clients_per_round)
+  collected_type = aggregator.next.type_signature.result.result.member
+  prototypes_type = tff.StructWithPythonType(weights_types, tuple)
+
+  @tff.tensorflow.computation
+  def initial_prototypes():
+    return tuple(ModelWeights.from_model(fn()) for fn in model_fns)
+
+  @tff.tensorflow.computation(prototypes_type, collected_type, np.int32)
+  def server_step(global_prototypes, collected, round_num):
+    return server_update(model_fns, names, global_prototypes, collected,
+                         round_num, data, config)
+
+  finalizer = server_distillation.build_step_finalizer(server_step)
+
+  @tff.tensorflow.computation(np.int32)
+  def prototype_of(client_index):
+    return tf.reshape(client_index % num_prototypes, [1])
+
+  # Selected values are unnamed tuples (see fed_ensemble.build_fed_ensemble).
+  @tff.tensorflow.computation(prototypes_type, np.int32)
+  def select_packed(prototypes, key):
+    return (tf.switch_case(key, [lambda m=m: pack(m, size)
+                                 for m in prototypes]),)
+
+  @tff.tensorflow.computation(
+      tff.SequenceType(select_packed.type_signature.result),
+      tff.TensorType(np.int32, [1]))
+  def to_download(selected, key):
+    (packed,) = selected.reduce((tf.zeros([size], tf.float32),),
+                                lambda _, x: x)
+    return packed, key[0]
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_zip(collections.OrderedDict(
+        prototypes=tff.federated_eval(initial_prototypes, tff.SERVER),
+        client_work=client_work.process.initialize(),
+        aggregator=aggregator.initialize(),
+        finalizer=finalizer.initialize()))
+
+  state_type = init_fn.type_signature.result
+  data_type = client_work.process.next.type_signature.parameter[2]
+
+  @tff.federated_computation(state_type, data_type,
+                             tff.FederatedType(np.int32, tff.CLIENTS))
+  def next_fn(state, client_data, client_indices):
+    # Distributor: each client downloads its own prototype's model.
+    keys = tff.federated_map(prototype_of, client_indices)
+    selected = tff.federated_select(
+        keys, tff.federated_value(np.int32(num_prototypes - 1), tff.SERVER),
+        state.prototypes, select_packed)
+    work = client_work.process.next(
+        state.client_work, tff.federated_map(to_download, (selected, keys)),
+        client_data)
+    collected = aggregator.next(state.aggregator, work.result.update,
+                                work.result.update_weight)
+    final = finalizer.next(state.finalizer, state.prototypes,
+                           collected.result)
+    new_state = tff.federated_zip(collections.OrderedDict(
+        prototypes=final.result, client_work=work.state,
+        aggregator=collected.state, finalizer=final.state))
+    metrics = tff.federated_zip(collections.OrderedDict(
+        client_work=work.measurements, aggregator=collected.measurements,
+        finalizer=final.measurements))
+    return new_state, metrics
+
+  client_type = client_update.type_signature
+  download = tff.StructType([
+      ("model", download_type),
+      ("learning_rate", client_type.parameter.learning_rate)])
+  return PrototypeProcess(
+      tff.templates.IterativeProcess(init_fn, next_fn), download,
+      client_type.result)

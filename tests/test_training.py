@@ -113,7 +113,8 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
       QUICK, algorithm=algorithm, rounds=2, eval_every=1, distill_steps=25,
       distill_batch_size=32, distill_eval_every=2, distill_patience=4,
       fedbe_samples=2, server_data=str(tmp_path / "server.npz"),
-      output_dir=str(tmp_path / "out")))
+      # Two rounds' clients are at chance: drop-worst would skip the student.
+      drop_worst=False, output_dir=str(tmp_path / "out")))
   assert summary["test_accuracy"] == summary["distilled_test_accuracy"]
   assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
   assert summary["server_device"] == "/CPU:0"

@@ -131,10 +131,9 @@ def _prototype_step(models, global_prototypes, collected, seed, unlabeled,
           lambda a, g, any_kept=tf.reduce_sum(kept) > 0: tf.where(
               any_kept, a, g),
           server_distillation.weighted_average(clients[p], kept), global_p)
-      student, stats = distillation.distill(
-          model, start_p, unlabeled, targets, config.distill,
-          tf.random.experimental.stateless_fold_in(seed, p),
-          validation=validation)
+      student, stats = server_distillation.distill_if(
+          informative, model, start_p, unlabeled, targets, config.distill,
+          tf.random.experimental.stateless_fold_in(seed, p), validation)
       new_prototypes.append(tf.nest.map_structure(
           lambda s, a: tf.where(informative, s, a), student, start_p))
       distillation.assign_weights(model, new_prototypes[p])

@@ -268,6 +268,28 @@ def _distillation_targets(config: ServerDistillationConfig, predictions):
   return predictions["mean_probabilities"]
 
 
+def distill_if(informative, model: tf.keras.Model, start, unlabeled, targets,
+               distill_config: distillation.DistillationConfig, seed,
+               validation):
+  """`distillation.distill` from `start` if `informative`, else `start`.
+
+  A round whose clients are all at chance level (drop-worst) keeps their
+  average, so the server skips the distillation whose student it would
+  discard; its stats then count 0 steps.
+  """
+  def skip():
+    zero = tf.constant(0)
+    return (tf.nest.pack_sequence_as(ModelWeights.from_model(model),
+                                     tf.nest.flatten(start)),
+            collections.OrderedDict(steps=zero, examples=zero,
+                                    swa_models=zero,
+                                    validation_accuracy=tf.constant(-1.0)))
+
+  return tf.cond(informative, lambda: distillation.distill(
+      model, start, unlabeled, targets, distill_config, seed,
+      validation=validation), skip)
+
+
 def round_seed(config: ServerDistillationConfig, round_num):
   """The server step's stateless seed for 0-based `round_num`."""
   return tf.random.experimental.stateless_fold_in(
@@ -287,9 +309,10 @@ def _server_step(model, global_weights, collected, seed, unlabeled,
         model, global_weights, collected, seed, config, validation)
     predictions = distillation.ensemble_predictions(
         model, stack, unlabeled, teacher_weights)
-    student, stats = distillation.distill(
-        model, average, unlabeled, _distillation_targets(config, predictions),
-        config.distill, seed, validation=validation)
+    student, stats = distill_if(
+        informative, model, average, unlabeled,
+        _distillation_targets(config, predictions), config.distill, seed,
+        validation)
     distillation.assign_weights(model, student)
     student_accuracy = distillation.accuracy(
         distillation.predict_logits(model, validation[0],

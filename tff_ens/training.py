@@ -1047,15 +1047,17 @@ def _server_distillation_summary(data, rows, summary, teacher_test,
   """FedBE/FedDF keys: teacher and student accuracy, server time, device."""
   server_seconds = [float(r["server_seconds"]) for r in rows
                     if r.get("server_seconds")]
-  examples = sum(float(r["distill_examples"]) for r in rows
-                 if r.get("distill_examples"))
+  # Throughput over the rounds that distilled (others skip the student).
+  distilling = [r for r in rows if float(r.get("distill_examples") or 0)]
+  examples = sum(float(r["distill_examples"]) for r in distilling)
+  distill_seconds = sum(float(r["server_seconds"]) for r in distilling)
   extra = {
       "distilled_test_accuracy": summary["test_accuracy"],
       "ensemble_test_accuracy": None,
       "server_seconds_per_round": (statistics.median(server_seconds)
                                    if server_seconds else None),
-      "distill_examples_per_second": (examples / sum(server_seconds)
-                                      if server_seconds else None),
+      "distill_examples_per_second": (examples / distill_seconds
+                                      if distill_seconds else None),
       "server_device": server_device,
   }
   if teacher_test is not None:

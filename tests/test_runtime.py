@@ -28,16 +28,6 @@ two_workers = worker_processes.two_workers
 
 
 @tff.tensorflow.computation(np.int32)
-def _double(x):
-  return x * 2
-
-
-@tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
-def _sum_of_doubles(xs):
-  return tff.federated_sum(tff.federated_map(_double, xs))
-
-
-@tff.tensorflow.computation(np.int32)
 def _busy_double(x):
   """`x * 2`, after ~0.4 GFLOP of work that cannot be folded away."""
   m = tf.random.stateless_normal([200, 200], seed=tf.stack([x, 0]))
@@ -53,7 +43,7 @@ def _busy_sum_of_doubles(xs):
 
 @tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
 def _doubles_at_clients(xs):
-  return tff.federated_map(_double, xs)
+  return tff.federated_map(worker_processes.double, xs)
 
 
 def test_worker_binary_path_is_the_one_in_the_tff_wheel():
@@ -65,8 +55,8 @@ def test_worker_binary_path_is_the_one_in_the_tff_wheel():
 
 def test_local_context_runs_computations_and_stops_its_worker():
   with worker_processes.deadline(120), runtime.execution_context():
-    assert _sum_of_doubles([1, 2, 3]) == 12
-    assert _double(21) == 42
+    assert worker_processes.sum_of_doubles([1, 2, 3]) == 12
+    assert worker_processes.double(21) == 42
     # Ours is the only worker: TFF's default context did not start one.
     (worker,) = worker_processes.descendants()
     # Its output goes to /dev/null, not to pytest's pipes.
@@ -85,7 +75,7 @@ def test_changing_cohort_sizes_reuse_one_worker_correctly():
   # later calls are still right, also back at an earlier size.
   with worker_processes.deadline(120), runtime.execution_context():
     for n in (2, 3, 2, 5, 3):
-      assert _sum_of_doubles(list(range(n))) == n * (n - 1)
+      assert worker_processes.sum_of_doubles(list(range(n))) == n * (n - 1)
     (worker,) = worker_processes.descendants()
   assert worker_processes.is_gone(worker.pid)
 
@@ -101,7 +91,7 @@ def test_previous_context_is_restored():
 def test_exception_in_block_stops_worker(error):
   with worker_processes.deadline(120), pytest.raises(error):
     with runtime.execution_context(max_concurrent_computation_calls=1):
-      assert _sum_of_doubles([4, 5]) == 18
+      assert worker_processes.sum_of_doubles([4, 5]) == 18
       (worker,) = worker_processes.descendants()
       raise error('boom')
   assert worker_processes.is_gone(worker.pid)
@@ -109,11 +99,12 @@ def test_exception_in_block_stops_worker(error):
 
 def test_computation_fails_instead_of_hanging_when_worker_dies():
   with worker_processes.deadline(60), runtime.execution_context():
-    assert _sum_of_doubles([1]) == 2
+    assert worker_processes.sum_of_doubles([1]) == 2
     (worker,) = worker_processes.descendants()
     worker.kill()
     with pytest.raises(RuntimeError, match='exited with code'):
-      _sum_of_doubles([5])  # Same cardinality: the cached executor fails first.
+      # Same cardinality: the cached executor fails first.
+      worker_processes.sum_of_doubles([5])
 
 
 _CHILD_PREAMBLE = """
@@ -229,7 +220,7 @@ def test_two_workers_split_clients_and_agree_with_local(two_workers):
     assert _busy_sum_of_doubles(clients) == local
     cpu_used = [sum(w.cpu_times()[:2]) - b
                 for w, b in zip(workers, cpu_before)]
-    assert _double(5) == 10
+    assert worker_processes.double(5) == 10
   # Each worker computed some of the clients.
   assert min(cpu_used) > 0.2 * max(cpu_used), cpu_used
   # Our workers are still serving; the context only disconnected.

@@ -179,16 +179,6 @@ def test_unreachable_worker_is_a_usage_error_naming_the_flag(tmp_path):
   assert not (tmp_path / "out").exists()  # Nothing written.
 
 
-@tff.tensorflow.computation(np.int32)
-def _double(x):
-  return x * 2
-
-
-@tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
-def _sum_of_doubles(xs):
-  return tff.federated_sum(tff.federated_map(_double, xs))
-
-
 @pytest.fixture(scope="module")
 def worker_clis():
   """`python -m tff_ens.worker` on a free port and on a port a plain socket
@@ -228,7 +218,7 @@ def test_worker_cli_serves_and_stops_on_sigterm(worker_clis):
   worker_processes.SEEN_PIDS.add(worker.pid)
   with worker_processes.deadline(60), runtime.execution_context(
       workers=[f"127.0.0.1:{port}"]):
-    assert _sum_of_doubles([1, 2, 3]) == 12
+    assert worker_processes.sum_of_doubles([1, 2, 3]) == 12
   cli.send_signal(signal.SIGTERM)
   with worker_processes.deadline(30):
     assert cli.wait() == 0

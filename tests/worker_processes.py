@@ -1,18 +1,32 @@
 """The `worker_binary` processes of a test module: finding, awaiting, stopping.
 
 Test modules that start TFF workers import `no_stray_workers` (autouse: no
-worker before the module's tests, none left after) and `two_workers`.
+worker before the module's tests, none left after), `two_workers`, and the
+small computations below to run on them.
 """
 
 import contextlib
 import signal
 import time
 
+import numpy as np
 import portpicker
 import psutil
 import pytest
+import tensorflow_federated as tff
 
 from tff_ens import runtime
+
+
+@tff.tensorflow.computation(np.int32)
+def double(x):
+  return x * 2
+
+
+@tff.federated_computation(tff.FederatedType(np.int32, tff.CLIENTS))
+def sum_of_doubles(xs):
+  """The sum over the clients of 2 x, with any number of clients."""
+  return tff.federated_sum(tff.federated_map(double, xs))
 
 # Every worker pid a test saw, checked once more when its module ends.
 SEEN_PIDS = set()

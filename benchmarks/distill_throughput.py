@@ -34,7 +34,6 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import datetime
 import time
 
 from absl import app
@@ -144,10 +143,7 @@ def tff_variant(x, targets, config):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  started = datetime.datetime.now().astimezone()
-  load_at_start = os.getloadavg()
+  run = report.start(argv)
   data = femnist.load_data(FLAGS.data_dir)
   x, _ = data.new_clients.concatenated()
   targets = soft_targets(x)
@@ -201,7 +197,7 @@ def main(argv):
       "and weights to the worker).",
       "",
       *report.run_facts(
-          started, load_at_start, "benchmarks/distill_throughput.py",
+          run, "benchmarks/distill_throughput.py",
           ", GPU" if tf.config.list_logical_devices("GPU") else ", no GPU"),
       "",
       "| variant | examples/s | ratio to `fit` | examples/CPU-second | "

@@ -15,9 +15,7 @@ the per-client `federated_select` and the K-slot `federated_aggregate`.
 Writes the section "## Fed-ensemble round time (issue 3)" of `--results`.
 """
 
-import datetime
 import functools
-import os
 import statistics
 import threading
 import time
@@ -98,10 +96,7 @@ def peak_worker_memory(build, datasets) -> int:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  started = datetime.datetime.now().astimezone()
-  load_at_start = os.getloadavg()
+  run = report.start(argv)
   data = femnist.load_data(FLAGS.data_dir)
   writers = data.train.client_ids[:10]
   datasets = [training.client_dataset(data.train.x[c], data.train.y[c],
@@ -141,8 +136,7 @@ def main(argv):
       "(this process and the worker, user + system) depend less on other "
       "load than wall time.",
       "",
-      *report.run_facts(started, load_at_start,
-                        "benchmarks/ensemble_round.py"),
+      *report.run_facts(run, "benchmarks/ensemble_round.py"),
       "",
       "| variant | median s/round | ratio to FedAvg | median CPU s/round | "
       "CPU ratio | worker peak memory | bytes down / up per client |",

@@ -1,5 +1,7 @@
 """What every benchmark writes: the machine, and its section of RESULTS.md."""
 
+import dataclasses
+import datetime
 import os
 import platform
 import re
@@ -8,6 +10,7 @@ import sys
 
 import psutil
 
+from absl import app
 from absl import flags
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,23 +65,37 @@ def write_section(path: str, section: str, text: str):
     f.write(content.rstrip("\n") + "\n")
 
 
-def run_facts(started, load_at_start, script: str, machine_note: str = ""):
+@dataclasses.dataclass(frozen=True)
+class RunStart:
+  """When a benchmark started (aware `datetime`) and the load average then."""
+
+  started: datetime.datetime
+  load: tuple[float, float, float]
+
+
+def start(argv) -> RunStart:
+  """A benchmark's `main` preamble: no positional arguments; the start."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  return RunStart(datetime.datetime.now().astimezone(), os.getloadavg())
+
+
+def run_facts(run: RunStart, script: str, machine_note: str = ""):
   """The date, machine, command and load lines every results section has.
 
   Args:
-    started: the run's start (aware `datetime`).
-    load_at_start: `os.getloadavg()` at the start.
+    run: the run's `start`.
     script: the benchmark's path from the repository root.
     machine_note: appended to the machine line (e.g. ", no GPU").
   """
   machine = machine_description()
   return [
-      f"- date: {started:%Y-%m-%d %H:%M %Z}",
+      f"- date: {run.started:%Y-%m-%d %H:%M %Z}",
       f"- machine: nproc={machine['nproc']}, {machine['cpu']}, RAM "
       f"{machine['ram']}{machine_note}",
       "- command (from the repository root): `uv run python "
       f"{shlex.join([script, *sys.argv[1:]])}`",
-      f"- load average at start: {', '.join(f'{x:.2f}' for x in load_at_start)}"
+      f"- load average at start: {', '.join(f'{x:.2f}' for x in run.load)}"
       f"; at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
   ]
 

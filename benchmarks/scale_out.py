@@ -24,8 +24,6 @@ compared. Writes the section "## Scale-out on TFF workers (issue 7)" of
 """
 
 import contextlib
-import datetime
-import os
 import statistics
 import time
 
@@ -136,10 +134,7 @@ def time_setups(algorithm, data, cohorts: list[int], rounds: int,
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  started = datetime.datetime.now().astimezone()
-  load_at_start = os.getloadavg()
+  run = report.start(argv)
   data = femnist.load_data(FLAGS.data_dir)
   cohorts = [int(c) for c in FLAGS.cohorts]
   if max(cohorts) > len(data.train.client_ids):
@@ -174,8 +169,7 @@ def main(argv):
       "per cohort size; medians over the blocks. CPU seconds are this "
       "process and its workers (user + system).",
       "",
-      *report.run_facts(started, load_at_start, "benchmarks/scale_out.py",
-                        ", no GPU"),
+      *report.run_facts(run, "benchmarks/scale_out.py", ", no GPU"),
       "",
       "| clients per round | runtime | median s/round | rounds per minute | "
       "median CPU s/round | rounds per minute vs local |",

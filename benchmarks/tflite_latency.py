@@ -12,7 +12,6 @@ the ensemble personalize + predict per writer. A run flag left empty skips its v
 Writes the section "## TFLite export (issue 5)" of `--results`.
 """
 
-import datetime
 import os
 import time
 
@@ -45,10 +44,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  started = datetime.datetime.now().astimezone()
-  load_at_start = os.getloadavg()
+  run = report.start(argv)
   os.makedirs(FLAGS.work_dir, exist_ok=True)
   data = femnist.load_data(FLAGS.data_dir)
   rows, float_sizes = [], {}
@@ -90,7 +86,7 @@ def main(argv):
       "run's model(s) on the same examples; agreement is the fraction of examples where the "
       "file and Keras predict the same class (personalized predictions for the ensemble).",
       "",
-      *report.run_facts(started, load_at_start, "benchmarks/tflite_latency.py"),
+      *report.run_facts(run, "benchmarks/tflite_latency.py"),
       "",
       "| model (algorithm) | format | size bytes | size / float | latency ms | accuracy | "
       "Keras accuracy | difference (points) | agreement | personalized accuracy "

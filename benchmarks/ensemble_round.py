@@ -5,13 +5,19 @@ r"""Round time and worker memory of Fed-ensemble against FedAvg (issue 3).
 The same 10 FEMNIST writers, LEAF CNN, 1 epoch, batch 20, SGD 0.05: the median
 wall time of a round (after one untimed round) of `fedavg` and of
 `fedensemble` with K in `--sizes`, all through the TFF C++ runtime of
-`runtime.execution_context` as the CLI runs them.
+`runtime.execution_context`, each in two ways: with the state kept on the
+worker between rounds (`runtime.ResidentState`, as the CLI runs them) and
+with the state returned to Python after every round (`next` through the
+execution context).
 The variants' rounds are interleaved (FedAvg, K=1, K=5, FedAvg, ...) in one
 worker, so that load from other processes falls on all variants alike. A
 second pass runs each variant alone in its own worker for one round and
 samples that worker's peak resident memory. Each client trains one model in
 every variant, so the difference is the server side: K models in the state,
 the per-client `federated_select` and the K-slot `federated_aggregate`.
+A third pass times TFF's two ways of sending a model to the 10 clients, with
+the models on the worker: `federated_select` of one of K LEAF CNNs per client
+(Fed-ensemble's distributor) and `federated_broadcast` of one (FedAvg's).
 Writes the section "## Fed-ensemble round time (issue 3)" of `--results`.
 """
 
@@ -24,6 +30,8 @@ from absl import app
 from absl import flags
 import numpy as np
 import psutil
+import tensorflow as tf
+import tensorflow_federated as tff
 
 from tasks import femnist
 from tff_ens import algorithms
@@ -67,31 +75,113 @@ class PeakMemory:
     self._thread.join()
 
 
-def time_interleaved(algorithms_, datasets,
-                     rounds: int) -> tuple[list[list[float]], list[list[float]]]:
-  """Per algorithm, wall and CPU seconds of `rounds` rounds, run in turns."""
-  indices = np.arange(len(datasets))
-  states = []
-  for algorithm in algorithms_:  # One untimed round each (tracing, caches).
+class Rounds:
+  """Runs an algorithm's rounds with its state on the worker or in Python."""
+
+  def __init__(self, algorithm, on_worker: bool):
+    self._algorithm = algorithm
     state = algorithm.process.initialize()
-    states.append(algorithm.next_fn(state, datasets, indices)[0])
-  wall = [[] for _ in algorithms_]
-  cpu = [[] for _ in algorithms_]
+    self._held = runtime.ResidentState(algorithm.process.next, state)
+    self._state = None if on_worker else state
+
+  def next(self, datasets):
+    args = self._algorithm.next_args(datasets, np.arange(len(datasets)))
+    if self._state is None:
+      self._held.next(*args)
+    else:
+      self._state = runtime.state_and_metrics(
+          self._algorithm.process.next(self._state, *args))[0]
+
+
+def time_interleaved(runs: list[Rounds], datasets,
+                     rounds: int) -> tuple[list[list[float]], list[list[float]]]:
+  """Per run, wall and CPU seconds of `rounds` rounds, run in turns."""
+  for run in runs:  # One untimed round each (tracing, caches).
+    run.next(datasets)
+  wall = [[] for _ in runs]
+  cpu = [[] for _ in runs]
   for _ in range(rounds):
-    for i, algorithm in enumerate(algorithms_):
+    for i, run in enumerate(runs):
       start, start_cpu = time.perf_counter(), report.cpu_seconds()
-      states[i], _ = algorithm.next_fn(states[i], datasets, indices)
+      run.next(datasets)
       wall[i].append(time.perf_counter() - start)
       cpu[i].append(report.cpu_seconds() - start_cpu)
   return wall, cpu
 
 
-def peak_worker_memory(build, datasets) -> int:
+def distribution_seconds(model_fn, ensemble_size: int, clients: int,
+                         rounds: int) -> dict[str, float]:
+  """Median seconds to send each client one of K models, or one model to all.
+
+  Each client only sums its model's first tensor, so the time is TFF's
+  moving of the models to the clients.
+  """
+  k = ensemble_size
+
+  @tff.tensorflow.computation
+  def initial_members():
+    return tuple(tuple(model_fn(i).trainable_weights) for i in range(k))
+
+  members_type = tff.FederatedType(
+      initial_members.type_signature.result, tff.SERVER)
+  model_type = members_type.member[0]
+
+  @tff.tensorflow.computation(members_type.member, np.int32)
+  def select_member(members, key):
+    return tf.switch_case(key, [lambda m=m: tuple(tf.identity(t) for t in m)
+                                for m in members])
+
+  @tff.tensorflow.computation(tff.SequenceType(model_type))
+  def first_sum_of_selected(models):
+    return models.reduce(0.0, lambda s, m: s + tf.reduce_sum(m[0]))
+
+  @tff.tensorflow.computation(model_type)
+  def first_sum(model):
+    return tf.reduce_sum(model[0])
+
+  @tff.tensorflow.computation(members_type.member)
+  def first_member(members):
+    return members[0]
+
+  @tff.tensorflow.computation(np.int32)
+  def key_of(index):
+    return tf.reshape(index % k, [1])
+
+  clients_type = tff.FederatedType(np.int32, tff.CLIENTS)
+
+  @tff.federated_computation(members_type, clients_type)
+  def select(members, indices):
+    selected = tff.federated_select(
+        tff.federated_map(key_of, indices),
+        tff.federated_value(np.int32(k - 1), tff.SERVER), members,
+        select_member)
+    return members, tff.federated_sum(
+        tff.federated_map(first_sum_of_selected, selected))
+
+  @tff.federated_computation(members_type, clients_type)
+  def broadcast(members, indices):
+    del indices
+    model = tff.federated_broadcast(tff.federated_map(first_member, members))
+    return members, tff.federated_sum(tff.federated_map(first_sum, model))
+
+  seconds = {}
+  indices = [np.int32(i) for i in range(clients)]
+  for name, comp in [("select", select), ("broadcast", broadcast)]:
+    held = runtime.ResidentState(comp, initial_members())
+    held.next(indices)  # Untimed: uploads the models, compiles.
+    times = []
+    for _ in range(rounds):
+      start = time.perf_counter()
+      held.next(indices)
+      times.append(time.perf_counter() - start)
+    seconds[name] = statistics.median(times)
+  return seconds
+
+
+def peak_worker_memory(build, on_worker: bool, datasets) -> int:
   """Peak resident bytes of a fresh worker over one initialize and round."""
   with runtime.execution_context(), PeakMemory() as memory:
-    algorithm = build()
-    state = algorithm.process.initialize()
-    algorithm.next_fn(state, datasets, np.arange(len(datasets)))
+    Rounds(build(), on_worker).next(datasets)
   return memory.peak
 
 
@@ -104,28 +194,40 @@ def main(argv):
               for c in writers]
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
-  variants = [("fedavg", 1)] + [("fedensemble", int(k)) for k in FLAGS.sizes]
+  variants = [(on_worker, name, k) for on_worker in (True, False)
+              for name, k in [("fedavg", 1)] + [("fedensemble", int(k))
+                                                for k in FLAGS.sizes]]
   builders = [
       functools.partial(algorithms.build_algorithm, name, model_fn,
                         training.batch_element_spec(femnist), config,
                         ensemble_size=k)
-      for name, k in variants]
+      for _, name, k in variants]
   with runtime.execution_context():
     built = [build() for build in builders]
-    wall, cpu = time_interleaved(built, datasets, FLAGS.rounds)
+    runs = [Rounds(algorithm, on_worker)
+            for (on_worker, _, _), algorithm in zip(variants, built)]
+    wall, cpu = time_interleaved(runs, datasets, FLAGS.rounds)
+  k = max(int(size) for size in FLAGS.sizes)
+  with runtime.execution_context():
+    moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
+  print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  for (name, k), build, algorithm, times, cpu_times in zip(
+  for (on_worker, name, k), build, algorithm, times, cpu_times in zip(
       variants, builders, built, wall, cpu):
-    peak = peak_worker_memory(build, datasets)
+    peak = peak_worker_memory(build, on_worker, datasets)
     down, up = algorithm.bytes_per_client_round()
-    rows.append((f"{name}" + (f", K={k}" if name == "fedensemble" else ""),
+    rows.append((on_worker,
+                 f"{name}" + (f", K={k}" if name == "fedensemble" else "") +
+                 (", state on the worker (CLI)" if on_worker else
+                  ", state through Python"),
                  statistics.median(times), statistics.median(cpu_times), peak,
                  down, up))
-    print(f"{rows[-1][0]}: {rows[-1][1]:.2f} s/round "
+    print(f"{rows[-1][1]}: {rows[-1][2]:.2f} s/round "
           f"({', '.join(f'{t:.2f}' for t in times)}), CPU "
-          f"{rows[-1][2]:.2f} s/round, worker peak {peak / 2**30:.2f} GiB",
+          f"{rows[-1][3]:.2f} s/round, worker peak {peak / 2**30:.2f} GiB",
           flush=True)
-  baseline, baseline_cpu = rows[0][1], rows[0][2]
+  # Ratios are to FedAvg run the same way (state on the worker or not).
+  baselines = {row[0]: row[2:4] for row in reversed(rows)}
   lines = [
       SECTION, "",
       "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05), "
@@ -138,14 +240,23 @@ def main(argv):
       "",
       *report.run_facts(run, "benchmarks/ensemble_round.py"),
       "",
-      "| variant | median s/round | ratio to FedAvg | median CPU s/round | "
+      "| variant | median s/round | ratio to FedAvg (same state place) | "
+      "median CPU s/round | "
       "CPU ratio | worker peak memory | bytes down / up per client |",
       "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
-  for name, median, median_cpu, peak, down, up in rows:
+  for on_worker, name, median, median_cpu, peak, down, up in rows:
+    baseline, baseline_cpu = baselines[on_worker]
     lines.append(f"| {name} | {median:.2f} | {median / baseline:.2f} | "
                  f"{median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
                  f"{peak / 2**30:.2f} GiB | {down:,} / {up:,} |")
+  lines += [
+      "",
+      f"Sending the models to the {len(datasets)} clients, with the models "
+      "on the worker (median seconds a round): `federated_select` of one of "
+      f"K={k} LEAF CNNs per client {moving['select']:.2f} s, "
+      f"`federated_broadcast` of one LEAF CNN {moving['broadcast']:.2f} s.",
+  ]
   report.publish(SECTION, lines)
 
 

@@ -299,3 +299,75 @@ def test_concurrency_limit_is_for_local_workers_only(two_workers):
     with runtime.execution_context(workers=addresses,
                                    max_concurrent_computation_calls=2):
       pass
+
+
+_COUNTER_STATE = tff.FederatedType(
+    collections.OrderedDict(rounds=np.int32,
+                            totals=tff.TensorType(np.float32, [3])),
+    tff.SERVER)
+
+
+@tff.tensorflow.computation(_COUNTER_STATE.member, np.int32)
+def _count(state, total):
+  return collections.OrderedDict(
+      rounds=state['rounds'] + 1,
+      totals=state['totals'] * 0.5 + tf.cast(total, tf.float32))
+
+
+@tff.federated_computation(_COUNTER_STATE,
+                           tff.FederatedType(np.int32, tff.CLIENTS))
+def _counter_next(state, xs):
+  """A stateful round: rounds + 1, totals halved plus sum(2 x) over clients."""
+  total = tff.federated_sum(tff.federated_map(worker_processes.double, xs))
+  metrics = collections.OrderedDict(total=total)
+  return (tff.federated_map(_count, (state, total)),
+          tff.federated_zip(metrics))
+
+
+_INITIAL_COUNTER = collections.OrderedDict(
+    rounds=np.int32(0), totals=np.array([1.0, -2.0, 0.25], np.float32))
+
+
+def _plain_rounds(cohorts):
+  state, totals = _INITIAL_COUNTER, []
+  for xs in cohorts:
+    state, metrics = _counter_next(state, xs)
+    totals.append(metrics['total'])
+  return state, totals
+
+
+@pytest.mark.parametrize('several_workers', [False, True])
+def test_resident_state_matches_state_through_python(several_workers,
+                                                     two_workers):
+  # Cohort sizes change (the state moves to a new executor), and the state
+  # is read between rounds, as the CLI does for checkpoints.
+  cohorts = [[1, 2], [3, 4, 5], [6, 7, 8], [1, 2], [9]]
+  addresses = two_workers[0] if several_workers else ()
+  with worker_processes.deadline(120), runtime.execution_context():
+    expected_state, expected_totals = _plain_rounds(cohorts)
+  with worker_processes.deadline(120), runtime.execution_context(
+      workers=addresses):
+    held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER)
+    totals, read = [], []
+    for i, xs in enumerate(cohorts):
+      totals.append(held.next(xs)['total'])
+      if i in (1, 2):
+        read.append(held.value['rounds'])
+    state = held.value
+  assert totals == expected_totals == [6, 24, 42, 6, 18]
+  assert read == [2, 3]
+  assert isinstance(state, collections.OrderedDict)
+  assert state['rounds'] == expected_state['rounds'] == 5
+  np.testing.assert_array_equal(state['totals'], expected_state['totals'])
+  assert state['totals'].dtype == np.float32
+
+
+def test_resident_state_with_a_dead_worker_gives_one_line_error():
+  with worker_processes.deadline(60), runtime.execution_context():
+    held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER)
+    assert held.next([1, 2])['total'] == 6
+    (worker,) = worker_processes.descendants()
+    worker.kill()
+    with pytest.raises(runtime.WorkerError, match='exited with code') as error:
+      held.next([3, 4])
+  assert '\n' not in str(error.value)

@@ -19,6 +19,7 @@ from tff_ens import fedavg
 from tff_ens import fedppd
 from tff_ens import model_prototypes
 from tff_ens import privacy
+from tff_ens import runtime
 from tff_ens import server_distillation
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -43,8 +44,9 @@ class FederatedAlgorithm:
     process: the TFF process (`initialize`, `next`).
     download_type: what one client receives in a round (a TFF type).
     upload_type: what one client sends in a round.
-    next_fn: `(state, client_datasets, client_indices) -> (state, metrics)`;
-      `client_indices` are the cohort's positions in the task's client list.
+    indexed_clients: whether `process.next` takes the cohort's client
+      indices (int32 at CLIENTS) after its data (Fed-ensemble's permutation
+      rows, FedDF's prototypes); `tff.learning` processes do not.
     models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate.
     teacher_fn: for server-distillation algorithms, `(state, datasets,
       images) -> probabilities` of the teachers the round `next_fn(state,
@@ -61,13 +63,29 @@ class FederatedAlgorithm:
   process: tff.templates.IterativeProcess
   download_type: tff.Type
   upload_type: tff.Type
-  next_fn: Callable[[Any, list, np.ndarray], tuple[Any, dict]]
+  indexed_clients: bool
   models_fn: Callable[[Any], list[ModelWeights]]
   teacher_fn: Callable[[Any, list, np.ndarray], np.ndarray] | None = None
   server_device: str | None = None
   evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
   prototypes_fn: Callable[[Any], list[tuple[str, Callable[
       [], tf.keras.Model], ModelWeights]]] | None = None
+
+  def next_args(self, datasets: Sequence[tf.data.Dataset],
+                client_indices) -> tuple:
+    """`process.next`'s arguments after the state, for one cohort.
+
+    `client_indices` are the cohort's positions in the task's client list.
+    """
+    if self.indexed_clients:
+      return list(datasets), [np.int32(i) for i in client_indices]
+    return (list(datasets),)
+
+  def next_fn(self, state, datasets: Sequence[tf.data.Dataset],
+              client_indices) -> tuple[Any, dict]:
+    """`(state, metrics)` of one round through the execution context."""
+    return runtime.state_and_metrics(
+        self.process.next(state, *self.next_args(datasets, client_indices)))
 
   def bytes_per_client_round(self) -> tuple[int, int]:
     """(bytes down, bytes up) for one client in one round, from the types."""
@@ -195,33 +213,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
   return FederatedAlgorithm(
       name=name, process=process, download_type=client_update.parameter,
       upload_type=client_update.result,
-      next_fn=_learning_process_next(process),
+      indexed_clients=False,
       models_fn=lambda state: [process.get_model_weights(state)])
-
-
-def _learning_process_next(process: tff.learning.templates.LearningProcess):
-  """`next_fn` of a `LearningProcess`, whose clients are interchangeable."""
-
-  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
-    del client_indices
-    output = process.next(state, list(datasets))
-    return output.state, output.metrics
-
-  return next_fn
-
-
-def _indexed_next(process: tff.templates.IterativeProcess):
-  """`next_fn` of a process whose clients' work depends on their index.
-
-  `process.next(state, datasets, indices)`, the indices int32 at CLIENTS
-  (Fed-ensemble's permutation rows, FedDF's prototypes).
-  """
-
-  def next_fn(state, datasets: Sequence[tf.data.Dataset], client_indices):
-    return process.next(state, list(datasets),
-                        [np.int32(i) for i in client_indices])
-
-  return next_fn
 
 
 def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
@@ -233,7 +226,7 @@ def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
   return FederatedAlgorithm(
       name="fedensemble", process=built.process,
       download_type=built.download_type, upload_type=built.upload_type,
-      next_fn=_indexed_next(built.process),
+      indexed_clients=True,
       models_fn=lambda state: list(state["members"]))
 
 
@@ -252,7 +245,7 @@ def _build_server_distillation(name, model_fn, element_spec, local_config,
   return FederatedAlgorithm(
       name=name, process=process, download_type=client_update.parameter,
       upload_type=client_update.result,
-      next_fn=_learning_process_next(process),
+      indexed_clients=False,
       models_fn=lambda state: [process.get_model_weights(state)],
       teacher_fn=teacher_fn, server_device=server_config.device)
 
@@ -269,7 +262,7 @@ def _build_heterogeneous_feddf(prototypes, element_spec, local_config,
   return FederatedAlgorithm(
       name="feddf", process=built.process,
       download_type=built.download_type, upload_type=built.upload_type,
-      next_fn=_indexed_next(built.process),
+      indexed_clients=True,
       models_fn=lambda state: [state["prototypes"][0]],
       server_device=server_config.device,
       prototypes_fn=lambda state: list(zip(names, model_fns,
@@ -283,7 +276,7 @@ def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn,
       name=name, process=built.process,
       download_type=client_update.parameter,
       upload_type=client_update.result,
-      next_fn=_learning_process_next(built.process),
+      indexed_clients=False,
       models_fn=lambda state: [built.student_weights(state)],
       server_device=server_config.device if server_config else None,
       evaluation_model_fn=student_fn)

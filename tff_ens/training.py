@@ -893,6 +893,9 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       config.rounds, config.dp_delta(num_clients))
                  if config.dp_noise_multiplier else None)
   speeds = client_speeds(num_clients, config.seed)
+  # The state waits on the TFF worker between rounds; `held.value` downloads
+  # it for evaluation and checkpoints.
+  held = runtime.ResidentState(algorithm.process.next, state)
   with _progress(config, start_round) as report, \
       _stop_on_sigterm() as stop_requested:
     for round_num in range(start_round + 1, config.rounds + 1):
@@ -914,9 +917,9 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
         if round_num == config.rounds and algorithm.teacher_fn is not None:
           # The last round's teacher ensemble, for `ensemble_test_accuracy`.
           teacher_test = algorithm.teacher_fn(
-              state, datasets, data.test.concatenated()[0])
-        state, metrics = algorithm.next_fn(state, datasets,
-                                           plan.cohort[reports])
+              held.value, datasets, data.test.concatenated()[0])
+        metrics = held.next(*algorithm.next_args(datasets,
+                                                 plan.cohort[reports]))
         # train_loss, train_accuracy, num_examples, rejected_updates (and
         # FedPPD's student_loss).
         row.update({k: float(v) for k, v in metrics["client_work"].items()})
@@ -931,7 +934,8 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       last = round_num == config.rounds
       phase_end = pool is not None and round_num in active.phase_ends()
       if round_num % config.eval_every == 0 or last or phase_end:
-        row.update(evaluator.summary(algorithm.models_fn(state), data.test))
+        row.update(evaluator.summary(algorithm.models_fn(held.value),
+                                     data.test))
       if phase_end:
         row["labeled_examples"] = float(train.num_examples())
         pool.curve.append({"round": round_num,
@@ -939,7 +943,7 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
                            "test_accuracy": row["test_accuracy"]})
         if not last:
           probs = evaluator.member_probabilities(
-              algorithm.models_fn(state), data.train)
+              algorithm.models_fn(held.value), data.train)
           row["annotated"] = float(pool.acquire(
               round_num, {c: p.mean(0) for c, p in probs.items()}, sizes,
               active, config.seed))
@@ -952,13 +956,13 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       stopping = stop_requested.is_set()
       if (round_num % config.checkpoint_every == 0 or last or phase_end or
           stopping):
-        outputs.save_checkpoint(round_num, state)
+        outputs.save_checkpoint(round_num, held.value)
       report(round_num, row)
       if stopping and not last:
         raise Stopped(f"stopped by SIGTERM after round {round_num}, which is "
                       f"checkpointed in {outputs.dir}: continue with --resume")
-  return _write_summary(config, data, algorithm, state, outputs, evaluator,
-                        teacher_test, pool)
+  return _write_summary(config, data, algorithm, held.value, outputs,
+                        evaluator, teacher_test, pool)
 
 
 def _active_learning_pool(active: active_learning.ActiveLearningConfig,

@@ -29,9 +29,9 @@ two_workers = worker_processes.two_workers
 
 @tff.tensorflow.computation(np.int32)
 def _busy_double(x):
-  """`x * 2`, after ~0.4 GFLOP of work that cannot be folded away."""
+  """`x * 2`, after ~2.4 GFLOP of work that cannot be folded away."""
   m = tf.random.stateless_normal([200, 200], seed=tf.stack([x, 0]))
-  for _ in range(25):
+  for _ in range(150):
     m = tf.linalg.normalize(m @ m)[0]
   return x * 2 + tf.cast(tf.math.is_nan(tf.reduce_sum(m)), tf.int32)
 

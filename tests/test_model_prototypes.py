@@ -115,6 +115,28 @@ def test_a_prototype_no_client_ran_is_distilled_from_the_others():
   assert metrics["finalizer"]["student_validation_accuracy_bn"] >= before
 
 
+def test_teachers_are_the_avglogits_of_every_clients_model():
+  # Clients 0 and 2 run the dense prototype, client 1 the batch-norm one;
+  # the teachers' probabilities are the softmax of the mean of the three
+  # trained models' logits, each trained as FedAvg would train it.
+  built = _build(drop_worst=False)
+  state = built.process.initialize()
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
+  images = SERVER.validation_x
+  teachers = built.teacher_probabilities(state, datasets, [0, 1, 2], images)
+  logits = []
+  for i, data in enumerate(datasets):
+    model_fn, start = MODEL_FNS[i % 2], state["prototypes"][i % 2]
+    result, _ = client_work.build_client_work(
+        model_fn, SPEC, LOCAL).client_update(start, data, 0.5)
+    model = model_fn()
+    distillation.assign_weights(model, tf.nest.map_structure(
+        lambda w, u: w - u, start, result.update))
+    logits.append(model(images, training=False))
+  np.testing.assert_allclose(teachers, tf.nn.softmax(np.mean(logits, 0)),
+                             rtol=1e-5, atol=1e-6)
+
+
 def test_algorithm_reports_one_model_download_of_the_largest_prototype():
   algorithm = algorithms.build_algorithm(
       "feddf", lambda k=0: MODEL_FNS[0](), SPEC, LOCAL, server_data=SERVER,

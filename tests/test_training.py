@@ -138,6 +138,8 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
   assert sorted(accuracies) == ["cnn", "resnet8"]
   assert accuracies["cnn"] == summary["test_accuracy"]
   assert 0.0 <= accuracies["resnet8"] <= 1.0
+  # The teachers: both clients' models, one of each architecture.
+  assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
   assert sorted(os.listdir(tmp_path / "out" / "prototypes")) == [
       "cnn.keras", "resnet8.keras"]
   (row,) = read_metrics(tmp_path / "out")

@@ -92,37 +92,58 @@ def mean_logits_across(predictions: Sequence[dict], counts):
                                tf.reduce_sum(counts))
 
 
+def _prototype_teachers(models, global_prototypes, collected, validation,
+                        config):
+  """The round's client models per prototype, and which drop-worst keeps.
+
+  Returns `(clients, client_weights, keep, informative, received)`:
+  per prototype p, `clients[p]` its clients' models (stacked `ModelWeights`),
+  their example counts and 0/1 `keep` weights; whether any client is above
+  chance (if none is, all are kept and the round is a FedAvg step per
+  prototype, as `server_distillation.teachers`); and which of the collected
+  slots hold a client.
+  """
+  (packed, keys), weights = collected
+  weights = tf.cast(weights, tf.float32)
+  received = weights > 0
+  val_x, val_y = validation
+  chance = distillation.chance_accuracy(val_y, models[0].output_shape[-1])
+  clients, client_weights, above = [], [], []
+  for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
+    mine = tf.where(tf.logical_and(received, tf.equal(keys, p)))[:, 0]
+    clients.append(server_distillation.client_models(
+        global_p, unpack(tf.gather(packed, mine), global_p)))
+    client_weights.append(tf.gather(weights, mine))
+    if config.drop_worst:
+      above.append(distillation.member_accuracies(
+          model, clients[p], val_x, val_y) > chance)
+    else:
+      above.append(tf.ones_like(client_weights[p], tf.bool))
+  # Drop-worst over the whole cohort.
+  informative = tf.reduce_any([tf.reduce_any(a) for a in above])
+  keep = [tf.cast(tf.where(informative, a, tf.ones_like(a)), tf.float32)
+          for a in above]
+  return clients, client_weights, keep, informative, received
+
+
+def _avg_logits(models, clients, keep, images):
+  """AVGLOGITS of every kept client model, whatever its prototype."""
+  predictions = [distillation.ensemble_predictions(model, stack, images, k)
+                 for model, stack, k in zip(models, clients, keep)]
+  return mean_logits_across(predictions, [tf.reduce_sum(k) for k in keep])
+
+
 @tf.function
 def _prototype_step(models, global_prototypes, collected, seed, unlabeled,
                     validation, config, names):
   start = tf.timestamp()
   with tf.control_dependencies([start]):
-    (packed, keys), weights = collected
-    weights = tf.cast(weights, tf.float32)
-    received = weights > 0
+    clients, client_weights, keep, informative, received = (
+        _prototype_teachers(models, global_prototypes, collected, validation,
+                            config))
     val_x, val_y = validation
-    chance = distillation.chance_accuracy(val_y, models[0].output_shape[-1])
-    clients, client_weights, above = [], [], []
-    for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
-      mine = tf.where(tf.logical_and(received, tf.equal(keys, p)))[:, 0]
-      clients.append(server_distillation.client_models(
-          global_p, unpack(tf.gather(packed, mine), global_p)))
-      client_weights.append(tf.gather(weights, mine))
-      if config.drop_worst:
-        above.append(distillation.member_accuracies(
-            model, clients[p], val_x, val_y) > chance)
-      else:
-        above.append(tf.ones_like(client_weights[p], tf.bool))
-    # Drop-worst over the whole cohort; if every client is at chance, the
-    # round is a FedAvg step per prototype (server_distillation.teachers).
-    informative = tf.reduce_any([tf.reduce_any(a) for a in above])
-    keep = [tf.cast(tf.where(informative, a, tf.ones_like(a)), tf.float32)
-            for a in above]
-    predictions = [distillation.ensemble_predictions(
-        model, stack, unlabeled, k)
-                   for model, stack, k in zip(models, clients, keep)]
-    targets = distillation.avg_logits_targets(mean_logits_across(
-        predictions, [tf.reduce_sum(k) for k in keep]))
+    targets = distillation.avg_logits_targets(
+        _avg_logits(models, clients, keep, unlabeled))
     new_prototypes, measurements = [], collections.OrderedDict()
     steps = examples = tf.constant(0)
     for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
@@ -189,6 +210,32 @@ def server_update(model_fns: Sequence[Callable[[], tf.keras.Model]],
         tf.constant(data.unlabeled), validation, config, tuple(names))
 
 
+def teacher_probabilities(model_fns: Sequence[Callable[[], tf.keras.Model]],
+                          global_prototypes, collected,
+                          data: server_data_lib.ServerData,
+                          config: server_distillation.ServerDistillationConfig,
+                          images):
+  """The round's teacher ensemble on `images`: softmax of its AVGLOGITS.
+
+  For `ensemble_test_accuracy`; the same kept clients as `server_update`
+  distills from, given the same inputs.
+  """
+  validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
+  with tf.device(config.device):
+    return _teacher_step([fn() for fn in model_fns], global_prototypes,
+                         collected, validation, images, config)
+
+
+@tf.function
+def _teacher_step(models, global_prototypes, collected, validation, images,
+                  config):
+  # A tf.function orders the variable assignments and reads (see
+  # `distillation.assign_weights`).
+  clients, _, keep, _, _ = _prototype_teachers(
+      models, global_prototypes, collected, validation, config)
+  return tf.nn.softmax(_avg_logits(models, clients, keep, images))
+
+
 def build_prototype_client_work(
     model_fns: Sequence[Callable[[], tf.keras.Model]], element_spec,
     config: client_work_lib.LocalTrainingConfig, size: int
@@ -231,11 +278,15 @@ class PrototypeProcess:
 
   `download_type` is what one client receives in a round, `upload_type`
   what it sends (the largest prototype's size, see the module docstring).
+  `teacher_probabilities(state, client_data, client_indices, images)` is
+  what the teachers of the round `process.next(state, client_data,
+  client_indices)` predict on `images` (float32 [n, ...] at SERVER).
   """
 
   process: tff.templates.IterativeProcess
   download_type: tff.Type
   upload_type: tff.Type
+  teacher_probabilities: tff.Computation
 
 
 def build_heterogeneous_feddf(
@@ -323,9 +374,9 @@ def build_heterogeneous_feddf(
   state_type = init_fn.type_signature.result
   data_type = client_work.process.next.type_signature.parameter[2]
 
-  @tff.federated_computation(state_type, data_type,
-                             tff.FederatedType(np.int32, tff.CLIENTS))
-  def next_fn(state, client_data, client_indices):
+  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
+
+  def clients_and_aggregator(state, client_data, client_indices):
     # Distributor: each client downloads its own prototype's model.
     keys = tff.federated_map(prototype_of, client_indices)
     selected = tff.federated_select(
@@ -336,6 +387,12 @@ def build_heterogeneous_feddf(
         client_data)
     collected = aggregator.next(state.aggregator, work.result.update,
                                 work.result.update_weight)
+    return work, collected
+
+  @tff.federated_computation(state_type, data_type, indices_type)
+  def next_fn(state, client_data, client_indices):
+    work, collected = clients_and_aggregator(state, client_data,
+                                             client_indices)
     final = finalizer.next(state.finalizer, state.prototypes,
                            collected.result)
     new_state = tff.federated_zip(collections.OrderedDict(
@@ -346,10 +403,25 @@ def build_heterogeneous_feddf(
         finalizer=final.measurements))
     return new_state, metrics
 
+  images_type = tff.TensorType(
+      np.float32, [None, *server_distillation.input_shape(model_fns[0])])
+
+  @tff.tensorflow.computation(prototypes_type, collected_type, images_type)
+  def teacher_step(global_prototypes, collected, images):
+    return teacher_probabilities(model_fns, global_prototypes, collected,
+                                 data, config, images)
+
+  @tff.federated_computation(state_type, data_type, indices_type,
+                             tff.FederatedType(images_type, tff.SERVER))
+  def teachers_of_round(state, client_data, client_indices, images):
+    _, collected = clients_and_aggregator(state, client_data, client_indices)
+    return tff.federated_map(teacher_step, (state.prototypes,
+                                            collected.result, images))
+
   client_type = client_update.type_signature
   download = tff.StructType([
       ("model", download_type),
       ("learning_rate", client_type.parameter.learning_rate)])
   return PrototypeProcess(
       tff.templates.IterativeProcess(init_fn, next_fn), download,
-      client_type.result)
+      client_type.result, teachers_of_round)

@@ -461,7 +461,7 @@ def build_server_distillation(
       fedavg.build_initial_weights_fn(model_fn), distributor,
       client_work.process, aggregator, build_step_finalizer(server_step))
 
-  images_type = tff.TensorType(np.float32, [None, *_input_shape(model_fn)])
+  images_type = tff.TensorType(np.float32, [None, *input_shape(model_fn)])
 
   @tff.tensorflow.computation(weights_type, collected_type, np.int32,
                               images_type)
@@ -487,7 +487,7 @@ def build_server_distillation(
   return ServerDistillationProcess(process, client_work, teachers_of_round)
 
 
-def _input_shape(model_fn) -> tuple[int, ...]:
+def input_shape(model_fn) -> tuple[int, ...]:
   """The input shape (without batch) of the model `model_fn` builds."""
   with tf.Graph().as_default():
     return tuple(model_fn().input_shape[1:])

@@ -917,7 +917,8 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
         if round_num == config.rounds and algorithm.teacher_fn is not None:
           # The last round's teacher ensemble, for `ensemble_test_accuracy`.
           teacher_test = algorithm.teacher_fn(
-              held.value, datasets, data.test.concatenated()[0])
+              held.value, datasets, plan.cohort[reports],
+              data.test.concatenated()[0])
         metrics = held.next(*algorithm.next_args(datasets,
                                                  plan.cohort[reports]))
         # train_loss, train_accuracy, num_examples, rejected_updates (and

@@ -164,8 +164,7 @@ def test_one_round_distills_from_the_cohort(method):
   process = algorithm.process
   state = process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
-  teacher = algorithm.teacher_fn(state, datasets, [0, 1, 2],
-                                 SERVER.validation_x)
+  teacher = algorithm.teacher_fn(state, datasets, SERVER.validation_x)
   output = process.next(state, datasets)
   finalizer = output.metrics["finalizer"]
   assert output.metrics["aggregator"]["clients_collected"] == 3

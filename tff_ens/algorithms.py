@@ -48,10 +48,9 @@ class FederatedAlgorithm:
       indices (int32 at CLIENTS) after its data (Fed-ensemble's permutation
       rows, FedDF's prototypes); `tff.learning` processes do not.
     models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate.
-    teacher_fn: for server-distillation algorithms, `(state, datasets,
-      client_indices, images) -> probabilities` of the teachers the round
-      `next_fn(state, datasets, client_indices)` distills from; None
-      otherwise.
+    teacher_fn: for server-distillation algorithms, `(state, *next_args,
+      images) -> probabilities` of the teachers the round
+      `process.next(state, *next_args)` distills from; None otherwise.
     server_device: where their server step runs; None otherwise.
     evaluation_model_fn: builds the Keras model `models_fn`'s weights fit
       when it is not the task's `--model` (FedPPD's student); None otherwise.
@@ -66,8 +65,7 @@ class FederatedAlgorithm:
   upload_type: tff.Type
   indexed_clients: bool
   models_fn: Callable[[Any], list[ModelWeights]]
-  teacher_fn: Callable[[Any, list, np.ndarray, np.ndarray],
-                       np.ndarray] | None = None
+  teacher_fn: Callable[..., np.ndarray] | None = None
   server_device: str | None = None
   evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
   prototypes_fn: Callable[[Any], list[tuple[str, Callable[
@@ -240,17 +238,14 @@ def _build_server_distillation(name, model_fn, element_spec, local_config,
       server_config, clients_per_round=clients_per_round)
   process = built.process
 
-  def teacher_fn(state, datasets, client_indices, images):
-    del client_indices  # Every client trains the one global model.
-    return built.teacher_probabilities(state, list(datasets), images)
-
   client_update = built.client_work.client_update.type_signature
   return FederatedAlgorithm(
       name=name, process=process, download_type=client_update.parameter,
       upload_type=client_update.result,
       indexed_clients=False,
       models_fn=lambda state: [process.get_model_weights(state)],
-      teacher_fn=teacher_fn, server_device=server_config.device)
+      teacher_fn=built.teacher_probabilities,
+      server_device=server_config.device)
 
 
 def _build_heterogeneous_feddf(prototypes, element_spec, local_config,
@@ -262,16 +257,12 @@ def _build_heterogeneous_feddf(prototypes, element_spec, local_config,
       model_fns, names, element_spec, local_config, server_data,
       server_config, clients_per_round=clients_per_round)
 
-  def teacher_fn(state, datasets, client_indices, images):
-    return built.teacher_probabilities(
-        state, list(datasets), [np.int32(i) for i in client_indices], images)
-
   return FederatedAlgorithm(
       name="feddf", process=built.process,
       download_type=built.download_type, upload_type=built.upload_type,
       indexed_clients=True,
       models_fn=lambda state: [state["prototypes"][0]],
-      teacher_fn=teacher_fn,
+      teacher_fn=built.teacher_probabilities,
       server_device=server_config.device,
       prototypes_fn=lambda state: list(zip(names, model_fns,
                                            state["prototypes"])))

@@ -917,7 +917,7 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
         if round_num == config.rounds and algorithm.teacher_fn is not None:
           # The last round's teacher ensemble, for `ensemble_test_accuracy`.
           teacher_test = algorithm.teacher_fn(
-              held.value, datasets, plan.cohort[reports],
+              held.value, *algorithm.next_args(datasets, plan.cohort[reports]),
               data.test.concatenated()[0])
         metrics = held.next(*algorithm.next_args(datasets,
                                                  plan.cohort[reports]))

@@ -371,3 +371,52 @@ def test_resident_state_with_a_dead_worker_gives_one_line_error():
     with pytest.raises(runtime.WorkerError, match='exited with code') as error:
       held.next([3, 4])
   assert '\n' not in str(error.value)
+
+
+_BIG = 2_500_000  # float32s: 10 MB.
+_BIG_STATE = tff.FederatedType(tff.TensorType(np.float32, [_BIG]), tff.SERVER)
+
+
+@tff.tensorflow.computation(np.int32)
+def _expand(x):
+  return tf.fill([_BIG], tf.cast(x, tf.float32))
+
+
+@tff.tensorflow.computation(_BIG_STATE.member, _BIG_STATE.member)
+def _shift(big, total):
+  return big * 0.5 + total
+
+
+@tff.federated_computation(_BIG_STATE, tff.FederatedType(np.int32, tff.CLIENTS))
+def _big_next(big, xs):
+  """Each client makes a 10 MB value; the state is halved plus their sum."""
+  total = tff.federated_sum(tff.federated_map(_expand, xs))
+  return tff.federated_map(_shift, (big, total)), tff.federated_sum(xs)
+
+
+def _worker_growth(max_growth_bytes, rounds):
+  """(worker's peak RSS growth after round 1, final state) of held rounds."""
+  with worker_processes.deadline(120), runtime.execution_context():
+    (worker,) = worker_processes.descendants()
+    held = runtime.ResidentState(_big_next, np.zeros(_BIG, np.float32),
+                                 max_growth_bytes=max_growth_bytes)
+    rss = []
+    for _ in range(rounds):
+      held.next([1, 2, 3])
+      rss.append(worker.memory_info().rss)
+    return max(rss) - rss[0], held.value
+
+
+def test_resident_state_cuts_the_workers_chain_of_held_states():
+  # TFF's worker keeps a call's per-client values alive while a state derived
+  # from the call is, back to the last state uploaded: held without a cut,
+  # three clients' 10 MB values pile up round after round (measured: 170 to
+  # 600 MB more after 20 rounds; 40 MB at most with the cut).
+  rounds, budget = 24, 20 * 2**20
+  growth_uncut, state_uncut = _worker_growth(2**40, rounds)
+  growth_cut, state_cut = _worker_growth(budget, rounds)
+  assert growth_uncut > 150e6
+  assert growth_cut < budget + 3 * 3 * 10e6
+  np.testing.assert_array_equal(state_cut, state_uncut)
+  # Every round adds 1 + 2 + 3 to half the previous value.
+  np.testing.assert_allclose(state_cut[:3], 12 * (1 - 0.5**rounds), rtol=1e-6)

@@ -1,0 +1,117 @@
+r"""Worker memory with the state held on the worker between rounds (issue 7).
+
+  uv run python benchmarks/resident_memory.py [--rounds=16] \
+      [--algorithms=fedensemble,vdistill] [--distill_steps=20]
+
+TFF's worker keeps the per-client values of a call alive for as long as a
+state derived from that call is held there, back to the last state uploaded
+from Python. For each algorithm, the benchmark runs `--rounds` rounds on ten
+fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05; K = 5 for
+Fed-ensemble), each way in a fresh worker: the state through Python every
+round; held on the worker without a cut (`runtime.ResidentState` with no
+memory budget); and held as the CLI holds it (`ResidentState`'s default
+budget, after which the state is uploaded again every N rounds). It prints
+the worker's resident memory after rounds 1, 5, 10 and the last, its peak,
+and the median seconds of a round. Writes the section "## State on the
+worker and worker memory (issue 7)" of `--results`.
+"""
+
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+import psutil
+
+from tasks import femnist
+from tff_ens import algorithms
+from tff_ens import runtime
+from tff_ens import server_data as server_data_lib
+from tff_ens import training
+import report
+
+SECTION = "## State on the worker and worker memory (issue 7)"
+PLACES = (("python", "through Python every round"),
+          ("uncut", "held on the worker, no cut"),
+          ("cli", "held on the worker, cut as the CLI does"))
+
+report.define_flags()
+flags.DEFINE_integer("rounds", 16, "Rounds per algorithm and state place.")
+flags.DEFINE_list("algorithms", ["fedensemble", "vdistill"],
+                  "Algorithms to run.")
+flags.DEFINE_integer("distill_steps", 20,
+                     "Server distillation steps a round (vdistill, fedbe, "
+                     "feddf).")
+FLAGS = flags.FLAGS
+
+
+def run_rounds(name: str, place: str, data, datasets):
+  """(worker RSS bytes after each round, seconds of each round)."""
+  config = training.ExperimentConfig(task="femnist", algorithm=name,
+                                     distill_steps=FLAGS.distill_steps)
+  server_data = server_config = None
+  if name in algorithms.SERVER_DATA_ALGORITHMS:
+    server_data = server_data_lib.server_split(data, femnist, seed=0)
+    server_config = config.server_distillation_config()
+  with runtime.execution_context():
+    (worker,) = [c for c in psutil.Process().children()
+                 if "worker_binary" in " ".join(c.cmdline())]
+    algorithm = algorithms.build_algorithm(
+        name, lambda k=0: femnist.build_model("cnn", seed=k),
+        training.batch_element_spec(femnist), config.local_training_config(),
+        ensemble_size=5, server_data=server_data, server_config=server_config)
+    state = algorithm.process.initialize()
+    if place != "python":
+      held = runtime.ResidentState(
+          algorithm.process.next, state,
+          **({"max_growth_bytes": 2**60} if place == "uncut" else {}))
+    args = algorithm.next_args(datasets, np.arange(len(datasets)))
+    rss, seconds = [], []
+    for _ in range(FLAGS.rounds):
+      start = time.perf_counter()
+      if place == "python":
+        state, _ = algorithm.next_fn(state, datasets, np.arange(len(datasets)))
+      else:
+        held.next(*args)
+      seconds.append(time.perf_counter() - start)
+      rss.append(worker.memory_info().rss)
+      print(f"{name}, {place}: round {len(rss)} worker "
+            f"{rss[-1] / 2**30:.2f} GiB, {seconds[-1]:.2f} s", flush=True)
+    return rss, seconds
+
+
+def main(argv):
+  run = report.start(argv)
+  data = femnist.load_data(FLAGS.data_dir)
+  datasets = [training.client_dataset(data.train.x[c], data.train.y[c],
+                                      epochs=1, batch_size=20, seed=0)
+              for c in data.train.client_ids[:10]]
+  marks = sorted({r for r in (1, 5, 10, FLAGS.rounds) if r <= FLAGS.rounds})
+  rows = []
+  for name in FLAGS.algorithms:
+    for place, description in PLACES:
+      rss, seconds = run_rounds(name, place, data, datasets)
+      rows.append(
+          f"| {name} | {description} | " +
+          " | ".join(f"{rss[r - 1] / 2**30:.2f}" for r in marks) +
+          f" | {max(rss) / 2**30:.2f} | {statistics.median(seconds):.2f} |")
+  lines = [
+      SECTION, "",
+      f"Ten fixed FEMNIST writers, LEAF CNN, {FLAGS.rounds} rounds per row, "
+      "each row in a fresh TFF worker; resident memory of the worker after "
+      "the rounds shown, its peak over the rounds, and the median seconds "
+      f"of a round. Fed-ensemble has K = 5; server distillation runs "
+      f"{FLAGS.distill_steps} steps a round.", "",
+      *report.run_facts(run, "benchmarks/resident_memory.py"), "",
+      "| algorithm | state | " + " | ".join(
+          f"worker GiB after round {r}" for r in marks) +
+      " | peak GiB | median s/round |",
+      "| --- | --- |" + " ---: |" * (len(marks) + 2),
+      *rows,
+  ]
+  report.publish(SECTION, lines)
+
+
+if __name__ == "__main__":
+  app.run(main)

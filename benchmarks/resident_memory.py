@@ -71,7 +71,8 @@ def run_rounds(name: str, place: str, data, datasets):
     for _ in range(FLAGS.rounds):
       start = time.perf_counter()
       if place == "python":
-        state, _ = algorithm.next_fn(state, datasets, np.arange(len(datasets)))
+        state, _ = runtime.state_and_metrics(
+            algorithm.process.next(state, *args))
       else:
         held.next(*args)
       seconds.append(time.perf_counter() - start)

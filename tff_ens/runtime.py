@@ -524,8 +524,7 @@ class ResidentState:
     if self._executor is not None and clients == self._clients:
       return
     if self._executor is not None:
-      self._state = self.value  # Downloaded before the executor frees it.
-      self._remote = None
+      _ = self.value  # Downloaded (and let go) before the executor frees it.
       self._worker.executors.remove(self._executor)
       self._executor.close()
     _wait_until_serving(self._worker.stub, self._worker.address,

@@ -15,6 +15,9 @@ second pass runs each variant alone in its own worker for one round and
 samples that worker's peak resident memory. Each client trains one model in
 every variant, so the difference is the server side: K models in the state,
 the per-client `federated_select` and the K-slot `federated_aggregate`.
+With `--feddyn_sizes`, Fed-ensemble with FedDyn's local objective is timed
+too: its clients' states (one model each) go from Python to the worker and
+back every round, as in the CLI (which also writes them to disk).
 A third pass times TFF's two ways of sending a model to the 10 clients, with
 the models on the worker: `federated_select` of one of K LEAF CNNs per client
 (Fed-ensemble's distributor) and `federated_broadcast` of one (FedAvg's).
@@ -45,6 +48,8 @@ SECTION = "## Fed-ensemble round time (issue 3)"
 report.define_flags()
 flags.DEFINE_integer("rounds", 6, "Timed rounds per variant (median over).")
 flags.DEFINE_list("sizes", ["1", "5"], "Ensemble sizes K to time.")
+flags.DEFINE_list("feddyn_sizes", ["5"],
+                  "Ensemble sizes K to time with --local_objective=feddyn.")
 
 FLAGS = flags.FLAGS
 
@@ -83,14 +88,18 @@ class Rounds:
     state = algorithm.process.initialize()
     self._held = runtime.ResidentState(algorithm.process.next, state)
     self._state = None if on_worker else state
+    self._client_states = None  # FedDyn's, fed back as the CLI does.
 
   def next(self, datasets):
-    args = self._algorithm.next_args(datasets, np.arange(len(datasets)))
+    args = self._algorithm.next_args(datasets, np.arange(len(datasets)),
+                                     self._client_states)
     if self._state is None:
-      self._held.next(*args)
+      results = self._held.next(*args)
     else:
-      self._state = runtime.state_and_metrics(
-          self._algorithm.process.next(self._state, *args))[0]
+      results = self._algorithm.process.next(self._state, *args)
+      self._state = runtime.state_and_metrics(results)[0]
+    if self._algorithm.client_state is not None:
+      self._client_states = results[-1]
 
 
 def time_interleaved(runs: list[Rounds], datasets,
@@ -194,30 +203,35 @@ def main(argv):
               for c in writers]
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
-  variants = [(on_worker, name, k) for on_worker in (True, False)
-              for name, k in [("fedavg", 1)] + [("fedensemble", int(k))
-                                                for k in FLAGS.sizes]]
+  variants = [(on_worker, name, k, objective)
+              for on_worker in (True, False)
+              for name, k, objective in
+              [("fedavg", 1, "sgd")] +
+              [("fedensemble", int(k), "sgd") for k in FLAGS.sizes] +
+              [("fedensemble", int(k), "feddyn") for k in FLAGS.feddyn_sizes]]
   builders = [
       functools.partial(algorithms.build_algorithm, name, model_fn,
                         training.batch_element_spec(femnist), config,
-                        ensemble_size=k)
-      for _, name, k in variants]
+                        ensemble_size=k, local_objective=objective,
+                        num_clients=len(writers))
+      for _, name, k, objective in variants]
   with runtime.execution_context():
     built = [build() for build in builders]
     runs = [Rounds(algorithm, on_worker)
-            for (on_worker, _, _), algorithm in zip(variants, built)]
+            for (on_worker, _, _, _), algorithm in zip(variants, built)]
     wall, cpu = time_interleaved(runs, datasets, FLAGS.rounds)
-  k = max(int(size) for size in FLAGS.sizes)
+  k = max(int(size) for size in FLAGS.sizes + FLAGS.feddyn_sizes)
   with runtime.execution_context():
     moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
   print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  for (on_worker, name, k), build, algorithm, times, cpu_times in zip(
-      variants, builders, built, wall, cpu):
+  for (on_worker, name, k, objective), build, algorithm, times, cpu_times in (
+      zip(variants, builders, built, wall, cpu)):
     peak = peak_worker_memory(build, on_worker, datasets)
     down, up = algorithm.bytes_per_client_round()
     rows.append((on_worker,
                  f"{name}" + (f", K={k}" if name == "fedensemble" else "") +
+                 (", FedDyn" if objective == "feddyn" else "") +
                  (", state on the worker (CLI)" if on_worker else
                   ", state through Python"),
                  statistics.median(times), statistics.median(cpu_times), peak,

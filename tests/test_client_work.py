@@ -374,3 +374,55 @@ def test_data_that_does_not_fit_the_model_is_a_named_error():
         lambda: tf.keras.Sequential([
             tf.keras.Input((28, 28, 1)), tf.keras.layers.Flatten(),
             tf.keras.layers.Dense(3)]), float_labels)
+
+
+class TestTrainFedDyn:
+  """FedDyn's client (Acar et al., ICLR 2021, Algorithm 1, lines 7-8)."""
+
+  def run(self, model, batches, lr, alpha, dyn_state):
+    initial = model_weights(model)
+    result, metrics, new_state = client_work.train_feddyn(
+        model, sgd_optimizer(), initial, dataset(*batches), tf.constant(lr),
+        Config(learning_rate=lr), alpha,
+        [tf.constant(g, tf.float32) for g in dyn_state])
+    return initial, result, metrics, [np.asarray(g) for g in new_state]
+
+  def test_two_steps_and_the_state_update_match_numpy(self):
+    lr, alpha = 0.5, 0.3
+    model = linear_model(seed=13)
+    rng = np.random.default_rng(1)
+    g = [rng.normal(size=(4, 3)), rng.normal(size=(3,))]
+    initial, result, metrics, new_g = self.run(
+        model, [(X1, Y1), (X2, Y2)], lr, alpha, g)
+    w0 = [t.astype(np.float64) for t in initial.trainable]
+    w = list(w0)
+    for x, y in [(X1, Y1), (X2, Y2)]:
+      grads = numpy_gradients(w[0], w[1], x, y)
+      # grad of F(w) - <g, w> + alpha/2 ||w - w0||^2.
+      w = [wi - lr * (gr - gi + alpha * (wi - w0i))
+           for wi, gr, gi, w0i in zip(w, grads, g, w0)]
+    for got, final, start in zip(result.update.trainable, w, w0):
+      np.testing.assert_allclose(got, start - final, rtol=1e-5, atol=1e-6)
+    # Line 8: g <- g - alpha (w_final - w0).
+    for got, gi, final, start in zip(new_g, g, w, w0):
+      np.testing.assert_allclose(got, gi - alpha * (final - start), rtol=1e-5,
+                                 atol=1e-6)
+    # Unweighted server mean: weight 1, whatever the client's data size.
+    assert float(result.update_weight) == 1.0
+    assert float(metrics["num_examples"]) == 5.0
+    # The linear term made a difference (the check above is not vacuous).
+    _, plain, _ = TestTrainLocally().run(
+        linear_model(seed=13), [(X1, Y1), (X2, Y2)], lr,
+        Config(learning_rate=lr, proximal_mu=alpha))
+    assert not np.allclose(plain.update.trainable[0], result.update.trainable[0],
+                           atol=1e-4)
+
+  def test_a_rejected_update_keeps_the_state_and_has_no_weight(self):
+    x = np.array(X1)
+    x[0, 0] = np.nan
+    g = [np.full((4, 3), 0.25), np.full((3,), -0.5)]
+    _, result, metrics, new_g = self.run(linear_model(), [(x, Y1)], 0.1, 0.3, g)
+    assert float(result.update_weight) == 0.0
+    assert float(metrics["rejected"]) == 1.0
+    for got, gi in zip(new_g, g):
+      np.testing.assert_array_equal(got, gi)

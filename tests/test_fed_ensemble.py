@@ -356,3 +356,95 @@ def test_fed_ensemble_bytes_equal_fedavg_bytes():
   assert abs(up - fedavg_up) <= 16
   assert down < 2 * 4 * num_params  # Far from K models.
 
+
+
+# ------------------------------------------------------------------- FedDyn
+
+
+def test_feddyn_server_correction_hand_example():
+  # Acar et al., Algorithm 1, lines 9-10, for model 0 (two clients) and
+  # model 1 (nobody); alpha = 0.5, m = 4 clients in the population.
+  members = (ModelWeights([tf.constant([0.8, 1.6])], []),  # after the mean
+             ModelWeights([tf.constant([3.0, 3.0])], []))
+  corrections = ((tf.constant([0.1, -0.2]),), (tf.constant([1.0, 1.0]),))
+  slots = (ModelWeights([tf.constant([0.4, 0.8])], []),
+           ModelWeights([tf.constant([0.0, 0.0])], []))
+  new_members, new_corrections = fed_ensemble.apply_feddyn_correction(
+      members, corrections, slots, tf.constant([2.0, 0.0]), 0.5, 4)
+  # h = [0.1, -0.2] + 0.5 / 4 * [0.4, 0.8]; w = mean - h / 0.5.
+  np.testing.assert_allclose(new_corrections[0][0], [0.15, -0.1], rtol=1e-6)
+  np.testing.assert_allclose(new_members[0].trainable[0], [0.5, 1.8],
+                             rtol=1e-6)
+  # Nobody trained model 1: neither it nor its h moves.
+  np.testing.assert_array_equal(new_corrections[1][0], [1.0, 1.0])
+  np.testing.assert_array_equal(new_members[1].trainable[0], [3.0, 3.0])
+
+
+def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
+  seed, k, alpha, m = 4, 2, 0.2, 5
+  indices = [0, 1, 3]
+  built = fed_ensemble.build_fed_ensemble(
+      member_model, SPEC, Config(learning_rate=LR), ensemble_size=k,
+      seed=seed, feddyn_alpha=alpha, num_clients=m)
+  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=LR)
+  state = built.process.initialize()
+  members = [tf.nest.map_structure(np.asarray, w) for w in state["members"]]
+  h = [[np.zeros_like(t) for t in w.trainable] for w in members]
+  # Each client's g per model, as the CLI's store keeps them.
+  g = {(c, j): [np.zeros_like(t) for t in members[0].trainable]
+       for c in indices for j in range(k)}
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
+  for round_num in range(2):
+    keys = [assign(seed, c, round_num, k) for c in indices]
+    state, metrics, new_g = built.process.next(
+        state, datasets, [np.int32(c) for c in indices],
+        [g[c, j] for c, j in zip(indices, keys)])
+    # Expected: each client's FedDyn update from its model and its own g,
+    # then the unweighted per-model mean and h's correction.
+    updates = {}
+    for c, j, data in zip(indices, keys, datasets):
+      result, _, client_g = client_work.train_feddyn(
+          member_model(0), optimizer, members[j], data, tf.constant(LR),
+          Config(learning_rate=LR), alpha, [tf.constant(t) for t in g[c, j]])
+      updates.setdefault(j, []).append(
+          tf.nest.map_structure(np.asarray, result.update))
+      g[c, j] = [np.asarray(t) for t in client_g]
+    for j, us in updates.items():
+      total = tf.nest.map_structure(lambda *t: sum(t), *us)
+      mean = tf.nest.map_structure(lambda w, s: w - s / len(us), members[j],
+                                   total)
+      h[j] = [hj + alpha / m * s for hj, s in zip(h[j], total.trainable)]
+      members[j] = ModelWeights(
+          [w - hj / alpha for w, hj in zip(mean.trainable, h[j])],
+          mean.non_trainable)
+    for got, c, j in zip(new_g, indices, keys):
+      for a, b in zip(got, g[c, j], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for j in range(k):
+      for a, b in zip(_flat(state["members"][j]), _flat(members[j]),
+                      strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+      for a, b in zip(state["feddyn"][j], h[j], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert metrics["aggregator"]["members_trained"] == len(updates)
+  # The second round started from non-zero g and h (not a vacuous check).
+  assert any(np.any(t != 0) for t in h[0] + h[1])
+
+
+def test_feddyn_client_state_stays_on_the_client():
+  fedavg = algorithms.build_algorithm("fedensemble", member_model, SPEC,
+                                      Config(), ensemble_size=3)
+  feddyn = algorithms.build_algorithm(
+      "fedensemble", member_model, SPEC, Config(), ensemble_size=3,
+      local_objective="feddyn", num_clients=10)
+  # g is neither downloaded nor uploaded: the bytes are Fed-ensemble's.
+  assert feddyn.bytes_per_client_round() == fedavg.bytes_per_client_round()
+  assert feddyn.client_state is not None and fedavg.client_state is None
+  zeros = feddyn.client_state.zeros()
+  assert [z.shape for z in zeros] == [
+      tuple(v.shape) for v in member_model(0).trainable_variables]
+  assert feddyn.client_state.models([0, 1, 3], 2) == [
+      assign(0, c, 2, 3) for c in (0, 1, 3)]
+  with pytest.raises(ValueError, match="fedensemble"):
+    algorithms.build_algorithm("fedavg", member_model, SPEC, Config(),
+                               local_objective="feddyn", num_clients=10)

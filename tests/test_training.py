@@ -163,6 +163,13 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
     (dict(model="vgg"), "unknown --model=vgg"),
     (dict(clients_per_round=106), "exceeds the 105 training writers"),
     (dict(lr_schedule="cosine"), "unknown lr_schedule"),
+    (dict(local_objective="feddyn"),
+     "built for --algorithm=fedensemble, not fedavg"),
+    (dict(algorithm="fedensemble", local_objective="feddyn",
+          feddyn_alpha=0.0), "--feddyn_alpha must be > 0"),
+    (dict(algorithm="fedensemble", local_objective="feddyn",
+          dp_noise_multiplier=1.0, dp_clip_norm=1.0),
+     "does not combine with DP"),
 ])
 def test_bad_flags_raise_one_line_errors(change, message, tmp_path):
   config = dataclasses.replace(QUICK, output_dir=str(tmp_path / "out"),
@@ -251,6 +258,35 @@ def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
   process.wait()
   assert not (output_dir / training.SUMMARY_FILE).exists()
   _resume_matches(flags, output_dir, summary)
+
+
+def test_feddyn_client_states_resume_from_the_checkpoint(tmp_path):
+  # FedDyn's clients keep a state on disk (tff_ens.client_states). A run
+  # killed after round 3 wrote states but before round 4's checkpoint must
+  # resume from round 2's checkpoint *and* round 2's client states.
+  config = dataclasses.replace(
+      QUICK, algorithm="fedensemble", ensemble_size=2,
+      local_objective="feddyn", feddyn_alpha=0.1,
+      output_dir=str(tmp_path / "uninterrupted"))
+  summary = training.run_experiment(config)
+  states = tmp_path / "killed" / "client_states"
+  process, flags = _start_and_await(
+      config, tmp_path / "killed",
+      lambda: states.is_dir() and any("round0000003" in name
+                                      for name in os.listdir(states)))
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert not (tmp_path / "killed" / training.CHECKPOINT_DIR /
+              "round_4").exists(), "killed too late to test the resume"
+  _resume_matches(flags, tmp_path / "killed", summary)
+  expected_dir = tmp_path / "uninterrupted" / "client_states"
+  names = sorted(os.listdir(expected_dir))
+  assert sorted(os.listdir(states)) == names
+  assert any("round0000004" in name for name in names)
+  for name in names:
+    with np.load(expected_dir / name) as a, np.load(states / name) as b:
+      for key in a.files:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7)
 
 
 def test_sigterm_checkpoints_the_round_and_stops(fedavg_run, tmp_path):

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import client_states
 from tff_ens import client_work as client_work_lib
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
@@ -27,7 +28,7 @@ ModelWeights = tff.learning.models.ModelWeights
 FEDPPD_METHODS = ("fedppd", "fedppd_distill")
 ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble") + (
     server_distillation.METHODS) + FEDPPD_METHODS
-LOCAL_OBJECTIVES = ("sgd", "fedprox")
+LOCAL_OBJECTIVES = ("sgd", "fedprox", "feddyn")
 # Algorithms whose server step uses the server's data.
 SERVER_DATA_ALGORITHMS = server_distillation.METHODS + ("fedppd_distill",)
 # Algorithms whose server only needs the mean of the clients' updates, so
@@ -57,6 +58,9 @@ class FederatedAlgorithm:
     prototypes_fn: for FedDF over model prototypes, `state -> [(name,
       model_fn, weights)]`, every prototype's model (`models_fn` gives the
       first); None otherwise.
+    client_state: for algorithms whose clients keep a state between rounds
+      (FedDyn), what it is; `process.next` then takes the cohort's states
+      last and returns their new values after the metrics. None otherwise.
   """
 
   name: str
@@ -70,16 +74,22 @@ class FederatedAlgorithm:
   evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
   prototypes_fn: Callable[[Any], list[tuple[str, Callable[
       [], tf.keras.Model], ModelWeights]]] | None = None
+  client_state: client_states.ClientStateSpec | None = None
 
   def next_args(self, datasets: Sequence[tf.data.Dataset],
-                client_indices) -> tuple:
+                client_indices, states=None) -> tuple:
     """`process.next`'s arguments after the state, for one cohort.
 
-    `client_indices` are the cohort's positions in the task's client list.
+    `client_indices` are the cohort's positions in the task's client list;
+    `states` their stored states (`client_state`), zeros if None.
     """
+    args = (list(datasets),)
     if self.indexed_clients:
-      return list(datasets), [np.int32(i) for i in client_indices]
-    return (list(datasets),)
+      args += ([np.int32(i) for i in client_indices],)
+    if self.client_state is not None:
+      args += (list(states) if states is not None else
+               [self.client_state.zeros() for _ in client_indices],)
+    return args
 
   def next_fn(self, state, datasets: Sequence[tf.data.Dataset],
               client_indices) -> tuple[Any, dict]:
@@ -128,7 +138,9 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                     posterior_config: fedppd.PosteriorConfig | None = None,
                     dp: privacy.DPConfig | None = None,
                     prototypes: Sequence[tuple[str, Callable[
-                        [], tf.keras.Model]]] = ()
+                        [], tf.keras.Model]]] = (),
+                    feddyn_alpha: float = 0.01,
+                    num_clients: int = 0
                     ) -> FederatedAlgorithm:
   """Builds algorithm `name`.
 
@@ -140,8 +152,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     local_config: client training.
     proximal_mu: FedProx's mu, used by `fedprox` and by
       `local_objective="fedprox"`.
-    local_objective: "sgd" or "fedprox": the clients' objective for
-      `fedensemble`.
+    local_objective: "sgd", "fedprox" or "feddyn": the clients' objective
+      for `fedensemble` ("feddyn" only there).
     server_learning_rate: server step on the averaged update (FedAvg family).
     server_momentum: server momentum of `fedavgm`.
     ensemble_size: K of `fedensemble`.
@@ -159,6 +171,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     prototypes: `feddf` over model prototypes: `(name, model_fn)` of each
       architecture the clients run (`model_prototypes`); the first is the
       run's main model. Empty: every client runs `model_fn(0)`.
+    feddyn_alpha: FedDyn's alpha (`local_objective="feddyn"`).
+    num_clients: the population, FedDyn's m.
   """
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}: choose one of "
@@ -166,6 +180,10 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
   if local_objective not in LOCAL_OBJECTIVES:
     raise ValueError(f"unknown local objective {local_objective!r}: choose "
                      f"one of {', '.join(LOCAL_OBJECTIVES)}")
+  if local_objective == "feddyn" and name != "fedensemble":
+    raise ValueError(
+        f"the FedDyn local objective is built for fedensemble, not {name}: "
+        "for FedDyn on one model use fedensemble with ensemble_size=1")
   if prototypes and name != "feddf":
     raise ValueError(f"model prototypes are FedDF's, not {name}'s")
   if name == "fedprox" or local_objective == "fedprox":
@@ -175,8 +193,10 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                      f"mean does not apply; use one of "
                      f"{', '.join(DP_ALGORITHMS)}")
   if name == "fedensemble":
-    return _build_fed_ensemble(model_fn, element_spec, local_config,
-                               ensemble_size, assignment, seed, dp)
+    return _build_fed_ensemble(
+        model_fn, element_spec, local_config, ensemble_size, assignment, seed,
+        dp, feddyn_alpha if local_objective == "feddyn" else 0.0,
+        num_clients)
   if name in SERVER_DATA_ALGORITHMS and (server_data is None or
                                          server_config is None):
     raise ValueError(f"{name} needs server_data and server_config")
@@ -218,16 +238,27 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
 
 
 def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
-                        assignment, seed, dp) -> FederatedAlgorithm:
+                        assignment, seed, dp, feddyn_alpha,
+                        num_clients) -> FederatedAlgorithm:
   built = fed_ensemble.build_fed_ensemble(
       model_fn, element_spec, local_config, ensemble_size=ensemble_size,
-      seed=seed, assignment=assignment, dp=dp)
+      seed=seed, assignment=assignment, dp=dp, feddyn_alpha=feddyn_alpha,
+      num_clients=num_clients)
+  spec = None
+  if feddyn_alpha:
+    weights_type = client_work_lib.weights_type_of(lambda: model_fn(0))
+    shapes = [(t.shape, t.dtype) for t in weights_type.trainable]
+    spec = client_states.ClientStateSpec(
+        zeros=lambda: [np.zeros(shape, dtype) for shape, dtype in shapes],
+        models=lambda clients, round_num: [
+            int(fed_ensemble.assigned_model(seed, c, round_num, ensemble_size,
+                                            assignment)) for c in clients])
 
   return FederatedAlgorithm(
       name="fedensemble", process=built.process,
       download_type=built.download_type, upload_type=built.upload_type,
       indexed_clients=True,
-      models_fn=lambda state: list(state["members"]))
+      models_fn=lambda state: list(state["members"]), client_state=spec)
 
 
 def _build_server_distillation(name, model_fn, element_spec, local_config,

@@ -3,7 +3,9 @@
 FedAvg, FedProx, FedAvgM, Fed-ensemble, FedBE and FedDF all run the same client
 work: SGD with momentum and weight decay on the client's data, starting from the
 model the client received, returning the change of its weights. FedProx is the
-same client work with a proximal term (a parameter here, not a second copy).
+same client work with a proximal term (a parameter here, not a second copy),
+and FedDyn's client the same again with a linear term from its own state
+(`train_feddyn`).
 
 TFF 0.87 ships this client work in two near copies (`model_delta_client_work`
 with a learning rate in its state, `proximal_client_work` without one); neither
@@ -78,17 +80,22 @@ def learning_rate_at(round_num: tf.Tensor, config: LocalTrainingConfig):
 
 
 def local_objective_gradient(gradient, weight, initial_weight,
-                             config: LocalTrainingConfig):
+                             config: LocalTrainingConfig, linear_term=None):
   """Gradient of the local objective for one weight tensor.
 
-  h(w) = F(w) + weight_decay/2 ||w||^2 + mu/2 ||w - w0||^2, the FedProx local
-  objective (Li et al., MLSys 2020, eq. 2) with coupled weight decay; its
-  gradient is grad F + weight_decay * w + mu * (w - w0).
+  h(w) = F(w) + weight_decay/2 ||w||^2 + mu/2 ||w - w0||^2 - <g, w>: with
+  g = 0 the FedProx local objective (Li et al., MLSys 2020, eq. 2) with
+  coupled weight decay; with mu = alpha and g = `linear_term`, the client's
+  FedDyn state grad F(w_client at its last round), FedDyn's (Acar et al.,
+  ICLR 2021, Algorithm 1, line 7). Its gradient is grad F + weight_decay * w
+  + mu * (w - w0) - g.
   """
   if config.weight_decay:
     gradient = gradient + config.weight_decay * weight
   if config.proximal_mu:
     gradient = gradient + config.proximal_mu * (weight - initial_weight)
+  if linear_term is not None:
+    gradient = gradient - linear_term
   return gradient
 
 
@@ -120,7 +127,7 @@ def reject_bad_update(update: ModelWeights, weight, max_norm: float = 0.0):
 @tf.function
 def train_locally(model: tf.keras.Model, optimizer, initial_weights,
                   dataset: tf.data.Dataset, learning_rate,
-                  config: LocalTrainingConfig):
+                  config: LocalTrainingConfig, linear_term=None):
   """Runs local SGD on `dataset` from `initial_weights` (FedAvg's ClientUpdate).
 
   McMahan et al., AISTATS 2017, Algorithm 1, ClientUpdate; with the FedProx
@@ -133,6 +140,8 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
     dataset: batches of `(x, y)`.
     learning_rate: scalar learning rate for this round.
     config: the `LocalTrainingConfig`.
+    linear_term: FedDyn's g, one tensor per trainable weight
+      (`local_objective_gradient`); None: no linear term.
 
   Returns:
     `(ClientResult(update=initial - final ModelWeights, update_weight=number
@@ -160,8 +169,11 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
       n = tf.cast(tf.shape(y)[0], tf.float32)
       mean_loss = batch_loss / n
     grads = tape.gradient(mean_loss, trainable)
-    grads = [local_objective_gradient(g, w, w0, config)
-             for g, w, w0 in zip(grads, trainable, initial_weights.trainable)]
+    linear = (linear_term if linear_term is not None
+              else [None] * len(trainable))
+    grads = [local_objective_gradient(g, w, w0, config, l)
+             for g, w, w0, l in zip(grads, trainable,
+                                    initial_weights.trainable, linear)]
     opt_state, new_weights = optimizer.next(
         opt_state, tuple(trainable), tuple(grads))
     for v, t in zip(trainable, new_weights):
@@ -187,6 +199,31 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
       correct=correct * accepted, num_examples=count * accepted,
       rejected=rejected)
   return tff.learning.templates.ClientResult(update, weight), metrics
+
+
+def train_feddyn(model: tf.keras.Model, optimizer, initial_weights,
+                 dataset: tf.data.Dataset, learning_rate,
+                 config: LocalTrainingConfig, alpha: float, dyn_state):
+  """FedDyn's client update (Acar et al., ICLR 2021, Algorithm 1, lines 7-8).
+
+  Local SGD (`train_locally`) on F(w) - <g, w> + alpha/2 ||w - w0||^2, g
+  being the client's state `dyn_state` (zeros before its first round), then
+  the state update g <- g - alpha (w - w0) (line 8), i.e. g + alpha * update.
+  A rejected update is zeros, so it leaves g unchanged.
+
+  Returns:
+    `(ClientResult, metrics, new g)` as `train_locally`'s, except that the
+    update's weight is 1 (0 if rejected): FedDyn's server averages the
+    returned models unweighted (line 10).
+  """
+  result, metrics = train_locally(
+      model, optimizer, initial_weights, dataset, learning_rate,
+      dataclasses.replace(config, proximal_mu=alpha), linear_term=dyn_state)
+  new_state = [g + alpha * u
+               for g, u in zip(dyn_state, result.update.trainable)]
+  weight = 1.0 - metrics["rejected"]
+  return (tff.learning.templates.ClientResult(result.update, weight),
+          metrics, new_state)
 
 
 def finalize_train_metrics(sums):
@@ -278,12 +315,24 @@ def build_sgd_client_work(local_update, download_type: tff.Type,
   of `config`; `train_locally` is its body for one architecture.
   """
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
-  optimizer = tff.learning.optimizers.build_sgdm(
-      learning_rate=config.learning_rate, momentum=config.momentum or None)
+  optimizer = _sgd_optimizer(config)
 
   @tff.tensorflow.computation(download_type, data_type, tf.float32)
   def client_update(download, dataset, learning_rate):
     return local_update(download, dataset, learning_rate, optimizer)
+
+  return build_round_client_work(client_update, *_sgd_round_fns(
+      client_update, config))
+
+
+def _sgd_optimizer(config: LocalTrainingConfig):
+  return tff.learning.optimizers.build_sgdm(
+      learning_rate=config.learning_rate, momentum=config.momentum or None)
+
+
+def _sgd_round_fns(client_update: tff.Computation,
+                   config: LocalTrainingConfig):
+  """(round's learning rate, metrics finalizer) of local SGD's client work."""
 
   @tff.tensorflow.computation(tf.int32)
   def round_learning_rate(round_num):
@@ -293,7 +342,44 @@ def build_sgd_client_work(local_update, download_type: tff.Type,
   def finalize(sums):
     return finalize_train_metrics(sums)
 
-  return build_round_client_work(client_update, round_learning_rate, finalize)
+  return round_learning_rate, finalize
+
+
+def round_counter() -> tuple[tff.Computation, tff.Computation]:
+  """A stage state that counts rounds: `(init_fn -> 0 at SERVER, n -> n + 1)`."""
+
+  @tff.tensorflow.computation(tf.int32)
+  def increment(round_num):
+    return round_num + 1
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_value(0, tff.SERVER)
+
+  return init_fn, increment
+
+
+def _round_stage(client_update: tff.Computation, round_input: tff.Computation,
+                 finalize: tff.Computation):
+  """`init_fn` and the body of a client-work stage whose state is the round.
+
+  Returns `(init_fn, run)`; `run(state, weights, client_data, *client_state)`,
+  called inside a federated computation, broadcasts `round_input(state)`, runs
+  `client_update(weights, data, that value, *client_state)` at every client
+  and returns `(state + 1, the clients' outputs, measurements)`, the
+  measurements being `finalize` of the clients' summed metrics (output 1).
+  """
+  init_fn, increment = round_counter()
+
+  def run(state, weights, client_data, *client_state):
+    value = tff.federated_broadcast(tff.federated_map(round_input, state))
+    outputs = tff.federated_map(
+        client_update, (weights, client_data, value) + client_state)
+    measurements = tff.federated_map(finalize,
+                                     tff.federated_sum(outputs[1]))
+    return tff.federated_map(increment, state), outputs, measurements
+
+  return init_fn, run
 
 
 def build_round_client_work(client_update: tff.Computation,
@@ -307,27 +393,74 @@ def build_round_client_work(client_update: tff.Computation,
   metrics become the round's measurements through `finalize`.
   """
   weights_type, data_type, _ = client_update.type_signature.parameter
-
-  @tff.tensorflow.computation(tf.int32)
-  def increment(round_num):
-    return round_num + 1
-
-  @tff.federated_computation
-  def init_fn():
-    return tff.federated_value(0, tff.SERVER)
+  init_fn, run = _round_stage(client_update, round_input, finalize)
 
   @tff.federated_computation(
       init_fn.type_signature.result,
       tff.FederatedType(weights_type, tff.CLIENTS),
       tff.FederatedType(data_type, tff.CLIENTS))
   def next_fn(state, weights, client_data):
-    value = tff.federated_broadcast(tff.federated_map(round_input, state))
-    results, metrics = tff.federated_map(
-        client_update, (weights, client_data, value))
-    measurements = tff.federated_map(finalize, tff.federated_sum(metrics))
-    return tff.templates.MeasuredProcessOutput(
-        tff.federated_map(increment, state), results, measurements)
+    state, outputs, measurements = run(state, weights, client_data)
+    return tff.templates.MeasuredProcessOutput(state, outputs[0],
+                                               measurements)
 
   return ClientWork(
       tff.learning.templates.ClientWorkProcess(init_fn, next_fn),
       client_update)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatefulClientWork:
+  """A client-work stage whose clients keep a state between their rounds.
+
+  FedDyn's: `next(state, weights, client_data, client_states) ->
+  (state, ClientResults, new client states, measurements)`, all per-client
+  values at CLIENTS. A client's state stays on the client (it is neither
+  downloaded nor uploaded); TFF's `ClientWorkProcess.next` takes exactly
+  (state, weights, data), hence this stage of its own.
+  """
+
+  initialize: tff.Computation
+  next: tff.Computation
+  client_update: tff.Computation
+
+  @property
+  def client_state_type(self) -> tff.Type:
+    return self.client_update.type_signature.parameter[3]
+
+
+def build_feddyn_client_work(model_fn: Callable[[], tf.keras.Model],
+                             element_spec, config: LocalTrainingConfig,
+                             alpha: float) -> StatefulClientWork:
+  """FedDyn's client work (`train_feddyn`) with coefficient `alpha`.
+
+  A client's state is its g, one tensor per trainable weight of the model.
+  """
+  if alpha <= 0:
+    raise ValueError(f"FedDyn's alpha must be > 0, got {alpha}")
+  check_data_fits_model(model_fn, element_spec)
+  weights_type = weights_type_of(model_fn)
+  data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
+  optimizer = _sgd_optimizer(config)
+
+  @tff.tensorflow.computation(weights_type, data_type, tf.float32,
+                              weights_type.trainable)
+  def client_update(download, dataset, learning_rate, dyn_state):
+    return train_feddyn(model_fn(), optimizer, download, dataset,
+                        learning_rate, config, alpha, list(dyn_state))
+
+  init_fn, run = _round_stage(client_update,
+                              *_sgd_round_fns(client_update, config))
+  state_type = tff.FederatedType(client_update.type_signature.parameter[3],
+                                 tff.CLIENTS)
+
+  @tff.federated_computation(
+      init_fn.type_signature.result,
+      tff.FederatedType(weights_type, tff.CLIENTS),
+      tff.FederatedType(data_type, tff.CLIENTS), state_type)
+  def next_fn(state, weights, client_data, client_states):
+    state, outputs, measurements = run(state, weights, client_data,
+                                       client_states)
+    return state, outputs[0], outputs[2], measurements
+
+  return StatefulClientWork(init_fn, next_fn, client_update)

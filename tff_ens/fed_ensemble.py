@@ -22,9 +22,16 @@ norm C before upload, the slots sum the clipped updates unweighted, and the
 server adds N(0, (z C)^2) noise to every slot and divides by the expected
 clients per slot, m / K (`privatize_slots`).
 
+With FedDyn's local objective (Acar et al., ICLR 2021; `feddyn_alpha` > 0)
+each client keeps a state g per model (`client_work.train_feddyn`), passed in
+and returned by `next` at CLIENTS and stored by the caller
+(`client_states.ClientStateStore`), and each model k has FedDyn's server
+state h_k (`apply_feddyn_correction`); the slots then average unweighted.
+
 The K models live in the server state (a tuple of K `ModelWeights`), and the
 assignment is a stateless function of (seed, client index, round), so a
-checkpoint of the state is complete.
+checkpoint of the state is complete (with FedDyn, together with the clients'
+stored states).
 """
 
 import collections
@@ -134,6 +141,40 @@ def apply_slot_means(members, slots, weights):
                for k, (m, s) in enumerate(zip(members, slots)))
 
 
+def apply_feddyn_correction(members, corrections, slots, weights,
+                            alpha: float, num_clients: int):
+  """FedDyn's server update for every model (Acar et al., Algorithm 1, 9-10).
+
+  For model k, with u_i = w_k - w_i the updates of the clients that trained
+  it (summed in slot k, unweighted) and m = `num_clients` the population:
+
+      h_k <- h_k + (alpha / m) sum_i u_i      (line 9: h - alpha/m sum (w_i - w))
+      w_k <- mean_i w_i - h_k / alpha         (line 10)
+
+  Args:
+    members: the K models after `apply_slot_means` (mean_i w_i, or w_k
+      unchanged when nobody trained it).
+    corrections: the K h's, one tensor per trainable weight.
+    slots, weights: the K unweighted update sums and client counts.
+    alpha: FedDyn's alpha.
+    num_clients: m.
+
+  Returns:
+    (members, corrections); a model nobody trained keeps both unchanged.
+  """
+  new_members, new_corrections = [], []
+  for member, h, slot, total in zip(members, corrections, slots,
+                                    tf.unstack(weights)):
+    trained = total > 0
+    h = [tf.where(trained, h_t + (alpha / num_clients) * u, h_t)
+         for h_t, u in zip(h, slot.trainable)]
+    trainable = [tf.where(trained, w - h_t / alpha, w)
+                 for w, h_t in zip(member.trainable, h)]
+    new_members.append(ModelWeights(trainable, list(member.non_trainable)))
+    new_corrections.append(tuple(h))
+  return tuple(new_members), tuple(new_corrections)
+
+
 def privatize_slots(slots, noise_stddev, clients_per_slot: float):
   """DP-FedAvg's server step on the K slot sums of clipped updates.
 
@@ -176,12 +217,17 @@ def build_fed_ensemble(
     seed: int = 0,
     assignment: str = "permutation",
     dp: privacy.DPConfig | None = None,
+    feddyn_alpha: float = 0.0,
+    num_clients: int = 0,
 ) -> FedEnsembleProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
   `next(state, client_data, client_indices)`: `client_data` are the cohort's
   datasets, `client_indices` (int32 at CLIENTS) each client's fixed index in
-  the population, from which it derives its permutation row.
+  the population, from which it derives its permutation row. With FedDyn,
+  `next(state, client_data, client_indices, client_states) -> (state,
+  metrics, new client states)`: each client's FedDyn state g for the model it
+  trains this round (`assigned_model`), zeros before its first time.
 
   Args:
     member_model_fn: `k -> Keras model` with member k's initialization (all
@@ -193,6 +239,9 @@ def build_fed_ensemble(
     assignment: "permutation" or "random".
     dp: clip every update to `dp.clip_norm` and noise the slot sums
       (`privatize_slots`); fixed clipping only. None: plain slot means.
+    feddyn_alpha: > 0: FedDyn's local objective and server correction with
+      this alpha; 0: the local objective of `local_config`.
+    num_clients: the population m (FedDyn's h divides by it).
   """
   if ensemble_size < 1:
     raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
@@ -201,12 +250,24 @@ def build_fed_ensemble(
                      f"{', '.join(ASSIGNMENTS)}")
   if dp is not None and dp.adaptive:
     raise ValueError("Fed-ensemble's DP needs a fixed clip norm > 0")
+  feddyn = feddyn_alpha > 0
+  if feddyn and (dp is not None or num_clients < 1):
+    raise ValueError("FedDyn needs num_clients >= 1 and no DP (its client "
+                     "state is the client's unclipped updates)")
   k = ensemble_size
   architecture_fn = lambda: member_model_fn(0)
   weights_type = client_work_lib.weights_type_of(architecture_fn)
-  client_work = client_work_lib.build_client_work(
-      architecture_fn, element_spec, local_config)
-  data_type = client_work.process.next.type_signature.parameter[2]
+  if feddyn:
+    client_work = client_work_lib.build_feddyn_client_work(
+        architecture_fn, element_spec, local_config, feddyn_alpha)
+    work_init, work_next = client_work.initialize, client_work.next
+  else:
+    client_work = client_work_lib.build_client_work(
+        architecture_fn, element_spec, local_config)
+    work_init = client_work.process.initialize
+    work_next = client_work.process.next
+  data_type = tff.FederatedType(
+      client_work.client_update.type_signature.parameter[1], tff.CLIENTS)
 
   @tff.tensorflow.computation
   def initial_members():
@@ -247,8 +308,7 @@ def build_fed_ensemble(
                                    seed=assignment_state["seed"])
 
   # Aggregator: per-slot sums with federated_aggregate.
-  update_type = client_work.process.next.type_signature.result.result.member
-  update_type = update_type.update
+  update_type = client_work.client_update.type_signature.result[0].update
 
   @tff.tensorflow.computation
   def zero_slots():
@@ -288,25 +348,42 @@ def build_fed_ensemble(
           slots, dp.noise_multiplier * dp.clip_norm, dp.clients_per_round / k)
     return apply_slot_means(members, slots, weights)
 
+  if feddyn:
+    @tff.tensorflow.computation
+    def zero_corrections():
+      specs = tff.types.type_to_tf_tensor_specs(weights_type.trainable)
+      return tuple(tuple(tf.zeros(s.shape, s.dtype) for s in specs)
+                   for _ in range(k))
+
+    @tff.tensorflow.computation(members_type,
+                                zero_corrections.type_signature.result,
+                                accumulator_type)
+    def finalize_feddyn(members, corrections, accumulator):
+      slots, weights = accumulator
+      return apply_feddyn_correction(
+          apply_slot_means(members, slots, weights), corrections, slots,
+          weights, feddyn_alpha, num_clients)
+
   @tff.tensorflow.computation(accumulator_type)
   def members_trained(accumulator):
     return tf.reduce_sum(tf.cast(accumulator[1] > 0, tf.int32))
 
   @tff.federated_computation
   def init_fn():
-    return tff.federated_zip(collections.OrderedDict(
+    state = collections.OrderedDict(
         members=tff.federated_eval(initial_members, tff.SERVER),
         assignment=tff.federated_value(
             collections.OrderedDict(round=np.int32(0), seed=np.int64(seed)),
             tff.SERVER),
-        client_work=client_work.process.initialize()))
+        client_work=work_init())
+    if feddyn:
+      state["feddyn"] = tff.federated_eval(zero_corrections, tff.SERVER)
+    return tff.federated_zip(state)
 
   state_type = init_fn.type_signature.result
+  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
 
-  @tff.federated_computation(
-      state_type, data_type,
-      tff.FederatedType(np.int32, tff.CLIENTS))
-  def next_fn(state, client_data, client_indices):
+  def round_fn(state, client_data, client_indices, client_states=None):
     # Distributor: each client derives its key, downloads one model.
     keys = tff.federated_map(client_key, (
         tff.federated_broadcast(state.assignment), client_indices))
@@ -314,36 +391,65 @@ def build_fed_ensemble(
         keys, tff.federated_value(np.int32(k - 1), tff.SERVER),
         state.members, select_member)
     start_weights = tff.federated_map(to_model_weights, selected)
-    # Client work: FedAvg's.
-    work = client_work.process.next(state.client_work, start_weights,
-                                    client_data)
+    # Client work: FedAvg's (or FedDyn's, on the client's own state).
+    if feddyn:
+      work_state, result, new_client_states, work_metrics = work_next(
+          state.client_work, start_weights, client_data, client_states)
+    else:
+      work = work_next(state.client_work, start_weights, client_data)
+      work_state, result, work_metrics = (work.state, work.result,
+                                          work.measurements)
     # Aggregator: one update and its key per client, summed into K slots
-    # (with DP: clipped on the client, weighted 1).
-    update, weight = work.result.update, work.result.update_weight
+    # (with DP: clipped on the client, weighted 1; FedDyn: weighted 1).
+    update, weight = result.update, result.update_weight
     if dp is not None:
       update, weight = tff.federated_map(clip, (update, weight))
     slots = tff.federated_aggregate(
         tff.federated_zip((update, weight, keys)),
         zero_slots(), accumulate, merge, report)
-    # Finalizer: per-model mean update (with DP: noised, fixed count).
-    members = tff.federated_map(finalize, (state.members, slots))
-    new_state = tff.federated_zip(collections.OrderedDict(
+    # Finalizer: per-model mean update (with DP: noised, fixed count; with
+    # FedDyn: corrected by h_k).
+    if feddyn:
+      members, corrections = tff.federated_map(
+          finalize_feddyn, (state.members, state.feddyn, slots))
+    else:
+      members = tff.federated_map(finalize, (state.members, slots))
+    new_state = collections.OrderedDict(
         members=members,
         assignment=tff.federated_map(next_round, state.assignment),
-        client_work=work.state))
+        client_work=work_state)
+    if feddyn:
+      new_state["feddyn"] = corrections
+    new_state = tff.federated_zip(new_state)
     metrics = tff.federated_zip(collections.OrderedDict(
-        client_work=work.measurements,
+        client_work=work_metrics,
         aggregator=tff.federated_zip(collections.OrderedDict(
             members_trained=tff.federated_map(members_trained, slots)))))
+    if feddyn:
+      return new_state, metrics, new_client_states
     return new_state, metrics
+
+  if feddyn:
+    @tff.federated_computation(
+        state_type, data_type, indices_type,
+        tff.FederatedType(client_work.client_state_type, tff.CLIENTS))
+    def next_fn(state, client_data, client_indices, client_states):
+      return round_fn(state, client_data, client_indices, client_states)
+  else:
+    @tff.federated_computation(state_type, data_type, indices_type)
+    def next_fn(state, client_data, client_indices):
+      return round_fn(state, client_data, client_indices)
 
   client_update_type = client_work.client_update.type_signature
   download = tff.StructType([
       ("model", selected_type),
       ("assignment", state_type.member.assignment),
       ("learning_rate", client_update_type.parameter.learning_rate)])
+  # FedDyn's third result, the client's new g, stays on the client.
+  uploaded = (client_update_type.result if not feddyn else
+              tff.StructType(list(client_update_type.result)[:2]))
   upload = tff.StructType([
-      ("client_result", client_update_type.result),
+      ("client_result", uploaded),
       ("key", client_key.type_signature.result)])
   return FedEnsembleProcess(
       tff.templates.IterativeProcess(init_fn, next_fn), download, upload)

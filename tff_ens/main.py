@@ -19,6 +19,7 @@ from absl import logging
 # TensorFlow must be imported before absl parses flags: Keras 2.14 imported
 # inside `main` builds broken Sequential models ("Output tensors of a
 # Sequential model must be the output of a TensorFlow `Layer`").
+from tff_ens import client_states
 from tff_ens import runtime
 from tff_ens import training
 import tasks
@@ -75,9 +76,12 @@ flags.DEFINE_integer("ensemble_size", 5, "K, the models of --algorithm="
 flags.DEFINE_enum("assignment", "permutation", ["permutation", "random"],
                   "Fed-ensemble: which model a client trains; random is the "
                   "paper's Table VII ablation.")
-flags.DEFINE_enum("local_objective", "sgd", ["sgd", "fedprox"],
+flags.DEFINE_enum("local_objective", "sgd", ["sgd", "fedprox", "feddyn"],
                   "Fed-ensemble clients' objective (fedprox uses "
-                  "--proximal_mu).")
+                  "--proximal_mu, feddyn --feddyn_alpha).")
+flags.DEFINE_float("feddyn_alpha", 0.01,
+                   "FedDyn's alpha (--local_objective=feddyn); its clients' "
+                   "states go to OUTPUT_DIR/client_states.")
 flags.DEFINE_float("personalization_temperature", 0.0,
                    "tau of personalized ensemble weights softmax(-loss/tau); "
                    "0 chooses it from training data.")
@@ -209,7 +213,8 @@ def main(argv):
       **{name: FLAGS[name].value for name in fields})
   try:
     summary = training.run_experiment(config)
-  except (training.UsageError, tasks.DataError) as e:
+  except (training.UsageError, tasks.DataError,
+          client_states.ClientStateError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except runtime.WorkerError as e:  # Lost mid-run; the message says resume.

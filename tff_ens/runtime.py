@@ -471,10 +471,14 @@ class ResidentState:
     return self._state
 
   def next(self, *args) -> Any:
-    """One call of the computation on the held state; returns its metrics."""
+    """One call of the computation on the held state.
+
+    Returns its metrics, or, for a computation with more results after the
+    state (`(state, metrics, client states)`), the tuple of them all.
+    """
     if self._worker is None:
-      self._state, metrics = state_and_metrics(self._next(self.value, *args))
-      return metrics
+      self._state, *results = _state_first(self._next(self.value, *args))
+      return results[0] if len(results) == 1 else tuple(results)
     parameter = self._compiled.type_signature.parameter
     clients = {len(a) for a, t in zip(args, list(parameter)[1:])
                if _is_per_client(t)}
@@ -494,12 +498,14 @@ class ResidentState:
           self._comp, self._run(self._executor.create_struct(values))))
       self._remote = self._run(self._executor.create_selection(call, 0))
       self._state = None
-      metrics = self._download(self._run(
-          self._executor.create_selection(call, 1)), 1)
+      results = tuple(
+          self._download(self._run(self._executor.create_selection(call, i)),
+                         i)
+          for i in range(1, len(self._next.type_signature.result)))
     self._rounds_held += 1
     if self._cut_due():
       _ = self.value  # Downloads the state; the next round uploads it.
-    return metrics
+    return results[0] if len(results) == 1 else results
 
   def _cut_due(self) -> bool:
     """Whether to cut the held state's chain now (see the class doc)."""
@@ -574,6 +580,11 @@ def _resident_bytes(pid: int) -> int:
 
 def state_and_metrics(output) -> tuple[Any, Any]:
   """`(state, metrics)` of an `IterativeProcess.next` or `LearningProcess.next`."""
+  return tuple(_state_first(output)[:2])
+
+
+def _state_first(output) -> tuple:
+  """The results of a process's `next`, the state first."""
   if hasattr(output, 'state'):  # tff.learning's LearningProcessOutput.
     return output.state, output.metrics
-  return output
+  return tuple(output)

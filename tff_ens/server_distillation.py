@@ -390,13 +390,7 @@ def build_step_finalizer(
   """
   weights_type, collected_type, _ = server_step.type_signature.parameter
 
-  @tff.tensorflow.computation(np.int32)
-  def increment(round_num):
-    return round_num + 1
-
-  @tff.federated_computation
-  def finalizer_init():
-    return tff.federated_value(0, tff.SERVER)
+  finalizer_init, increment = client_work_lib.round_counter()
 
   @tff.federated_computation(
       finalizer_init.type_signature.result,

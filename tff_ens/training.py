@@ -33,6 +33,7 @@ import tensorflow_federated as tff
 
 from tff_ens import active_learning
 from tff_ens import algorithms
+from tff_ens import client_states
 from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
 from tff_ens import evaluation
@@ -102,6 +103,7 @@ class ExperimentConfig:
   ensemble_size: int = 5
   assignment: str = "permutation"
   local_objective: str = "sgd"
+  feddyn_alpha: float = 0.01
   personalization_temperature: float = 0.0
   server_data: str | None = None
   distill_steps: int = 200
@@ -168,6 +170,19 @@ class ExperimentConfig:
       if value not in choices:
         raise UsageError(f"unknown --{name}={value}: choose one of "
                          f"{', '.join(choices)}")
+    if self.local_objective == "feddyn":
+      if self.algorithm != "fedensemble":
+        raise UsageError(
+            f"--local_objective=feddyn is built for --algorithm=fedensemble, "
+            f"not {self.algorithm}: for FedDyn on one model use "
+            "--algorithm=fedensemble --ensemble_size=1")
+      if self.feddyn_alpha <= 0:
+        raise UsageError(f"--feddyn_alpha must be > 0, got "
+                         f"{self.feddyn_alpha}")
+      if self.dp_noise_multiplier or self.dp_clip_norm:
+        raise UsageError("--local_objective=feddyn keeps each client's "
+                         "unclipped updates: it does not combine with DP "
+                         "(--dp_*); use --local_objective=sgd or fedprox")
     for name in ("distill_steps", "distill_batch_size", "fedbe_samples",
                  "distill_patience", "distill_eval_every"):
       if getattr(self, name) <= 0:
@@ -842,6 +857,7 @@ def run_experiment(config: ExperimentConfig) -> dict:
         config.algorithm, model_fn, batch_element_spec(task),
         config.local_training_config(), proximal_mu=config.proximal_mu,
         local_objective=config.local_objective,
+        feddyn_alpha=config.feddyn_alpha, num_clients=len(train_ids),
         server_learning_rate=config.server_lr,
         server_momentum=config.server_momentum,
         ensemble_size=config.ensemble_size, assignment=config.assignment,
@@ -893,6 +909,13 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       config.rounds, config.dp_delta(num_clients))
                  if config.dp_noise_multiplier else None)
   speeds = client_speeds(num_clients, config.seed)
+  # FedDyn's clients' own states, as of `start_round`.
+  store = None
+  if algorithm.client_state is not None:
+    store = client_states.ClientStateStore(
+        os.path.join(outputs.dir, client_states.DIRECTORY),
+        algorithm.client_state.zeros)
+    store.rewind(start_round)
   # The state waits on the TFF worker between rounds; `held.value` downloads
   # it for evaluation and checkpoints.
   held = runtime.ResidentState(algorithm.process.next, state)
@@ -919,8 +942,16 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
           teacher_test = algorithm.teacher_fn(
               held.value, *algorithm.next_args(datasets, plan.cohort[reports]),
               data.test.concatenated()[0])
-        metrics = held.next(*algorithm.next_args(datasets,
-                                                 plan.cohort[reports]))
+        cohort = plan.cohort[reports]
+        if store is None:
+          metrics = held.next(*algorithm.next_args(datasets, cohort))
+        else:
+          models = algorithm.client_state.models(cohort, round_num - 1)
+          metrics, new_states = held.next(*algorithm.next_args(
+              datasets, cohort,
+              [store.load(int(c), m) for c, m in zip(cohort, models)]))
+          for c, m, client_state in zip(cohort, models, new_states):
+            store.save(round_num, int(c), m, client_state)
         # train_loss, train_accuracy, num_examples, rejected_updates (and
         # FedPPD's student_loss).
         row.update({k: float(v) for k, v in metrics["client_work"].items()})
@@ -958,6 +989,8 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       if (round_num % config.checkpoint_every == 0 or last or phase_end or
           stopping):
         outputs.save_checkpoint(round_num, held.value)
+        if store is not None:
+          store.prune(round_num)
       report(round_num, row)
       if stopping and not last:
         raise Stopped(f"stopped by SIGTERM after round {round_num}, which is "

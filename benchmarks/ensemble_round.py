@@ -16,8 +16,11 @@ samples that worker's peak resident memory. Each client trains one model in
 every variant, so the difference is the server side: K models in the state,
 the per-client `federated_select` and the K-slot `federated_aggregate`.
 With `--feddyn_sizes`, Fed-ensemble with FedDyn's local objective is timed
-too: its clients' states (one model each) go from Python to the worker and
-back every round, as in the CLI (which also writes them to disk).
+too, interleaved with FedAvg in a worker of their own, so that FedDyn's
+extra per-client values do not change the plain variants' worker (whose
+memory decides when `ResidentState` re-uploads a state): its clients' states
+(one model-sized vector each) go from Python to the worker and back every
+round, as in the CLI (which also writes them to disk).
 A third pass times TFF's two ways of sending a model to the 10 clients, with
 the models on the worker: `federated_select` of one of K LEAF CNNs per client
 (Fed-ensemble's distributor) and `federated_broadcast` of one (FedAvg's).
@@ -203,35 +206,46 @@ def main(argv):
               for c in writers]
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
-  variants = [(on_worker, name, k, objective)
-              for on_worker in (True, False)
-              for name, k, objective in
-              [("fedavg", 1, "sgd")] +
-              [("fedensemble", int(k), "sgd") for k in FLAGS.sizes] +
-              [("fedensemble", int(k), "feddyn") for k in FLAGS.feddyn_sizes]]
-  builders = [
-      functools.partial(algorithms.build_algorithm, name, model_fn,
-                        training.batch_element_spec(femnist), config,
-                        ensemble_size=k, local_objective=objective,
-                        num_clients=len(writers))
-      for _, name, k, objective in variants]
-  with runtime.execution_context():
-    built = [build() for build in builders]
-    runs = [Rounds(algorithm, on_worker)
-            for (on_worker, _, _, _), algorithm in zip(variants, built)]
-    wall, cpu = time_interleaved(runs, datasets, FLAGS.rounds)
+  groups = [[("fedavg", 1, "sgd")] +
+            [("fedensemble", int(k), "sgd") for k in FLAGS.sizes]]
+  if FLAGS.feddyn_sizes:
+    groups.append([("fedavg", 1, "sgd")] + [
+        ("fedensemble", int(k), "feddyn") for k in FLAGS.feddyn_sizes])
+  variants, builders, built, wall, cpu = [], [], [], [], []
+  for group in groups:
+    group_variants = [(on_worker, name, k, objective)
+                      for on_worker in (True, False)
+                      for name, k, objective in group]
+    group_builders = [
+        functools.partial(algorithms.build_algorithm, name, model_fn,
+                          training.batch_element_spec(femnist), config,
+                          ensemble_size=k, local_objective=objective,
+                          num_clients=len(writers))
+        for _, name, k, objective in group_variants]
+    with runtime.execution_context():
+      group_built = [build() for build in group_builders]
+      runs = [Rounds(algorithm, on_worker) for (on_worker, _, _, _), algorithm
+              in zip(group_variants, group_built)]
+      group_wall, group_cpu = time_interleaved(runs, datasets, FLAGS.rounds)
+    variants += group_variants
+    builders += group_builders
+    built += group_built
+    wall += group_wall
+    cpu += group_cpu
   k = max(int(size) for size in FLAGS.sizes + FLAGS.feddyn_sizes)
   with runtime.execution_context():
     moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
   print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  for (on_worker, name, k, objective), build, algorithm, times, cpu_times in (
-      zip(variants, builders, built, wall, cpu)):
+  group_of = [g for g, group in enumerate(groups) for _ in range(2 * len(group))]
+  for group, (on_worker, name, k, objective), build, algorithm, times, \
+      cpu_times in zip(group_of, variants, builders, built, wall, cpu):
     peak = peak_worker_memory(build, on_worker, datasets)
     down, up = algorithm.bytes_per_client_round()
-    rows.append((on_worker,
+    rows.append(((group, on_worker),
                  f"{name}" + (f", K={k}" if name == "fedensemble" else "") +
                  (", FedDyn" if objective == "feddyn" else "") +
+                 (" (FedDyn's worker)" if group and name == "fedavg" else "") +
                  (", state on the worker (CLI)" if on_worker else
                   ", state through Python"),
                  statistics.median(times), statistics.median(cpu_times), peak,
@@ -240,14 +254,16 @@ def main(argv):
           f"({', '.join(f'{t:.2f}' for t in times)}), CPU "
           f"{rows[-1][3]:.2f} s/round, worker peak {peak / 2**30:.2f} GiB",
           flush=True)
-  # Ratios are to FedAvg run the same way (state on the worker or not).
+  # Ratios are to FedAvg run the same way (state on the worker or not) in
+  # the same worker: the first row of each.
   baselines = {row[0]: row[2:4] for row in reversed(rows)}
   lines = [
       SECTION, "",
       "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05), "
       f"median of {FLAGS.rounds} timed rounds after one untimed round, the "
       "variants' rounds interleaved in one TFF worker (as the CLI runs "
-      "them); peak resident memory of "
+      "them; the FedDyn variants with FedAvg in a second worker, ratios to "
+      "the FedAvg of the same worker); peak resident memory of "
       "a fresh worker running one round of the variant alone. CPU seconds "
       "(this process and the worker, user + system) depend less on other "
       "load than wall time.",
@@ -259,8 +275,8 @@ def main(argv):
       "CPU ratio | worker peak memory | bytes down / up per client |",
       "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
-  for on_worker, name, median, median_cpu, peak, down, up in rows:
-    baseline, baseline_cpu = baselines[on_worker]
+  for place, name, median, median_cpu, peak, down, up in rows:
+    baseline, baseline_cpu = baselines[place]
     lines.append(f"| {name} | {median:.2f} | {median / baseline:.2f} | "
                  f"{median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
                  f"{peak / 2**30:.2f} GiB | {down:,} / {up:,} |")

@@ -9,15 +9,15 @@ from tff_ens import client_states
 
 
 def zeros():
-  return [np.zeros((2, 3), np.float32), np.zeros((3,), np.float32)]
+  return np.zeros((6,), np.float32)
 
 
 def state(value):
-  return [np.full((2, 3), value, np.float32), np.full((3,), value, np.float32)]
+  return np.full((6,), value, np.float32)
 
 
 def stored_value(store, client, model):
-  return float(store.load(client, model)[0][0, 0])
+  return float(store.load(client, model)[0])
 
 
 def test_a_client_starts_at_zeros_and_reads_its_newest_state(tmp_path):
@@ -32,7 +32,7 @@ def test_a_client_starts_at_zeros_and_reads_its_newest_state(tmp_path):
   # A new store (a new process) finds the same states.
   again = client_states.ClientStateStore(str(tmp_path), zeros)
   assert stored_value(again, 4, 1) == 3.0
-  assert [a.dtype for a in again.load(4, 1)] == [np.float32, np.float32]
+  assert again.load(4, 1).dtype == np.float32
 
 
 def test_rewind_forgets_states_written_after_the_checkpoint(tmp_path):
@@ -44,8 +44,8 @@ def test_rewind_forgets_states_written_after_the_checkpoint(tmp_path):
   assert stored_value(store, 0, 0) == 4.0
   assert stored_value(store, 1, 0) == 0.0  # Its only state was after 4.
   assert sorted(os.listdir(tmp_path)) == [
-      "client000000_model000_round0000002.npz",
-      "client000000_model000_round0000004.npz"]
+      "client000000_model000_round0000002.npy",
+      "client000000_model000_round0000004.npy"]
 
 
 def test_prune_keeps_what_a_resume_can_need(tmp_path):
@@ -55,8 +55,8 @@ def test_prune_keeps_what_a_resume_can_need(tmp_path):
   store.prune(4)
   # The newest at or before the checkpoint (3) and the later one (5).
   assert sorted(os.listdir(tmp_path)) == [
-      "client000000_model000_round0000003.npz",
-      "client000000_model000_round0000005.npz"]
+      "client000000_model000_round0000003.npy",
+      "client000000_model000_round0000005.npy"]
   store.rewind(4)
   assert stored_value(store, 0, 0) == 3.0
 
@@ -64,20 +64,20 @@ def test_prune_keeps_what_a_resume_can_need(tmp_path):
 def test_a_half_written_file_is_dropped_and_a_damaged_one_is_named(tmp_path):
   store = client_states.ClientStateStore(str(tmp_path), zeros)
   store.save(1, 2, 0, state(1.0))
-  (tmp_path / "client000002_model000_round0000002.tmp.npz").write_bytes(b"x")
+  (tmp_path / "client000002_model000_round0000002.tmp.npy").write_bytes(b"x")
   store = client_states.ClientStateStore(str(tmp_path), zeros)
   assert stored_value(store, 2, 0) == 1.0
-  assert not any(name.endswith(".tmp.npz") for name in os.listdir(tmp_path))
-  path = tmp_path / "client000002_model000_round0000001.npz"
+  assert not any(name.endswith(".tmp.npy") for name in os.listdir(tmp_path))
+  path = tmp_path / "client000002_model000_round0000001.npy"
   path.write_bytes(b"not a numpy file")
   with pytest.raises(client_states.ClientStateError,
-                     match="client000002_model000_round0000001.npz.*new "
+                     match="client000002_model000_round0000001.npy.*new "
                      "--output_dir"):
     store.load(2, 0)
 
 
 def test_a_state_of_another_model_is_refused(tmp_path):
   store = client_states.ClientStateStore(str(tmp_path), zeros)
-  store.save(1, 0, 0, [np.zeros((5,), np.float32)])
+  store.save(1, 0, 0, np.zeros((5,), np.float32))
   with pytest.raises(client_states.ClientStateError, match="another model"):
     store.load(0, 0)

@@ -390,8 +390,12 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
   state = built.process.initialize()
   members = [tf.nest.map_structure(np.asarray, w) for w in state["members"]]
   h = [[np.zeros_like(t) for t in w.trainable] for w in members]
-  # Each client's g per model, as the CLI's store keeps them.
-  g = {(c, j): [np.zeros_like(t) for t in members[0].trainable]
+  # Each client's g per model, as the CLI's store keeps them: one vector.
+  shapes = [t.shape for t in members[0].trainable]
+  sizes = [t.size for t in members[0].trainable]
+  unpack = lambda v: [t.reshape(shape) for t, shape in zip(
+      np.split(v, np.cumsum(sizes)[:-1]), shapes)]
+  g = {(c, j): np.zeros(sum(sizes), np.float32)
        for c in indices for j in range(k)}
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   for round_num in range(2):
@@ -405,10 +409,11 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
     for c, j, data in zip(indices, keys, datasets):
       result, _, client_g = client_work.train_feddyn(
           member_model(0), optimizer, members[j], data, tf.constant(LR),
-          Config(learning_rate=LR), alpha, [tf.constant(t) for t in g[c, j]])
+          Config(learning_rate=LR), alpha,
+          [tf.constant(t) for t in unpack(g[c, j])])
       updates.setdefault(j, []).append(
           tf.nest.map_structure(np.asarray, result.update))
-      g[c, j] = [np.asarray(t) for t in client_g]
+      g[c, j] = np.concatenate([np.ravel(t) for t in client_g])
     for j, us in updates.items():
       total = tf.nest.map_structure(lambda *t: sum(t), *us)
       mean = tf.nest.map_structure(lambda w, s: w - s / len(us), members[j],
@@ -417,9 +422,8 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
       members[j] = ModelWeights(
           [w - hj / alpha for w, hj in zip(mean.trainable, h[j])],
           mean.non_trainable)
-    for got, c, j in zip(new_g, indices, keys):
-      for a, b in zip(got, g[c, j], strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for got, c, j in zip(new_g, indices, keys, strict=True):
+      np.testing.assert_allclose(got, g[c, j], rtol=1e-5, atol=1e-6)
     for j in range(k):
       for a, b in zip(_flat(state["members"][j]), _flat(members[j]),
                       strict=True):
@@ -440,9 +444,10 @@ def test_feddyn_client_state_stays_on_the_client():
   # g is neither downloaded nor uploaded: the bytes are Fed-ensemble's.
   assert feddyn.bytes_per_client_round() == fedavg.bytes_per_client_round()
   assert feddyn.client_state is not None and fedavg.client_state is None
+  # g is one float32 vector, as long as the model's trainable weights.
   zeros = feddyn.client_state.zeros()
-  assert [z.shape for z in zeros] == [
-      tuple(v.shape) for v in member_model(0).trainable_variables]
+  assert zeros.dtype == np.float32 and zeros.shape == (sum(
+      int(np.prod(v.shape)) for v in member_model(0).trainable_variables),)
   assert feddyn.client_state.models([0, 1, 3], 2) == [
       assign(0, c, 2, 3) for c in (0, 1, 3)]
   with pytest.raises(ValueError, match="fedensemble"):

@@ -284,9 +284,9 @@ def test_feddyn_client_states_resume_from_the_checkpoint(tmp_path):
   assert sorted(os.listdir(states)) == names
   assert any("round0000004" in name for name in names)
   for name in names:
-    with np.load(expected_dir / name) as a, np.load(states / name) as b:
-      for key in a.files:
-        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.load(states / name),
+                               np.load(expected_dir / name), rtol=1e-5,
+                               atol=1e-7)
 
 
 def test_sigterm_checkpoints_the_round_and_stops(fedavg_run, tmp_path):

@@ -246,10 +246,9 @@ def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
       num_clients=num_clients)
   spec = None
   if feddyn_alpha:
-    weights_type = client_work_lib.weights_type_of(lambda: model_fn(0))
-    shapes = [(t.shape, t.dtype) for t in weights_type.trainable]
+    state_type = built.process.next.type_signature.parameter[3].member
     spec = client_states.ClientStateSpec(
-        zeros=lambda: [np.zeros(shape, dtype) for shape, dtype in shapes],
+        zeros=lambda: np.zeros(state_type.shape, state_type.dtype),
         models=lambda clients, round_num: [
             int(fed_ensemble.assigned_model(seed, c, round_num, ensemble_size,
                                             assignment)) for c in clients])

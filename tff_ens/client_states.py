@@ -5,7 +5,7 @@ Algorithm 1, line 8); with Fed-ensemble, one per model. On devices it stays on
 the device. In simulation it has to outlive the round, the Python process and
 a resume, and for 105 FEMNIST writers and five LEAF CNNs it is 105 x 5 x 26 MB
 = 13.7 GB, more than this machine can keep in memory next to TFF's worker. So
-`ClientStateStore` keeps it on disk, in the run's directory: one `.npz` file
+`ClientStateStore` keeps it on disk, in the run's directory: one `.npy` file
 per (client, model, round it was written), written to a temporary name and
 renamed, so a killed run never leaves half a file.
 
@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 DIRECTORY = "client_states"
-_NAME = re.compile(r"^client(\d+)_model(\d+)_round(\d+)\.npz$")
+_NAME = re.compile(r"^client(\d+)_model(\d+)_round(\d+)\.npy$")
 
 
 class ClientStateError(RuntimeError):
@@ -36,19 +36,19 @@ class ClientStateSpec:
   """What an algorithm's clients keep between rounds.
 
   Attributes:
-    zeros: `() -> list[np.ndarray]`, a client's state before its first round.
+    zeros: `() -> np.ndarray`, a client's state before its first round.
     models: `(client indices, 0-based round) -> model index` of each client,
       the model whose state it trains on this round (0 for one model).
   """
 
-  zeros: Callable[[], list[np.ndarray]]
+  zeros: Callable[[], np.ndarray]
   models: Callable[[Sequence[int], int], list[int]]
 
 
 class ClientStateStore:
   """The clients' states of one run, on disk under `directory`."""
 
-  def __init__(self, directory: str, zeros: Callable[[], list[np.ndarray]]):
+  def __init__(self, directory: str, zeros: Callable[[], np.ndarray]):
     self._dir = directory
     self._zeros = zeros
     os.makedirs(directory, exist_ok=True)
@@ -59,7 +59,7 @@ class ClientStateStore:
       if match:
         client, model, round_num = map(int, match.groups())
         self._rounds[(client, model)].append(round_num)
-      elif name.endswith(".tmp.npz"):  # Left by a run killed mid-write.
+      elif name.endswith(".tmp.npy"):  # Left by a run killed mid-write.
         os.remove(os.path.join(directory, name))
     for rounds in self._rounds.values():
       rounds.sort()
@@ -67,36 +67,36 @@ class ClientStateStore:
   def _path(self, client: int, model: int, round_num: int) -> str:
     return os.path.join(
         self._dir, f"client{client:06d}_model{model:03d}_round{round_num:07d}"
-        ".npz")
+        ".npy")
 
-  def load(self, client: int, model: int) -> list[np.ndarray]:
+  def load(self, client: int, model: int) -> np.ndarray:
     """The newest state of (client, model); zeros if it has none yet."""
     rounds = self._rounds.get((client, model))
     if not rounds:
       return self._zeros()
     path = self._path(client, model, rounds[-1])
     try:
-      with np.load(path) as stored:
-        arrays = [stored[f"arr_{i}"] for i in range(len(stored.files))]
-    except (OSError, ValueError, KeyError) as e:
+      stored = np.load(path)
+    except (OSError, ValueError) as e:
       raise ClientStateError(
           f"cannot read client state {path} ({' '.join(str(e).split())[:200]})"
           ": the run's client_states directory is damaged; start the run "
           "again in a new --output_dir") from None
-    expected = [z.shape for z in self._zeros()]
-    if [a.shape for a in arrays] != expected:
+    expected = self._zeros()
+    if stored.shape != expected.shape or stored.dtype != expected.dtype:
       raise ClientStateError(
-          f"client state {path} holds shapes {[a.shape for a in arrays]}, the "
-          f"model needs {expected}: it was written by another model; start "
-          "the run again in a new --output_dir")
-    return arrays
+          f"client state {path} holds {stored.dtype}{list(stored.shape)}, the "
+          f"model needs {expected.dtype}{list(expected.shape)}: it was "
+          "written by another model; start the run again in a new "
+          "--output_dir")
+    return stored
 
   def save(self, round_num: int, client: int, model: int,
-           arrays: Sequence[np.ndarray]) -> None:
+           value: np.ndarray) -> None:
     """Stores (client, model)'s state as written in round `round_num`."""
     path = self._path(client, model, round_num)
-    temporary = path[:-len(".npz")] + ".tmp.npz"
-    np.savez(temporary, *[np.asarray(a) for a in arrays])
+    temporary = path[:-len(".npy")] + ".tmp.npy"
+    np.save(temporary, np.asarray(value))
     os.replace(temporary, path)
     rounds = self._rounds[(client, model)]
     if round_num not in rounds:

@@ -7,8 +7,10 @@ uninterrupted one.
 
 Outputs in `output_dir`: `config.json`, `metrics.csv` (one row per round),
 TensorBoard events under `tensorboard/`, checkpoints under `checkpoints/`
-(`tff.program.FileProgramStateManager`, written atomically), the final
-model(s) in Keras format and `summary.json`.
+(`tff.program.FileProgramStateManager`, written atomically), FedDyn's client
+states under `client_states/` (`client_states.ClientStateStore`, rewound to
+the checkpoint on resume), the final model(s) in Keras format and
+`summary.json`.
 """
 
 import asyncio

@@ -51,6 +51,8 @@ class ClientStateStore:
   def __init__(self, directory: str, zeros: Callable[[], np.ndarray]):
     self._dir = directory
     self._zeros = zeros
+    expected = zeros()
+    self._shape, self._dtype = expected.shape, expected.dtype
     os.makedirs(directory, exist_ok=True)
     # (client, model) -> rounds it was written at, ascending.
     self._rounds = collections.defaultdict(list)
@@ -82,11 +84,10 @@ class ClientStateStore:
           f"cannot read client state {path} ({' '.join(str(e).split())[:200]})"
           ": the run's client_states directory is damaged; start the run "
           "again in a new --output_dir") from None
-    expected = self._zeros()
-    if stored.shape != expected.shape or stored.dtype != expected.dtype:
+    if stored.shape != self._shape or stored.dtype != self._dtype:
       raise ClientStateError(
           f"client state {path} holds {stored.dtype}{list(stored.shape)}, the "
-          f"model needs {expected.dtype}{list(expected.shape)}: it was "
+          f"model needs {self._dtype}{list(self._shape)}: it was "
           "written by another model; start the run again in a new "
           "--output_dir")
     return stored

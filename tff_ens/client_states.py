@@ -50,7 +50,6 @@ class ClientStateStore:
 
   def __init__(self, directory: str, zeros: Callable[[], np.ndarray]):
     self._dir = directory
-    self._zeros = zeros
     expected = zeros()
     self._shape, self._dtype = expected.shape, expected.dtype
     os.makedirs(directory, exist_ok=True)
@@ -75,7 +74,7 @@ class ClientStateStore:
     """The newest state of (client, model); zeros if it has none yet."""
     rounds = self._rounds.get((client, model))
     if not rounds:
-      return self._zeros()
+      return np.zeros(self._shape, self._dtype)
     path = self._path(client, model, rounds[-1])
     try:
       stored = np.load(path)

@@ -161,6 +161,9 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
   loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=tf.keras.losses.Reduction.SUM)
 
+  linear = (linear_term if linear_term is not None
+            else [None] * len(trainable))
+
   def step(carry, batch):
     opt_state, loss_sum, correct, count = carry
     x, y = batch
@@ -170,8 +173,6 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
       n = tf.cast(tf.shape(y)[0], tf.float32)
       mean_loss = batch_loss / n
     grads = tape.gradient(mean_loss, trainable)
-    linear = (linear_term if linear_term is not None
-              else [None] * len(trainable))
     grads = [local_objective_gradient(g, w, w0, config, l)
              for g, w, w0, l in zip(grads, trainable,
                                     initial_weights.trainable, linear)]

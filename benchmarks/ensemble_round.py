@@ -1,29 +1,37 @@
 r"""Round time and worker memory of Fed-ensemble against FedAvg (issue 3).
 
-  uv run python benchmarks/ensemble_round.py [--rounds=4] [--sizes=1,5]
+  uv run python benchmarks/ensemble_round.py [--rounds=5] [--passes=2] \
+      [--sizes=1,5] [--feddyn_sizes=5]
 
 The same 10 FEMNIST writers, LEAF CNN, 1 epoch, batch 20, SGD 0.05: the median
 wall time of a round (after one untimed round) of `fedavg` and of
-`fedensemble` with K in `--sizes`, all through the TFF C++ runtime of
+`fedensemble` with K in `--sizes` (and with FedDyn's local objective for K
+in `--feddyn_sizes`), all through the TFF C++ runtime of
 `runtime.execution_context`, each in two ways: with the state kept on the
 worker between rounds (`runtime.ResidentState`, as the CLI runs them) and
 with the state returned to Python after every round (`next` through the
-execution context).
-The variants' rounds are interleaved (FedAvg, K=1, K=5, FedAvg, ...) in one
-worker, so that load from other processes falls on all variants alike. A
-second pass runs each variant alone in its own worker for one round and
-samples that worker's peak resident memory. Each client trains one model in
-every variant, so the difference is the server side: K models in the state,
-the per-client `federated_select` and the K-slot `federated_aggregate`.
-With `--feddyn_sizes`, Fed-ensemble with FedDyn's local objective is timed
-too, interleaved with FedAvg in a worker of their own, so that FedDyn's
-extra per-client values do not change the plain variants' worker (whose
-memory decides when `ResidentState` re-uploads a state): its clients' states
-(one model-sized vector each) go from Python to the worker and back every
+execution context). Each variant runs alone in a worker of its own, as a
+CLI run does, and `--passes` passes over the variants (FedAvg, K=1, K=5,
+FedAvg, ...) spread slow periods of this shared machine over all of them;
+the median is over all of a variant's timed rounds, and the peak resident
+memory is its worker's over its rounds. (Interleaved in one worker, as this
+benchmark first ran them, the variants disturbed each other: K=5 took 3.64
+s a round there, 2.71 s alone.) These are a fresh worker's first rounds,
+slower than a run's later ones (a CLI run's K=5 rounds 2-5 took 2.3-3.3 s,
+most later ones 1.4-2.0 s), so the ratios here overstate a run's:
+`cli_round_time.py` times whole CLI runs, and this benchmark splits the
+difference into its parts. Each client trains one model in
+every variant, so the difference is the server side: K models in the
+state, the per-client `federated_select` and the K-slot
+`federated_aggregate`; with FedDyn also its clients' states (one
+model-sized vector each), which go from Python to the worker and back every
 round, as in the CLI (which also writes them to disk).
-A third pass times TFF's two ways of sending a model to the 10 clients, with
+Last, it times TFF's two ways of sending a model to the 10 clients, with
 the models on the worker: `federated_select` of one of K LEAF CNNs per client
-(Fed-ensemble's distributor) and `federated_broadcast` of one (FedAvg's).
+(Fed-ensemble's distributor) and `federated_broadcast` of one (FedAvg's);
+and, to tell the select's cost per call from its cost per byte, the same
+select of only the chosen model's first tensor (the LEAF CNN's first
+convolution, 800 weights).
 Writes the section "## Fed-ensemble round time (issue 3)" of `--results`.
 """
 
@@ -49,7 +57,8 @@ import report
 SECTION = "## Fed-ensemble round time (issue 3)"
 
 report.define_flags()
-flags.DEFINE_integer("rounds", 6, "Timed rounds per variant (median over).")
+flags.DEFINE_integer("rounds", 5, "Timed rounds per variant and pass.")
+flags.DEFINE_integer("passes", 2, "Passes over the variants.")
 flags.DEFINE_list("sizes", ["1", "5"], "Ensemble sizes K to time.")
 flags.DEFINE_list("feddyn_sizes", ["5"],
                   "Ensemble sizes K to time with --local_objective=feddyn.")
@@ -105,20 +114,24 @@ class Rounds:
       self._client_states = results[-1]
 
 
-def time_interleaved(runs: list[Rounds], datasets,
-                     rounds: int) -> tuple[list[list[float]], list[list[float]]]:
-  """Per run, wall and CPU seconds of `rounds` rounds, run in turns."""
-  for run in runs:  # One untimed round each (tracing, caches).
+def time_alone(build, on_worker: bool, datasets, rounds: int):
+  """`rounds` rounds of `build()` in a fresh worker.
+
+  Returns their wall and CPU seconds (after one untimed round: tracing,
+  caches), the worker's peak resident bytes and the algorithm's bytes down
+  and up per client and round.
+  """
+  wall, cpu = [], []
+  with runtime.execution_context(), PeakMemory() as memory:
+    algorithm = build()
+    run = Rounds(algorithm, on_worker)
     run.next(datasets)
-  wall = [[] for _ in runs]
-  cpu = [[] for _ in runs]
-  for _ in range(rounds):
-    for i, run in enumerate(runs):
+    for _ in range(rounds):
       start, start_cpu = time.perf_counter(), report.cpu_seconds()
       run.next(datasets)
-      wall[i].append(time.perf_counter() - start)
-      cpu[i].append(report.cpu_seconds() - start_cpu)
-  return wall, cpu
+      wall.append(time.perf_counter() - start)
+      cpu.append(report.cpu_seconds() - start_cpu)
+  return wall, cpu, memory.peak, algorithm.bytes_per_client_round()
 
 
 def distribution_seconds(model_fn, ensemble_size: int, clients: int,
@@ -126,7 +139,8 @@ def distribution_seconds(model_fn, ensemble_size: int, clients: int,
   """Median seconds to send each client one of K models, or one model to all.
 
   Each client only sums its model's first tensor, so the time is TFF's
-  moving of the models to the clients.
+  moving of the models to the clients. "select_first_tensor" selects only
+  the chosen model's first tensor: the same calls, few bytes.
   """
   k = ensemble_size
 
@@ -143,9 +157,19 @@ def distribution_seconds(model_fn, ensemble_size: int, clients: int,
     return tf.switch_case(key, [lambda m=m: tuple(tf.identity(t) for t in m)
                                 for m in members])
 
+  @tff.tensorflow.computation(members_type.member, np.int32)
+  def select_first_tensor(members, key):
+    return tf.switch_case(key, [lambda m=m: tf.identity(m[0])
+                                for m in members])
+
   @tff.tensorflow.computation(tff.SequenceType(model_type))
   def first_sum_of_selected(models):
     return models.reduce(0.0, lambda s, m: s + tf.reduce_sum(m[0]))
+
+  @tff.tensorflow.computation(
+      tff.SequenceType(select_first_tensor.type_signature.result))
+  def sum_of_selected_tensor(tensors):
+    return tensors.reduce(0.0, lambda s, t: s + tf.reduce_sum(t))
 
   @tff.tensorflow.computation(model_type)
   def first_sum(model):
@@ -161,14 +185,16 @@ def distribution_seconds(model_fn, ensemble_size: int, clients: int,
 
   clients_type = tff.FederatedType(np.int32, tff.CLIENTS)
 
-  @tff.federated_computation(members_type, clients_type)
-  def select(members, indices):
-    selected = tff.federated_select(
-        tff.federated_map(key_of, indices),
-        tff.federated_value(np.int32(k - 1), tff.SERVER), members,
-        select_member)
-    return members, tff.federated_sum(
-        tff.federated_map(first_sum_of_selected, selected))
+  def selecting(select_fn, client_sum):
+    @tff.federated_computation(members_type, clients_type)
+    def select(members, indices):
+      selected = tff.federated_select(
+          tff.federated_map(key_of, indices),
+          tff.federated_value(np.int32(k - 1), tff.SERVER), members,
+          select_fn)
+      return members, tff.federated_sum(
+          tff.federated_map(client_sum, selected))
+    return select
 
   @tff.federated_computation(members_type, clients_type)
   def broadcast(members, indices):
@@ -178,7 +204,11 @@ def distribution_seconds(model_fn, ensemble_size: int, clients: int,
 
   seconds = {}
   indices = [np.int32(i) for i in range(clients)]
-  for name, comp in [("select", select), ("broadcast", broadcast)]:
+  for name, comp in [
+      ("select", selecting(select_member, first_sum_of_selected)),
+      ("select_first_tensor",
+       selecting(select_first_tensor, sum_of_selected_tensor)),
+      ("broadcast", broadcast)]:
     held = runtime.ResidentState(comp, initial_members())
     held.next(indices)  # Untimed: uploads the models, compiles.
     times = []
@@ -190,13 +220,6 @@ def distribution_seconds(model_fn, ensemble_size: int, clients: int,
   return seconds
 
 
-def peak_worker_memory(build, on_worker: bool, datasets) -> int:
-  """Peak resident bytes of a fresh worker over one initialize and round."""
-  with runtime.execution_context(), PeakMemory() as memory:
-    Rounds(build(), on_worker).next(datasets)
-  return memory.peak
-
-
 def main(argv):
   run = report.start(argv)
   data = femnist.load_data(FLAGS.data_dir)
@@ -206,67 +229,55 @@ def main(argv):
               for c in writers]
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
-  groups = [[("fedavg", 1, "sgd")] +
-            [("fedensemble", int(k), "sgd") for k in FLAGS.sizes]]
-  if FLAGS.feddyn_sizes:
-    groups.append([("fedavg", 1, "sgd")] + [
-        ("fedensemble", int(k), "feddyn") for k in FLAGS.feddyn_sizes])
-  variants, builders, built, wall, cpu = [], [], [], [], []
-  for group in groups:
-    group_variants = [(on_worker, name, k, objective)
-                      for on_worker in (True, False)
-                      for name, k, objective in group]
-    group_builders = [
-        functools.partial(algorithms.build_algorithm, name, model_fn,
-                          training.batch_element_spec(femnist), config,
-                          ensemble_size=k, local_objective=objective,
-                          num_clients=len(writers))
-        for _, name, k, objective in group_variants]
-    with runtime.execution_context():
-      group_built = [build() for build in group_builders]
-      runs = [Rounds(algorithm, on_worker) for (on_worker, _, _, _), algorithm
-              in zip(group_variants, group_built)]
-      group_wall, group_cpu = time_interleaved(runs, datasets, FLAGS.rounds)
-    variants += group_variants
-    builders += group_builders
-    built += group_built
-    wall += group_wall
-    cpu += group_cpu
+  variants = [(on_worker, name, k, objective)
+              for on_worker in (True, False)
+              for name, k, objective in
+              [("fedavg", 1, "sgd")] +
+              [("fedensemble", int(k), "sgd") for k in FLAGS.sizes] +
+              [("fedensemble", int(k), "feddyn") for k in FLAGS.feddyn_sizes]]
+  wall = [[] for _ in variants]
+  cpu = [[] for _ in variants]
+  peaks = [0] * len(variants)
+  transfers = [None] * len(variants)
+  for _ in range(FLAGS.passes):
+    for i, (on_worker, name, k, objective) in enumerate(variants):
+      build = functools.partial(
+          algorithms.build_algorithm, name, model_fn,
+          training.batch_element_spec(femnist), config, ensemble_size=k,
+          local_objective=objective, num_clients=len(writers))
+      times, cpu_times, peak, transfers[i] = time_alone(
+          build, on_worker, datasets, FLAGS.rounds)
+      wall[i] += times
+      cpu[i] += cpu_times
+      peaks[i] = max(peaks[i], peak)
+      print(f"{variants[i]}: {', '.join(f'{t:.2f}' for t in times)} s",
+            flush=True)
   k = max(int(size) for size in FLAGS.sizes + FLAGS.feddyn_sizes)
   with runtime.execution_context():
     moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
   print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  group_of = [g for g, group in enumerate(groups) for _ in range(2 * len(group))]
-  for group, (on_worker, name, k, objective), build, algorithm, times, \
-      cpu_times in zip(group_of, variants, builders, built, wall, cpu):
-    peak = peak_worker_memory(build, on_worker, datasets)
-    down, up = algorithm.bytes_per_client_round()
-    rows.append(((group, on_worker),
+  for (on_worker, name, k, objective), times, cpu_times, peak, (down, up) in \
+      zip(variants, wall, cpu, peaks, transfers):
+    rows.append((on_worker,
                  f"{name}" + (f", K={k}" if name == "fedensemble" else "") +
                  (", FedDyn" if objective == "feddyn" else "") +
-                 (" (FedDyn's worker)" if group and name == "fedavg" else "") +
                  (", state on the worker (CLI)" if on_worker else
                   ", state through Python"),
                  statistics.median(times), statistics.median(cpu_times), peak,
                  down, up))
-    print(f"{rows[-1][1]}: {rows[-1][2]:.2f} s/round "
-          f"({', '.join(f'{t:.2f}' for t in times)}), CPU "
-          f"{rows[-1][3]:.2f} s/round, worker peak {peak / 2**30:.2f} GiB",
-          flush=True)
-  # Ratios are to FedAvg run the same way (state on the worker or not) in
-  # the same worker: the first row of each.
+  # Ratios are to FedAvg run the same way (state on the worker or not): the
+  # first row of each.
   baselines = {row[0]: row[2:4] for row in reversed(rows)}
   lines = [
       SECTION, "",
-      "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05), "
-      f"median of {FLAGS.rounds} timed rounds after one untimed round, the "
-      "variants' rounds interleaved in one TFF worker (as the CLI runs "
-      "them; the FedDyn variants with FedAvg in a second worker, ratios to "
-      "the FedAvg of the same worker); peak resident memory of "
-      "a fresh worker running one round of the variant alone. CPU seconds "
-      "(this process and the worker, user + system) depend less on other "
-      "load than wall time.",
+      "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05). "
+      "Each variant runs alone in a TFF worker of its own, as a CLI run "
+      f"does: one untimed round, then {FLAGS.rounds} timed ones, in "
+      f"{FLAGS.passes} passes over the variants; the median is over the "
+      f"{FLAGS.rounds * FLAGS.passes} timed rounds, the peak resident memory "
+      "is the worker's. CPU seconds (this process and the worker, user + "
+      "system) depend less on other load than wall time.",
       "",
       *report.run_facts(run, "benchmarks/ensemble_round.py"),
       "",
@@ -285,7 +296,10 @@ def main(argv):
       f"Sending the models to the {len(datasets)} clients, with the models "
       "on the worker (median seconds a round): `federated_select` of one of "
       f"K={k} LEAF CNNs per client {moving['select']:.2f} s, "
-      f"`federated_broadcast` of one LEAF CNN {moving['broadcast']:.2f} s.",
+      f"`federated_broadcast` of one LEAF CNN {moving['broadcast']:.2f} s; "
+      "`federated_select` of only the first tensor (800 weights) of one of "
+      f"the K per client {moving['select_first_tensor']:.2f} s (the "
+      "select's cost grows with the bytes it sends).",
   ]
   report.publish(SECTION, lines)
 

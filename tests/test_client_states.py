@@ -8,8 +8,9 @@ import pytest
 from tff_ens import client_states
 
 
-def zeros():
-  return np.zeros((6,), np.float32)
+SPEC = client_states.ClientStateSpec(
+    shape=(6,), dtype=np.dtype(np.float32), models=lambda clients, _: [
+        0 for _ in clients])
 
 
 def state(value):
@@ -21,7 +22,7 @@ def stored_value(store, client, model):
 
 
 def test_a_client_starts_at_zeros_and_reads_its_newest_state(tmp_path):
-  store = client_states.ClientStateStore(str(tmp_path), zeros)
+  store = client_states.ClientStateStore(str(tmp_path), SPEC)
   assert stored_value(store, 4, 1) == 0.0
   store.save(1, 4, 1, state(1.0))
   store.save(3, 4, 1, state(3.0))
@@ -30,13 +31,13 @@ def test_a_client_starts_at_zeros_and_reads_its_newest_state(tmp_path):
   assert stored_value(store, 4, 0) == 2.0
   assert stored_value(store, 5, 1) == 0.0
   # A new store (a new process) finds the same states.
-  again = client_states.ClientStateStore(str(tmp_path), zeros)
+  again = client_states.ClientStateStore(str(tmp_path), SPEC)
   assert stored_value(again, 4, 1) == 3.0
   assert again.load(4, 1).dtype == np.float32
 
 
 def test_rewind_forgets_states_written_after_the_checkpoint(tmp_path):
-  store = client_states.ClientStateStore(str(tmp_path), zeros)
+  store = client_states.ClientStateStore(str(tmp_path), SPEC)
   for round_num in (2, 4, 5, 6):
     store.save(round_num, 0, 0, state(float(round_num)))
   store.save(5, 1, 0, state(5.0))
@@ -49,7 +50,7 @@ def test_rewind_forgets_states_written_after_the_checkpoint(tmp_path):
 
 
 def test_prune_keeps_what_a_resume_can_need(tmp_path):
-  store = client_states.ClientStateStore(str(tmp_path), zeros)
+  store = client_states.ClientStateStore(str(tmp_path), SPEC)
   for round_num in (1, 2, 3, 5):
     store.save(round_num, 0, 0, state(float(round_num)))
   store.prune(4)
@@ -62,10 +63,10 @@ def test_prune_keeps_what_a_resume_can_need(tmp_path):
 
 
 def test_a_half_written_file_is_dropped_and_a_damaged_one_is_named(tmp_path):
-  store = client_states.ClientStateStore(str(tmp_path), zeros)
+  store = client_states.ClientStateStore(str(tmp_path), SPEC)
   store.save(1, 2, 0, state(1.0))
   (tmp_path / "client000002_model000_round0000002.tmp.npy").write_bytes(b"x")
-  store = client_states.ClientStateStore(str(tmp_path), zeros)
+  store = client_states.ClientStateStore(str(tmp_path), SPEC)
   assert stored_value(store, 2, 0) == 1.0
   assert not any(name.endswith(".tmp.npy") for name in os.listdir(tmp_path))
   path = tmp_path / "client000002_model000_round0000001.npy"
@@ -77,7 +78,7 @@ def test_a_half_written_file_is_dropped_and_a_damaged_one_is_named(tmp_path):
 
 
 def test_a_state_of_another_model_is_refused(tmp_path):
-  store = client_states.ClientStateStore(str(tmp_path), zeros)
+  store = client_states.ClientStateStore(str(tmp_path), SPEC)
   store.save(1, 0, 0, np.zeros((5,), np.float32))
   with pytest.raises(client_states.ClientStateError, match="another model"):
     store.load(0, 0)

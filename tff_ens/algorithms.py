@@ -248,7 +248,7 @@ def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
   if feddyn_alpha:
     state_type = built.process.next.type_signature.parameter[3].member
     spec = client_states.ClientStateSpec(
-        zeros=lambda: np.zeros(state_type.shape, state_type.dtype),
+        shape=tuple(state_type.shape), dtype=np.dtype(state_type.dtype),
         models=lambda clients, round_num: [
             int(fed_ensemble.assigned_model(seed, c, round_num, ensemble_size,
                                             assignment)) for c in clients])

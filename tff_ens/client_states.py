@@ -36,22 +36,26 @@ class ClientStateSpec:
   """What an algorithm's clients keep between rounds.
 
   Attributes:
-    zeros: `() -> np.ndarray`, a client's state before its first round.
+    shape, dtype: a client's state (zeros before its first round).
     models: `(client indices, 0-based round) -> model index` of each client,
       the model whose state it trains on this round (0 for one model).
   """
 
-  zeros: Callable[[], np.ndarray]
+  shape: tuple[int, ...]
+  dtype: np.dtype
   models: Callable[[Sequence[int], int], list[int]]
+
+  def zeros(self) -> np.ndarray:
+    """A client's state before its first round."""
+    return np.zeros(self.shape, self.dtype)
 
 
 class ClientStateStore:
   """The clients' states of one run, on disk under `directory`."""
 
-  def __init__(self, directory: str, zeros: Callable[[], np.ndarray]):
+  def __init__(self, directory: str, spec: ClientStateSpec):
     self._dir = directory
-    expected = zeros()
-    self._shape, self._dtype = expected.shape, expected.dtype
+    self._spec = spec
     os.makedirs(directory, exist_ok=True)
     # (client, model) -> rounds it was written at, ascending.
     self._rounds = collections.defaultdict(list)
@@ -74,7 +78,7 @@ class ClientStateStore:
     """The newest state of (client, model); zeros if it has none yet."""
     rounds = self._rounds.get((client, model))
     if not rounds:
-      return np.zeros(self._shape, self._dtype)
+      return self._spec.zeros()
     path = self._path(client, model, rounds[-1])
     try:
       stored = np.load(path)
@@ -83,10 +87,11 @@ class ClientStateStore:
           f"cannot read client state {path} ({' '.join(str(e).split())[:200]})"
           ": the run's client_states directory is damaged; start the run "
           "again in a new --output_dir") from None
-    if stored.shape != self._shape or stored.dtype != self._dtype:
+    spec = self._spec
+    if stored.shape != spec.shape or stored.dtype != spec.dtype:
       raise ClientStateError(
           f"client state {path} holds {stored.dtype}{list(stored.shape)}, the "
-          f"model needs {self._dtype}{list(self._shape)}: it was "
+          f"model needs {spec.dtype}{list(spec.shape)}: it was "
           "written by another model; start the run again in a new "
           "--output_dir")
     return stored

@@ -916,7 +916,7 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
   if algorithm.client_state is not None:
     store = client_states.ClientStateStore(
         os.path.join(outputs.dir, client_states.DIRECTORY),
-        algorithm.client_state.zeros)
+        algorithm.client_state)
     store.rewind(start_round)
   # The state waits on the TFF worker between rounds; `held.value` downloads
   # it for evaluation and checkpoints.

@@ -28,6 +28,14 @@ T = 1 being exact SGLD and T < 1 a tempered ("cold") posterior. In terms of
 the minibatch's mean loss, grad U = N grad mean_nll + lambda theta, so the
 step is SGD with learning rate eps N / 2 plus noise of standard deviation
 sqrt(eps T).
+
+The authors' SGLD optimizer (github.com/aishgupta/fedppd, lib/sgld_optim.py)
+steps by lr/2 on the mean loss and adds noise of standard deviation
+2 sqrt(lr) / N: with eps = lr / N that is T = 4 / N, a tempered posterior
+whose temperature falls with the client's data (about 0.03 for a FEMNIST
+writer). With five local epochs on FEMNIST, T = 0.1 kept the teacher on
+the initial plateau five rounds longer than FedAvg, T = 0.01 did not
+(benchmarks/RESULTS.md, FedPPD).
 """
 
 import collections

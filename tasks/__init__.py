@@ -6,7 +6,8 @@ TRAIN_AUGMENTATION, load_data and build_model:
 
   load_data(data_dir=None, *, partition=None, seed=0) -> a
     `femnist.FederatedData`, whose `server` field holds the server's examples
-    when the task sets them aside; `partition` is a
+    when the task sets them aside and whose `shift` and `ood` fields hold its
+    shifted and out-of-distribution evaluation sets when it has them; `partition` is a
     `partition.PartitionConfig` (a task with natural clients refuses any but
     the default one).
   build_model(name, *, seed=0, norm="batch") -> an un-compiled Keras model
@@ -27,9 +28,22 @@ TASKS = {"femnist": femnist, "cifar10": cifar.CIFAR10,
 DataError = femnist.DataError
 
 
-def get_task(name: str):
-  """The task called `name`; ValueError if there is none."""
+# --classes: every class of the task, or FEMNIST's digits with its letters as
+# out-of-distribution inputs (`femnist.DIGITS`).
+CLASSES = ("all", "digits")
+
+
+def get_task(name: str, classes: str = "all"):
+  """The task called `name`, with `classes`; ValueError if there is none."""
   if name not in TASKS:
     raise ValueError(f"unknown task {name!r}: choose one of "
                      f"{', '.join(TASKS)}")
+  if classes not in CLASSES:
+    raise ValueError(f"unknown classes {classes!r}: choose one of "
+                     f"{', '.join(CLASSES)}")
+  if classes == "digits":
+    if name != "femnist":
+      raise ValueError(f"classes 'digits' applies to femnist, not {name}: "
+                       "leave it at 'all'")
+    return femnist.DIGITS
   return TASKS[name]

@@ -15,8 +15,21 @@ data_batch_1..5, test_batch, batches.meta) or `cifar-100-python.tar.gz`
 (cifar-100-python/: train, test, meta): pickled dicts whose b"data" is uint8
 [n, 3072], each row an image's 1024 red, 1024 green and 1024 blue values,
 row by row, and whose b"labels" (CIFAR-100: b"fine_labels") are the labels.
-`CifarTask.load_data` finds the archive in `--data_dir`, $TFF_ENS_DATA_DIR or
-Keras' cache (~/.keras/datasets, where Keras downloads it given network).
+`read_tfds` reads the same images from tensorflow-datasets (`cifar10`,
+`cifar100`) where `tfds build` has prepared them, never downloading; sorted by
+their `id` they are the archive's, in its order. `CifarTask.find_data` says
+which is read: in the given directory (`--data_dir`, else $TFF_ENS_DATA_DIR)
+tfds' dataset, else the archive; with none given, tfds' dataset in its default
+data directory ($TFDS_DATA_DIR, else ~/tensorflow_datasets), else the archive
+in Keras' cache (~/.keras/datasets, where Keras downloads it given network).
+
+Shift and out-of-distribution sets, each one pseudo-client, when tfds has
+prepared them in the given or its default directory: CIFAR-10's `shift` is
+the test set of `cifar10_corrupted` (Hendrycks and Dietterich, "Benchmarking
+Neural Network Robustness to Common Corruptions and Perturbations", ICLR 2019)
+for one corruption and severity (SHIFT_CORRUPTION, SHIFT_SEVERITY by default);
+tfds has no corrupted CIFAR-100, so its `shift` is None. Both tasks' `ood` is
+SVHN's test set (`svhn_cropped`, Netzer et al., NeurIPS workshop 2011).
 
 Preprocess: float32 images [n, 32, 32, 3] standardized per channel with the
 mean and standard deviation of the dataset's training images (`Archive.mean`,
@@ -44,6 +57,7 @@ import socket
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from tasks import femnist
 from tasks import partition as partition_lib
@@ -56,11 +70,26 @@ BINARY_MODEL_NAMES = ("resnet8_binary",)
 DATA_DIR_ENV = femnist.DATA_DIR_ENV
 DataError = femnist.DataError
 KERAS_CACHE_DIR = os.path.join("~", ".keras")
+# tfds' default data directory: $TFDS_DATA_DIR, else ~/tensorflow_datasets.
+TFDS_DATA_DIR_ENV = "TFDS_DATA_DIR"
+TFDS_DEFAULT_DATA_DIR = os.path.join("~", "tensorflow_datasets")
+# CIFAR-10's covariate shift: tfds' `cifar10_corrupted/<corruption>_<severity>`
+# (severity 1..5); by default Gaussian noise at the middle severity, 3.
+SHIFT_DATASET = "cifar10_corrupted"
+SHIFT_CORRUPTIONS = tuple(sorted(
+    {c.corruption for c in tfds.builder_cls(SHIFT_DATASET).BUILDER_CONFIGS}))
+SHIFT_SEVERITIES = (1, 2, 3, 4, 5)
+SHIFT_CORRUPTION = "gaussian_noise"
+SHIFT_SEVERITY = 3
+# Both tasks' out-of-distribution inputs: SVHN's test digits, 32x32 RGB.
+OOD_DATASET = "svhn_cropped"
 DOWNLOAD_TIMEOUT_SECONDS = 30
 # Zero padding on each side before the random 32x32 crop.
 CROP_PADDING = 4
 
 _PIXELS = 32 * 32 * 3
+# Examples per batch read from tfds.
+_TFDS_BATCH_SIZE = 10_000
 
 CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog",
                   "frog", "horse", "ship", "truck")
@@ -236,6 +265,83 @@ def load_archive(directory: str, archive: Archive, class_labels) -> tuple[
   return tuple(map(np.concatenate, zip(*train))), test
 
 
+def _check_shift(corruption: str, severity: int) -> None:
+  """ValueError unless SHIFT_DATASET has `corruption` at `severity`."""
+  if corruption not in SHIFT_CORRUPTIONS or severity not in SHIFT_SEVERITIES:
+    raise ValueError(
+        f"unknown shift corruption {corruption!r} at severity {severity!r}: "
+        f"choose one of {', '.join(SHIFT_CORRUPTIONS)} and a severity in "
+        f"1..{SHIFT_SEVERITIES[-1]}")
+
+
+def _given_dir(data_dir: str | None) -> str | None:
+  """`data_dir`, else $TFF_ENS_DATA_DIR, absolute; None if neither is set."""
+  given = data_dir or os.environ.get(DATA_DIR_ENV)
+  return os.path.abspath(os.path.expanduser(given)) if given else None
+
+
+def tfds_default_data_dir() -> str:
+  """tfds' default data directory, absolute (as TFDS_DATA_DIR_ENV says)."""
+  return os.path.abspath(os.path.expanduser(
+      os.environ.get(TFDS_DATA_DIR_ENV) or TFDS_DEFAULT_DATA_DIR))
+
+
+def tfds_version_dir(name: str) -> str:
+  """dataset[/config]/version: where a tfds data directory holds `name`.
+
+  `name` is "dataset" or "dataset/config"; the version is the one tfds reads.
+  """
+  dataset, _, config = name.partition("/")
+  cls = tfds.builder_cls(dataset)
+  version = cls.builder_configs[config].version if config else None
+  return os.path.join(dataset, config, str(version or cls.VERSION))
+
+
+def find_tfds(name: str, data_dirs) -> str | None:
+  """The first of `data_dirs` in which tfds has prepared `name`, or None.
+
+  Looks for the dataset_info.json that preparing writes; no builder is made
+  (an unprepared one would ask Google Cloud Storage for the metadata).
+  """
+  relative = tfds_version_dir(name)
+  for data_dir in data_dirs:
+    if os.path.isfile(os.path.join(data_dir, relative, "dataset_info.json")):
+      return data_dir
+  return None
+
+
+def read_tfds(name: str, data_dir: str,
+              split: str) -> tuple[np.ndarray, np.ndarray]:
+  """(uint8 images [n, 32, 32, 3], int32 labels [n]) of a prepared tfds split.
+
+  `name` is prepared in `data_dir` (see `find_tfds`); nothing is downloaded.
+  Examples with an `id` are sorted by it: tfds' CIFAR ids ("train_00000", ...)
+  number the archive's examples, so its images come out as `load_archive`
+  reads them. Raises DataError (one line, with the fix) if the prepared
+  files cannot be read.
+  """
+  where = os.path.join(data_dir, tfds_version_dir(name))
+  fix = f"prepare it again: tfds build {name} --data_dir={data_dir}"
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+    batches = list(tfds.as_numpy(
+        builder.as_dataset(split=split).batch(_TFDS_BATCH_SIZE)))
+  except Exception as e:  # pylint: disable=broad-except
+    raise DataError(f"{where}: cannot read its {split} split ("
+                    f"{type(e).__name__}: {' '.join(str(e).split())}); "
+                    f"{fix}") from None
+  if not batches:
+    raise DataError(f"{where}: its {split} split is empty; {fix}")
+  examples = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+  images = examples["image"]
+  if images.dtype != np.uint8 or images.shape[1:] != INPUT_SHAPE:
+    raise DataError(f"{where}: {split} images are {images.dtype} "
+                    f"{list(images.shape[1:])}, not uint8 32x32 RGB; {fix}")
+  order = (np.argsort(examples["id"], kind="stable") if "id" in examples
+           else np.arange(len(images)))
+  return images[order], examples["label"][order].astype(np.int32)
+
+
 def augment_training_example(x: tf.Tensor, y: tf.Tensor,
                              seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
   """A random horizontal flip and a random crop of the zero-padded image.
@@ -315,6 +421,7 @@ class CifarTask:
 
   See tasks/__init__.py: NUM_CLASSES, INPUT_SHAPE, CLASS_LABELS, MODEL_NAMES,
   BINARY_MODEL_NAMES, TRAIN_AUGMENTATION, DataError, load_data, build_model.
+  `shift_dataset` names the tfds dataset of its `shift` set, or is None.
   """
 
   INPUT_SHAPE = INPUT_SHAPE
@@ -324,82 +431,140 @@ class CifarTask:
   TRAIN_AUGMENTATION = staticmethod(augment_training_example)
 
   def __init__(self, name: str, class_labels: tuple[str, ...],
-               archive: Archive):
+               archive: Archive, shift_dataset: str | None = None):
     self.name = name
     self.NUM_CLASSES = len(class_labels)  # pylint: disable=invalid-name
     self.CLASS_LABELS = class_labels  # pylint: disable=invalid-name
     self.archive = archive
+    self.shift_dataset = shift_dataset
 
   def __repr__(self) -> str:
     return f"CifarTask({self.name!r})"
 
-  def find_archive(self, data_dir: str | None = None) -> str:
-    """The archive directory: in `data_dir`, $TFF_ENS_DATA_DIR or Keras' cache.
+  def find_data(self, data_dir: str | None = None) -> tuple[str, str]:
+    """("tfds", tfds data directory) or ("archive", archive directory).
 
-    `data_dir` (or the variable) may be the archive directory itself or the
-    directory that holds it. Without either, Keras' cache is used, after
-    downloading the tarball into it if it is not there. Raises DataError
-    (one line, with the fix) when none has the data.
+    The first found of: in the given directory (`data_dir`, else
+    $TFF_ENS_DATA_DIR) tfds' prepared dataset (CIFAR-10: DIR/cifar10/3.0.2/),
+    then the archive (DIR/cifar-10-batches-py/, or DIR itself); with none
+    given, tfds' prepared dataset in its default data directory
+    (`tfds_default_data_dir`), then the archive in Keras' cache, which Keras
+    downloads it into if it is not there. Raises DataError (one line, with
+    the fix) when a given directory holds neither, or nothing has the data.
     """
     archive = self.archive
-    given = data_dir or os.environ.get(DATA_DIR_ENV)
+    given = _given_dir(data_dir)
+    tfds_dir = given or tfds_default_data_dir()
+    if find_tfds(self.name, [tfds_dir]):
+      return "tfds", tfds_dir
     if given:
-      given = os.path.abspath(os.path.expanduser(given))
       files = (*archive.train_files, archive.test_file, archive.meta_file)
       if os.path.isdir(os.path.join(given, archive.directory)):
-        return os.path.join(given, archive.directory)
+        return "archive", os.path.join(given, archive.directory)
       if any(os.path.exists(os.path.join(given, f)) for f in files):
-        return given
+        return "archive", given
       flag = "--data_dir" if data_dir else f"${DATA_DIR_ENV}"
-      raise DataError(f"{flag}={given} holds no {archive.directory}/: pass "
-                      f"the directory where {archive.tarball} was extracted")
+      raise DataError(f"{flag}={given} holds no {archive.directory}/ and "
+                      f"no tfds {tfds_version_dir(self.name)}/: pass the "
+                      f"directory where {archive.tarball} was extracted or a "
+                      f"tfds data directory with {self.name} prepared")
     cache = os.path.expanduser(KERAS_CACHE_DIR)
     cached = os.path.join(cache, "datasets", archive.directory)
     if os.path.isdir(cached):
-      return cached
+      return "archive", cached
     timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)
     try:
-      return tf.keras.utils.get_file(
+      return "archive", tf.keras.utils.get_file(
           archive.directory, origin=archive.url, untar=True,
           file_hash=archive.sha256, cache_dir=cache)
     except Exception as e:  # pylint: disable=broad-except
       raise DataError(
           f"no {self.name} data found: pass --data_dir=DIR (the directory "
-          f"where {archive.tarball} was extracted), set {DATA_DIR_ENV}, or "
-          f"allow network access so Keras can download it into {cached} "
-          f"({type(e).__name__}: {' '.join(str(e).split())})") from e
+          f"where {archive.tarball} was extracted, or a tfds data directory "
+          f"with {self.name} prepared), set {DATA_DIR_ENV}, prepare it in "
+          f"{tfds_dir} with tfds, or allow network access so Keras can "
+          f"download it into {cached} ({type(e).__name__}: "
+          f"{' '.join(str(e).split())})") from e
     finally:
       socket.setdefaulttimeout(timeout)
 
+  def evaluation_sets(
+      self, data_dir: str | None = None, *,
+      shift_corruption: str = SHIFT_CORRUPTION,
+      shift_severity: int = SHIFT_SEVERITY) -> tuple[
+          femnist.ClientArrays | None, femnist.ClientArrays | None]:
+    """(shift, ood): standardized pseudo-clients, each None if not prepared.
+
+    Read with tfds from the given directory (as `find_data`), else tfds'
+    default data directory: `shift` is the test set of
+    SHIFT_DATASET/<shift_corruption>_<shift_severity> (None for CIFAR-100),
+    client "cifar10_corrupted"; `ood` is the test set of OOD_DATASET, client
+    "svhn_cropped", its labels SVHN's digits. A set not prepared is None and
+    logged (info); ValueError for an unknown corruption or severity.
+    """
+    _check_shift(shift_corruption, shift_severity)
+    data_dirs = list(dict.fromkeys(
+        d for d in (_given_dir(data_dir), tfds_default_data_dir()) if d))
+    names = {"ood": OOD_DATASET}
+    if self.shift_dataset:
+      names = {"shift": f"{self.shift_dataset}/{shift_corruption}_"
+                        f"{shift_severity}", **names}
+    sets, missing = {}, []
+    for field, name in names.items():
+      found = find_tfds(name, data_dirs)
+      if found:
+        x, y = read_tfds(name, found, "test")
+        client = name.split("/")[0]
+        sets[field] = femnist.ClientArrays(
+            (client,), {client: self.standardize(x)}, {client: y})
+      else:
+        missing.append((field, name))
+    if missing:
+      logging.info("%s: no %s set: tfds has not prepared %s in %s (tfds "
+                   "build NAME --data_dir=DIR prepares it)", self.name,
+                   " or ".join(f for f, _ in missing),
+                   " or ".join(n for _, n in missing), " or ".join(data_dirs))
+    return sets.get("shift"), sets.get("ood")
+
   def load_data(self, data_dir: str | None = None, *,
                 partition: partition_lib.PartitionConfig | None = None,
-                seed: int = 0) -> femnist.FederatedData:
+                seed: int = 0, shift_corruption: str = SHIFT_CORRUPTION,
+                shift_severity: int = SHIFT_SEVERITY) -> femnist.FederatedData:
     """The federated split of the dataset (see the module docstring).
 
     Args:
-      data_dir: where the archive is (see `find_archive`).
+      data_dir: where the data are (see `find_data`).
       partition: the split; None is `PartitionConfig()`.
       seed: seeds the server's examples, the clients' split and the test
         split.
+      shift_corruption, shift_severity: CIFAR-10's `shift` set (see
+        `evaluation_sets`; CIFAR-100 has none).
 
     Raises DataError (one line, naming the file or flag and the fix) if
     the data are missing, malformed or too small for the split.
     """
     config = partition or partition_lib.PartitionConfig()
-    directory = self.find_archive(data_dir)
-    source = f"{self.name}:{directory}"
-    (train_x, train_y), (test_x, test_y) = load_archive(
-        directory, self.archive, self.CLASS_LABELS)
+    _check_shift(shift_corruption, shift_severity)
+    kind, where = self.find_data(data_dir)
+    if kind == "tfds":
+      (train_x, train_y), (test_x, test_y) = (
+          read_tfds(self.name, where, split) for split in ("train", "test"))
+      where = os.path.join(where, tfds_version_dir(self.name))
+      source = f"tfds:{where}"
+    else:
+      (train_x, train_y), (test_x, test_y) = load_archive(
+          where, self.archive, self.CLASS_LABELS)
+      source = f"{self.name}:{where}"
     unlabeled, validation = _server_indices(train_x, test_x, config, seed,
-                                            directory)
+                                            where)
     pool = np.setdiff1d(np.arange(len(train_y)),
                         np.concatenate([unlabeled, validation]))
     try:
       parts = [pool[p] for p in partition_lib.partition(train_y[pool], config,
                                                          seed)]
     except partition_lib.PartitionError as e:
-      raise DataError(f"{directory}: {e}") from None
+      raise DataError(f"{where}: {e}") from None
     test_parts = partition_lib.split_like([train_y[p] for p in parts],
                                           test_y, seed)
     digits = len(str(config.num_clients - 1))
@@ -416,13 +581,17 @@ class CifarTask:
                  source, config.partition, config.num_clients,
                  partition_lib.partition_report(
                      ids, [train.y[c] for c in ids], self.NUM_CLASSES))
+    shift, ood = self.evaluation_sets(data_dir,
+                                      shift_corruption=shift_corruption,
+                                      shift_severity=shift_severity)
     return femnist.FederatedData(
         train=train, test=test,
         new_clients=femnist.ClientArrays((), {}, {}), source=source,
         server=femnist.ServerExamples(
             unlabeled=self.standardize(train_x[unlabeled]),
             validation_x=self.standardize(train_x[validation]),
-            validation_y=train_y[validation]))
+            validation_y=train_y[validation]),
+        shift=shift, ood=ood)
 
   def standardize(self, images: np.ndarray) -> np.ndarray:
     """uint8 [n, 32, 32, 3] -> float32 (images / 255 - mean) / std."""
@@ -461,5 +630,6 @@ class CifarTask:
                      f"{', '.join(MODEL_NAMES)}")
 
 
-CIFAR10 = CifarTask("cifar10", CIFAR10_LABELS, CIFAR10_ARCHIVE)
+CIFAR10 = CifarTask("cifar10", CIFAR10_LABELS, CIFAR10_ARCHIVE,
+                    shift_dataset=SHIFT_DATASET)
 CIFAR100 = CifarTask("cifar100", CIFAR100_LABELS, CIFAR100_ARCHIVE)

@@ -140,12 +140,18 @@ class FederatedData:
     source: where the data came from, "leaf:<absolute directory>" or "tff:emnist".
     server: examples the task set aside for the server, or None (FEMNIST: the server's
       data are taken from `new_clients`, see tff_ens/server_data.py).
+    shift: labeled examples of the task's classes under covariate shift, or None
+      (FEMNIST: the new writers; CIFAR-10: a corruption of its test set).
+    ood: out-of-distribution inputs, or None (FEMNIST with digits only: the letters of
+      the test writers; CIFAR: SVHN). Their labels are not the task's and never scored.
   """
   train: ClientArrays
   test: ClientArrays
   new_clients: ClientArrays
   source: str
   server: ServerExamples | None = None
+  shift: ClientArrays | None = None
+  ood: ClientArrays | None = None
 
 
 def _client_arrays(examples: dict[str, tuple[np.ndarray, np.ndarray]]) -> ClientArrays:
@@ -155,11 +161,11 @@ def _client_arrays(examples: dict[str, tuple[np.ndarray, np.ndarray]]) -> Client
 
 def _split_by_writer(train, test, source: str) -> FederatedData:
   """FederatedData from writer -> (x, y) dicts of the train and test files."""
+  new_clients = _client_arrays({c: v for c, v in test.items() if c not in train})
   return FederatedData(
       train=_client_arrays(train),
       test=_client_arrays({c: v for c, v in test.items() if c in train}),
-      new_clients=_client_arrays({c: v for c, v in test.items() if c not in train}),
-      source=source)
+      new_clients=new_clients, source=source, shift=new_clients)
 
 
 def _leaf_writer(path: str, writer: str, count, data) -> tuple[np.ndarray, np.ndarray]:
@@ -407,7 +413,7 @@ def load_data(data_dir: str | None = None, *,
   return load_tff()
 
 
-def _build_cnn(seed: int) -> tf.keras.Model:
+def _build_cnn(seed: int, num_classes: int) -> tf.keras.Model:
   """LEAF's FEMNIST CNN (Caldas et al. 2018): two 5x5 conv + 2x2 max-pool, dense 2048."""
   seeds = resnet.seed_stream(seed)
   init = lambda: tf.keras.initializers.GlorotUniform(seed=next(seeds))
@@ -420,11 +426,11 @@ def _build_cnn(seed: int) -> tf.keras.Model:
       layers.MaxPool2D(2),
       layers.Flatten(),
       layers.Dense(2048, activation="relu", kernel_initializer=init()),
-      layers.Dense(NUM_CLASSES, kernel_initializer=init()),
+      layers.Dense(num_classes, kernel_initializer=init()),
   ], name="femnist_cnn")
 
 
-def _build_ppd_student(seed: int) -> tf.keras.Model:
+def _build_ppd_student(seed: int, num_classes: int) -> tf.keras.Model:
   """FedPPD's FEMNIST student (Bhatt et al., ACML 2023, supplement Table 2).
 
   Three 5x5 conv (50, 100, 200 channels) + 2x2 max-pool, dense 1600 and 180: about
@@ -446,12 +452,13 @@ def _build_ppd_student(seed: int) -> tf.keras.Model:
       layers.Flatten(),
       layers.Dense(1600, activation="relu", kernel_initializer=init()),
       layers.Dense(180, activation="relu", kernel_initializer=init()),
-      layers.Dense(NUM_CLASSES, kernel_initializer=init()),
+      layers.Dense(num_classes, kernel_initializer=init()),
   ], name="femnist_ppd_student")
 
 
-def build_model(name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Model:
-  """An un-compiled model from 28x28x1 images to NUM_CLASSES logits (no softmax).
+def build_model(name: str, *, seed: int = 0, norm: str = "batch",
+                num_classes: int = NUM_CLASSES) -> tf.keras.Model:
+  """An un-compiled model from 28x28x1 images to `num_classes` logits (no softmax).
 
   Args:
     name: one of MODEL_NAMES: "cnn" (LEAF's CNN, which has no normalization layers, so
@@ -460,17 +467,67 @@ def build_model(name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Mo
       binarized versions "resnet8_binary" and "resnet20_binary" (`resnet.build_binary_resnet`).
     seed: the weights are a deterministic function of it.
     norm: "batch" or "group" normalization in the ResNets.
+    num_classes: 62, or 10 for `DIGITS`.
   """
   if name in ("cnn", "cnn_ppd_student"):
     if norm != "batch":
       raise ValueError(f"model {name!r} has no normalization layers: norm={norm!r} applies "
                        "only to the ResNets")
-    return _build_cnn(seed) if name == "cnn" else _build_ppd_student(seed)
+    build = _build_cnn if name == "cnn" else _build_ppd_student
+    return build(seed, num_classes)
   if name in ("resnet8", "resnet20"):
     return resnet.build_resnet(int(name[len("resnet"):]), input_shape=INPUT_SHAPE,
-                               num_classes=NUM_CLASSES, norm=norm, seed=seed)
+                               num_classes=num_classes, norm=norm, seed=seed)
   if name in BINARY_MODEL_NAMES:
     return resnet.build_binary_resnet(int(name[len("resnet"):-len("_binary")]),
-                                      input_shape=INPUT_SHAPE, num_classes=NUM_CLASSES,
+                                      input_shape=INPUT_SHAPE, num_classes=num_classes,
                                       norm=norm, seed=seed)
   raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")
+
+
+def _digits(arrays: ClientArrays, letters: bool = False) -> ClientArrays:
+  """The clients' digit examples (or, with `letters`, the others); clients left empty go."""
+  keep = {c: (arrays.y[c] >= DIGITS.NUM_CLASSES) == letters for c in arrays.client_ids}
+  return _client_arrays({c: (arrays.x[c][k], arrays.y[c][k])
+                         for c, k in keep.items() if k.any()})
+
+
+def digits_only(data: FederatedData) -> FederatedData:
+  """FEMNIST's digits as the task, its letters as out-of-distribution inputs.
+
+  Training, test and new writers keep their digits (labels 0..9 as before); the letters of
+  the test writers (the same writers as the in-distribution test set, so only the classes
+  change) become `ood`, and the new writers' digits are the covariate `shift`.
+  """
+  new_clients = _digits(data.new_clients)
+  return FederatedData(train=_digits(data.train), test=_digits(data.test),
+                       new_clients=new_clients, source=data.source, shift=new_clients,
+                       ood=_digits(data.test, letters=True))
+
+
+class _Digits:
+  """FEMNIST restricted to digits (`--classes=digits`): the task interface of this module
+  with 10 classes, data from `digits_only`."""
+
+  NUM_CLASSES = 10
+  CLASS_LABELS = CLASS_LABELS[:10]
+  INPUT_SHAPE = INPUT_SHAPE
+  MODEL_NAMES = MODEL_NAMES
+  STUDENT_MODELS = STUDENT_MODELS
+  BINARY_MODEL_NAMES = BINARY_MODEL_NAMES
+  TRAIN_AUGMENTATION = TRAIN_AUGMENTATION
+  DataError = DataError
+
+  def __repr__(self) -> str:
+    return "femnist digits"
+
+  def load_data(self, data_dir: str | None = None, *,
+                partition: partition_lib.PartitionConfig | None = None,
+                seed: int = 0) -> FederatedData:
+    return digits_only(load_data(data_dir, partition=partition, seed=seed))
+
+  def build_model(self, name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Model:
+    return build_model(name, seed=seed, norm=norm, num_classes=self.NUM_CLASSES)
+
+
+DIGITS = _Digits()

@@ -77,12 +77,13 @@ def write_cifar100(root, train=300, test=100, seed=0) -> pathlib.Path:
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path):
-  """No data unless a test provides it: no env var, an empty ~, no network.
+  """No data unless a test provides it: no env vars, an empty ~, no network.
 
   Downloads go to a proxy on the discard port (connection refused); the TFF
   worker, on localhost, is reached directly (gRPC honors the variables too).
   """
   monkeypatch.delenv(cifar.DATA_DIR_ENV, raising=False)
+  monkeypatch.delenv(cifar.TFDS_DATA_DIR_ENV, raising=False)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
     monkeypatch.setenv(name, "http://127.0.0.1:9")
@@ -145,15 +146,15 @@ def test_archive_is_found_by_flag_variable_and_keras_cache(tmp_path,
                                                            monkeypatch):
   directory = write_cifar10(tmp_path / "data")
   task = cifar.CIFAR10
-  assert task.find_archive(str(tmp_path / "data")) == str(directory)
-  assert task.find_archive(str(directory)) == str(directory)
+  assert task.find_data(str(tmp_path / "data")) == ("archive", str(directory))
+  assert task.find_data(str(directory)) == ("archive", str(directory))
   monkeypatch.setenv(cifar.DATA_DIR_ENV, str(tmp_path / "data"))
-  assert task.find_archive() == str(directory)
+  assert task.find_data() == ("archive", str(directory))
   monkeypatch.delenv(cifar.DATA_DIR_ENV)
   cache = tmp_path / "home" / ".keras" / "datasets"
   cache.mkdir(parents=True)
   directory.rename(cache / directory.name)
-  assert task.find_archive() == str(cache / directory.name)
+  assert task.find_data() == ("archive", str(cache / directory.name))
 
 
 def test_no_data_anywhere_is_one_line_with_the_fixes():
@@ -166,8 +167,10 @@ def test_no_data_anywhere_is_one_line_with_the_fixes():
 
 
 def test_directory_without_the_archive_is_named(tmp_path):
-  with pytest.raises(tasks.DataError, match="holds no cifar-100-python/"):
+  with pytest.raises(tasks.DataError, match="holds no cifar-100-python/ and "
+                     "no tfds cifar100/3.0.2/") as error:
     cifar.CIFAR100.load_data(str(tmp_path))
+  assert "\n" not in str(error.value)
 
 
 def _truncate(path):

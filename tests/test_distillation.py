@@ -106,6 +106,9 @@ def test_ensemble_predictions_and_member_accuracies_match_numpy():
                              atol=1e-6)
   np.testing.assert_allclose(out["mean_probabilities"],
                              softmax(logits).mean(0), rtol=1e-5, atol=1e-6)
+  member_entropy = -np.sum(softmax(logits) * np.log(softmax(logits)), -1)
+  np.testing.assert_allclose(out["mean_entropy"], member_entropy.mean(0),
+                             rtol=1e-5, atol=1e-6)
   # Weighted: member 1 is skipped, member 2 counts twice.
   out = distillation.ensemble_predictions(
       model, stack(*members), images(X), member_weights=[1.0, 0.0, 2.0],
@@ -117,6 +120,9 @@ def test_ensemble_predictions_and_member_accuracies_match_numpy():
       out["mean_probabilities"],
       (softmax(logits[0]) + 2 * softmax(logits[2])) / 3, rtol=1e-5,
       atol=1e-6)
+  np.testing.assert_allclose(
+      out["mean_entropy"], (member_entropy[0] + 2 * member_entropy[2]) / 3,
+      rtol=1e-5, atol=1e-6)
   y = np.array([0, 1, 2, 0, 1, 2], np.int32)
   np.testing.assert_allclose(
       distillation.member_accuracies(model, stack(*members), images(X), y,

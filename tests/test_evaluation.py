@@ -43,6 +43,71 @@ class TestExpectedCalibrationError:
     assert evaluation.expected_calibration_error(probs, np.array([1, 0])) == 1.0
 
 
+class TestReliabilityBins:
+  PROBS = TestExpectedCalibrationError.PROBS
+  Y = TestExpectedCalibrationError.Y
+
+  def test_five_bins_by_hand(self):
+    # Bins of width 0.2: {0.5} -> bin 2 (right), {0.7 wrong, 0.75 right} ->
+    # bin 3, {0.9 right} -> bin 4; bins 0 and 1 are empty.
+    bins = evaluation.reliability_bins(self.PROBS, self.Y, num_bins=5)
+    assert bins["count"] == [0, 0, 1, 2, 1]
+    assert bins["accuracy"] == [None, None, 1.0, 0.5, 1.0]
+    assert bins["confidence"][:3] == [None, None, 0.5]
+    assert bins["confidence"][3:] == pytest.approx([0.725, 0.9])
+
+  def test_ece_is_the_bins_weighted_gap(self):
+    bins = evaluation.reliability_bins(self.PROBS, self.Y, num_bins=5)
+    gap = sum(n * abs(a - c) for n, a, c in zip(
+        bins["count"], bins["accuracy"], bins["confidence"]) if n) / 4
+    assert gap == pytest.approx(evaluation.expected_calibration_error(
+        self.PROBS, self.Y, num_bins=5), abs=1e-12)
+
+
+class TestOutOfDistribution:
+
+  def test_ood_auroc_by_hand(self):
+    # OOD scores 0.6 and 0.2 against in-distribution 0.1, 0.3, 0.5: 0.6 beats
+    # all three, 0.2 beats one: (3 + 1) / 6.
+    got = evaluation.ood_auroc(np.array([0.1, 0.3, 0.5]), np.array([0.6, 0.2]))
+    assert got == pytest.approx(4 / 6)
+
+  def test_uncertainty_summary_of_an_ensemble_by_hand(self):
+    # Two members on two test, two OOD and one shifted input.
+    test = np.array([[[0.9, 0.1], [0.8, 0.2]], [[0.9, 0.1], [0.6, 0.4]]])
+    ood = np.array([[[0.5, 0.5], [0.9, 0.1]], [[0.5, 0.5], [0.1, 0.9]]])
+    shift = np.array([[[0.3, 0.7]], [[0.1, 0.9]]])
+    summary = evaluation.uncertainty_summary(
+        evaluation.ensemble_uncertainty(test), np.array([0, 1]),
+        evaluation.ensemble_uncertainty(ood),
+        evaluation.ensemble_uncertainty(shift), np.array([1]))
+    # Entropies: test h(.9,.1)=0.325, h(.7,.3)=0.611; OOD h(.5,.5)=0.693
+    # twice: both above both test inputs.
+    assert summary["ood_auroc_entropy"] == 1.0
+    # Mutual information: test 0 and h(.7,.3) - (h(.8,.2) + h(.6,.4))/2 =
+    # 0.0242; OOD 0 (agreeing members) and h(.5,.5) - h(.9,.1) = 0.368.
+    # OOD 0.368 beats both (2), OOD 0 ties test 0 (1/2) and loses to 0.0242.
+    assert h(.7, .3) - (h(.8, .2) + h(.6, .4)) / 2 == pytest.approx(0.0242,
+                                                                     abs=1e-4)
+    assert summary["ood_auroc_mutual_information"] == pytest.approx(2.5 / 4)
+    assert summary["shift_accuracy"] == 1.0
+    assert summary["shift_loss"] == pytest.approx(-math.log(0.8))
+    # One example at confidence 0.8 (bin 12 of 15), right: ECE 0.2.
+    assert summary["shift_ece"] == pytest.approx(0.2)
+    # Test: 0.9 right (bin 13) and 0.7 wrong (bin 10).
+    assert summary["reliability"]["count"][10] == 1
+    assert summary["reliability"]["accuracy"][10] == 0.0
+    assert summary["reliability"]["accuracy"][13] == 1.0
+
+  def test_one_model_has_no_mutual_information(self):
+    test = {"probabilities": np.array([[0.9, 0.1]]), "entropy": np.array([0.3])}
+    ood = {"probabilities": np.array([[0.6, 0.4]]), "entropy": np.array([0.6])}
+    summary = evaluation.uncertainty_summary(test, np.array([0]), ood)
+    assert summary["ood_auroc_entropy"] == 1.0
+    assert summary["ood_auroc_mutual_information"] is None
+    assert "shift_accuracy" not in summary
+
+
 class TestAuroc:
 
   def test_hand_count(self):

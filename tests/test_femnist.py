@@ -119,8 +119,36 @@ def test_to_client_data_needs_clients():
 
 def test_task_registry():
   assert tasks.get_task("femnist") is femnist
+  assert tasks.get_task("femnist", "digits") is femnist.DIGITS
   with pytest.raises(ValueError, match="unknown task 'x': choose one of femnist"):
     tasks.get_task("x")
+  with pytest.raises(ValueError, match="classes 'digits' applies to femnist, not cifar10"):
+    tasks.get_task("cifar10", "digits")
+  with pytest.raises(ValueError, match="unknown classes 'odd': choose one of all, digits"):
+    tasks.get_task("femnist", "odd")
+
+
+def test_new_writers_are_the_shift(slice_data):
+  assert slice_data.shift is slice_data.new_clients
+  assert slice_data.ood is None
+
+
+def test_digits_keep_the_digits_and_make_the_letters_ood(slice_data):
+  digits = femnist.digits_only(slice_data)
+  for name in ("train", "test", "new_clients"):
+    whole, kept = getattr(slice_data, name), getattr(digits, name)
+    _, y = whole.concatenated()
+    assert kept.num_examples() == np.sum(y < 10) > 0
+    assert kept.concatenated()[1].max() == 9
+    for c in kept.client_ids:  # Each writer's digits, in their order.
+      np.testing.assert_array_equal(kept.x[c], whole.x[c][whole.y[c] < 10])
+  assert digits.shift is digits.new_clients
+  _, test_y = slice_data.test.concatenated()
+  assert digits.ood.num_examples() == np.sum(test_y >= 10)
+  assert digits.ood.concatenated()[1].min() >= 10
+  assert set(digits.ood.client_ids) <= set(slice_data.test.client_ids)
+  assert femnist.DIGITS.build_model("cnn").output_shape == (None, 10)
+  assert femnist.DIGITS.CLASS_LABELS == "0123456789"
 
 
 # Small LEAF directories written by the tests.

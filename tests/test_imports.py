@@ -5,7 +5,8 @@ The project's modules are imported one per test case (in this process;
 imported together in one fresh interpreter, so that nothing this process
 already imported can hide a broken chain, and their versions are checked
 against the lock: TFF 0.87 needs NumPy 1.25; a newer tensorflow-datasets or
-pyarrow would pull NumPy 2 and break tensorflow_privacy's import chain.
+pyarrow would pull NumPy 2 and break tensorflow_privacy's import chain, and a
+newer tensorflow-metadata needs protobuf 5, which TF 2.14 cannot import.
 """
 
 import importlib
@@ -58,6 +59,10 @@ THIRD_PARTY = {
     "tflite_runtime.interpreter": ("tflite-runtime", "2.14."),
     "jax": ("jax", "0.4."),
     "dp_accounting": ("dp-accounting", "0.4."),
+    "tensorflow_datasets": ("tensorflow-datasets", "4.9."),
+    # Its protos: the protobuf they need must be one TF 2.14 imports too.
+    "tensorflow_metadata.proto.v0.schema_pb2": ("tensorflow-metadata", "1.16."),
+    "matplotlib.pyplot": ("matplotlib", "3.11."),
 }
 
 _IMPORT_ALL = textwrap.dedent("""
@@ -86,7 +91,8 @@ def third_party_imports() -> dict:
   run = subprocess.run([sys.executable, "-c", _IMPORT_ALL, argument],
                        capture_output=True, text=True, timeout=300,
                        cwd=REPO_ROOT,
-                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                            "MPLBACKEND": "Agg"})
   lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
   assert run.returncode == 0 and lines, (
       f"the import subprocess failed ({run.returncode}):\n{run.stderr[-3000:]}")

@@ -123,7 +123,8 @@ def test_teachers_are_the_avglogits_of_every_clients_model():
   state = built.process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   images = SERVER.validation_x
-  teachers = built.teacher_probabilities(state, datasets, [0, 1, 2], images)
+  teachers = built.teacher_probabilities(state, datasets, [0, 1, 2],
+                                         images)["probabilities"]
   logits = []
   for i, data in enumerate(datasets):
     model_fn, start = MODEL_FNS[i % 2], state["prototypes"][i % 2]

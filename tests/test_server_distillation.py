@@ -176,9 +176,17 @@ def test_one_round_distills_from_the_cohort(method):
   after = process.get_model_weights(output.state)
   assert any(not np.allclose(a, b) for a, b in
              zip(tf.nest.flatten(after), tf.nest.flatten(before)))
-  # The teachers' probabilities of that round: one distribution per image.
-  assert teacher.shape == (6, 3)
-  np.testing.assert_allclose(teacher.sum(-1), 1.0, rtol=1e-5)
+  # The teachers' probabilities of that round: one distribution per image,
+  # and their members' mean entropy, at least 0 and at most the entropy of
+  # the mean (the mutual information is >= 0 for a mixture, not AVGLOGITS).
+  probabilities = teacher["probabilities"]
+  assert probabilities.shape == (6, 3)
+  np.testing.assert_allclose(probabilities.sum(-1), 1.0, rtol=1e-5)
+  assert teacher["mean_entropy"].shape == (6,)
+  assert (teacher["mean_entropy"] >= 0).all()
+  if method != "feddf":
+    entropy = -np.sum(probabilities * np.log(probabilities), -1)
+    assert (teacher["mean_entropy"] <= entropy + 1e-5).all()
   # Same state and data, same round: the process is deterministic.
   again = process.next(state, datasets)
   for a, b in zip(tf.nest.flatten(process.get_model_weights(again.state)),

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,21 @@ def test_fedensemble_run_reports_ensemble_metrics(tmp_path):
       "member_0.keras", "member_1.keras"]
 
 
+def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
+  summary = training.run_experiment(dataclasses.replace(
+      QUICK, algorithm="fedensemble", ensemble_size=2, rounds=2,
+      classes="digits", output_dir=str(tmp_path)))
+  from tasks import femnist  # pylint: disable=g-import-not-at-top
+  data = femnist.DIGITS.load_data(DATA_DIR)
+  assert sum(summary["reliability"]["count"]) == data.test.num_examples()
+  for key in ("ood_auroc_entropy", "ood_auroc_mutual_information",
+              "shift_accuracy", "shift_ece"):
+    assert 0.0 <= summary[key] <= 1.0, key
+  assert summary["shift_accuracy"] == summary["new_client_accuracy"]
+  with open(tmp_path / "uncertainty.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("algorithm", ["fedbe", "feddf"])
 def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path):
   # A small unlabeled set (test-only writers' images) keeps the server fast.
@@ -113,10 +129,18 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
       QUICK, algorithm=algorithm, rounds=2, eval_every=1, distill_steps=25,
       distill_batch_size=32, distill_eval_every=2, distill_patience=4,
       fedbe_samples=2, server_data=str(tmp_path / "server.npz"),
+      classes="digits",
       # Two rounds' clients are at chance: drop-worst would skip the student.
       drop_worst=False, output_dir=str(tmp_path / "out")))
   assert summary["test_accuracy"] == summary["distilled_test_accuracy"]
   assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
+  # The student is one model; the teachers are an ensemble.
+  assert summary["ood_auroc_mutual_information"] is None
+  for key in ("ood_auroc_entropy", "teacher_ood_auroc_entropy",
+              "teacher_ood_auroc_mutual_information", "teacher_shift_accuracy"):
+    assert 0.0 <= summary[key] <= 1.0, key
+  assert (sum(summary["teacher_reliability"]["count"]) ==
+          sum(summary["reliability"]["count"]))
   assert summary["server_device"] == "/CPU:0"
   assert summary["server_seconds_per_round"] > 0
   assert summary["distill_examples_per_second"] > 0
@@ -217,6 +241,32 @@ def test_cli_missing_data_dir_is_one_line(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].startswith("error: ")
   assert "nowhere" in result.stderr.strip().splitlines()[-1]
+
+
+# A line of TensorFlow's C++ log: "2026-11-24 22:02:46.860114: I tensorflow/...".
+CPP_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] ",
+                          re.MULTILINE)
+
+
+def test_cli_is_quiet_unless_verbosity_asks(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  quiet = subprocess.run(
+      [sys.executable, "-m", "tff_ens.main", f"--data_dir={DATA_DIR}",
+       "--rounds=2", "--clients_per_round=2", "--eval_every=1",
+       f"--output_dir={tmp_path}/quiet"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=600)
+  assert quiet.returncode == 0, quiet.stderr[-2000:]
+  assert not CPP_LOG_LINE.search(quiet.stderr), CPP_LOG_LINE.findall(
+      quiet.stderr)[:3]
+  assert "round 2/2" in quiet.stderr  # The per-round log line stays.
+  # Asked for, TensorFlow's log is there from the import on (a run that
+  # stops at its data shows it as well as a whole run).
+  verbose = subprocess.run(
+      [sys.executable, "-m", "tff_ens.main", "--verbosity=1",
+       f"--data_dir={tmp_path}/nowhere", f"--output_dir={tmp_path}/v"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert verbose.returncode == 2
+  assert CPP_LOG_LINE.search(verbose.stderr)
 
 
 def _start_and_await(config, output_dir, path):

@@ -274,8 +274,10 @@ def ensemble_predictions(model: tf.keras.Model, stacked_weights, x,
     batch_size: inference batch size.
 
   Returns:
-    `OrderedDict(mean_logits=[n, C], mean_probabilities=[n, C])`; zeros if
-    every weight is 0.
+    `OrderedDict(mean_logits=[n, C], mean_probabilities=[n, C],
+    mean_entropy=[n])`, the last the teachers' mean predictive entropy (nats;
+    the expected entropy of the mutual information, Depeweg et al. 2018,
+    eq. 4); zeros if every weight is 0.
   """
   num_members = _num_members(stacked_weights)
   if member_weights is None:
@@ -283,25 +285,30 @@ def ensemble_predictions(model: tf.keras.Model, stacked_weights, x,
   member_weights = tf.cast(member_weights, tf.float32)
   zeros = tf.zeros([tf.shape(x)[0], model.output_shape[-1]])
 
-  def body(m, logit_sum, probability_sum):
+  def body(m, logit_sum, probability_sum, entropy_sum):
     weight = member_weights[m]
 
     def add():
       assign_weights(model, _member(stacked_weights, m))
       logits = predict_logits(model, x, batch_size)
+      probabilities = tf.nn.softmax(logits)
+      entropy = -tf.reduce_sum(probabilities * tf.nn.log_softmax(logits), -1)
       return (logit_sum + weight * logits,
-              probability_sum + weight * tf.nn.softmax(logits))
+              probability_sum + weight * probabilities,
+              entropy_sum + weight * entropy)
 
-    logit_sum, probability_sum = tf.cond(
-        weight > 0, add, lambda: (logit_sum, probability_sum))
-    return m + 1, logit_sum, probability_sum
+    sums = tf.cond(weight > 0, add,
+                   lambda: (logit_sum, probability_sum, entropy_sum))
+    return (m + 1, *sums)
 
-  _, logit_sum, probability_sum = tf.while_loop(
-      lambda m, *_: m < num_members, body, (tf.constant(0), zeros, zeros))
+  _, logit_sum, probability_sum, entropy_sum = tf.while_loop(
+      lambda m, *_: m < num_members, body,
+      (tf.constant(0), zeros, zeros, zeros[:, 0]))
   total = tf.reduce_sum(member_weights)
   return collections.OrderedDict(
       mean_logits=tf.math.divide_no_nan(logit_sum, total),
-      mean_probabilities=tf.math.divide_no_nan(probability_sum, total))
+      mean_probabilities=tf.math.divide_no_nan(probability_sum, total),
+      mean_entropy=tf.math.divide_no_nan(entropy_sum, total))
 
 
 def accuracy(logits, y):

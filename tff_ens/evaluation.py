@@ -42,23 +42,37 @@ def negative_log_likelihood(probs: np.ndarray, y: np.ndarray) -> float:
   return float(-np.mean(np.log(np.clip(p, 1e-12, 1.0))))
 
 
-def expected_calibration_error(probs: np.ndarray, y: np.ndarray,
-                               num_bins: int = ECE_BINS) -> float:
-  """Expected calibration error (Guo et al., ICML 2017, eq. 3).
+def reliability_bins(probs: np.ndarray, y: np.ndarray,
+                     num_bins: int = ECE_BINS) -> dict[str, list]:
+  """A reliability diagram's data (Guo et al., ICML 2017, Sec. 2).
 
-  ECE = sum_b |B_b|/n * |acc(B_b) - conf(B_b)| over `num_bins` equal-width
-  bins of the top-class confidence.
+  Over `num_bins` equal-width bins B_b of the top-class confidence: `count`
+  |B_b|, `confidence` conf(B_b) and `accuracy` acc(B_b) (None in an empty
+  bin).
   """
   confidence = probs.max(-1)
   correct = (probs.argmax(-1) == y).astype(np.float64)
   bins = np.minimum((confidence * num_bins).astype(int), num_bins - 1)
-  ece = 0.0
-  for b in range(num_bins):
-    in_bin = bins == b
-    if in_bin.any():
-      ece += in_bin.mean() * abs(correct[in_bin].mean() -
-                                 confidence[in_bin].mean())
-  return float(ece)
+  count = np.bincount(bins, minlength=num_bins)
+  with np.errstate(invalid="ignore"):
+    mean = lambda v: np.bincount(bins, v, minlength=num_bins) / count
+    return {"count": count.tolist(),
+            "confidence": [None if n == 0 else float(c)
+                           for n, c in zip(count, mean(confidence))],
+            "accuracy": [None if n == 0 else float(a)
+                         for n, a in zip(count, mean(correct))]}
+
+
+def expected_calibration_error(probs: np.ndarray, y: np.ndarray,
+                               num_bins: int = ECE_BINS) -> float:
+  """Expected calibration error (Guo et al., ICML 2017, eq. 3).
+
+  ECE = sum_b |B_b|/n * |acc(B_b) - conf(B_b)| over the bins of
+  `reliability_bins`.
+  """
+  bins = reliability_bins(probs, y, num_bins)
+  return float(sum(n * abs(a - c) for n, a, c in zip(
+      bins["count"], bins["accuracy"], bins["confidence"]) if n) / len(y))
 
 
 def entropy(probs: np.ndarray) -> np.ndarray:
@@ -139,4 +153,45 @@ def classification_summary(probs_by_client: Mapping[str, np.ndarray],
     summary["ece"] = expected_calibration_error(probs, y)
     summary["per_client_accuracy"] = float(np.mean(
         [accuracy(probs_by_client[c], y_by_client[c]) for c in clients]))
+  return summary
+
+
+def ood_auroc(in_distribution: np.ndarray, out_of_distribution: np.ndarray
+              ) -> float:
+  """AUROC of an uncertainty score for out-of-distribution against
+  in-distribution inputs (higher scores should mean out-of-distribution)."""
+  return auroc(np.concatenate([in_distribution, out_of_distribution]),
+               np.arange(len(in_distribution) + len(out_of_distribution)) >=
+               len(in_distribution))
+
+
+def uncertainty_summary(test: dict[str, np.ndarray], test_y: np.ndarray,
+                        ood: dict[str, np.ndarray] | None = None,
+                        shift: dict[str, np.ndarray] | None = None,
+                        shift_y: np.ndarray | None = None) -> dict:
+  """Calibration, out-of-distribution detection and shift of a prediction.
+
+  Args:
+    test, ood, shift: `ensemble_uncertainty`-style dicts (`probabilities`,
+      `entropy`, and `mutual_information` for ensembles) on in-distribution
+      test inputs, out-of-distribution inputs and shifted test inputs.
+    test_y, shift_y: the labels of `test` and `shift`.
+
+  Returns:
+    `reliability` (`reliability_bins` in distribution); with `ood`,
+    `ood_auroc_entropy` and, for ensembles, `ood_auroc_mutual_information`
+    (None for one model); with `shift`, `shift_accuracy`, `shift_loss` and
+    `shift_ece`.
+  """
+  summary = {"reliability": reliability_bins(test["probabilities"], test_y)}
+  if ood is not None:
+    summary["ood_auroc_entropy"] = ood_auroc(test["entropy"], ood["entropy"])
+    summary["ood_auroc_mutual_information"] = (
+        ood_auroc(test["mutual_information"], ood["mutual_information"])
+        if "mutual_information" in test else None)
+  if shift is not None:
+    probs = shift["probabilities"]
+    summary.update(shift_accuracy=accuracy(probs, shift_y),
+                   shift_loss=negative_log_likelihood(probs, shift_y),
+                   shift_ece=expected_calibration_error(probs, shift_y))
   return summary

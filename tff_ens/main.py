@@ -6,6 +6,7 @@ r"""Command line: train a federated model and write its metrics and summary.
 Flags map one to one onto `training.ExperimentConfig`; see `--help`.
 """
 
+import argparse
 import dataclasses
 import logging as std_logging
 import os
@@ -16,6 +17,26 @@ from absl import app
 from absl import flags
 from absl import logging
 
+
+def cpp_log_level(argv: list[str]) -> str:
+  """TF_CPP_MIN_LOG_LEVEL for a run: "3" (silent) unless `--verbosity` >= 1 asks for "0".
+
+  TensorFlow's C++ log (CUDA factory registration, TensorRT, grappler lines) starts when
+  TensorFlow is imported, before absl parses flags, so `--verbosity` (absl's own flag) is
+  read here from `argv`. A TF_CPP_MIN_LOG_LEVEL set in the environment wins; the TFF
+  workers this process starts inherit the level.
+  """
+  parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+  parser.add_argument("--verbosity", "-v", type=int, default=0)
+  try:
+    verbosity = parser.parse_known_args(argv[1:])[0].verbosity
+  except argparse.ArgumentError:  # absl reports the bad value.
+    verbosity = 0
+  return "0" if verbosity >= 1 else "3"
+
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", cpp_log_level(sys.argv))
+
 # TensorFlow must be imported before absl parses flags: Keras 2.14 imported
 # inside `main` builds broken Sequential models ("Output tensors of a
 # Sequential model must be the output of a TensorFlow `Layer`").
@@ -25,7 +46,12 @@ from tff_ens import training
 import tasks
 
 
-flags.DEFINE_string("task", "femnist", "Task: femnist, cifar10 or cifar100.")
+flags.DEFINE_string("task", "femnist", f"Task: {', '.join(tasks.TASKS)}.")
+flags.DEFINE_enum(
+    "classes", "all", list(tasks.CLASSES),
+    "all: every class of the task; digits (femnist): train and test on the "
+    "digits, with the test writers' letters as out-of-distribution inputs "
+    "(summary.json's ood_* keys).")
 flags.DEFINE_string(
     "data_dir", None,
     "Task data directory (FEMNIST: a LEAF directory with train/ and test/; "
@@ -206,10 +232,11 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
-  # On a terminal the progress bar reports; log lines would break it.
-  logging.set_verbosity(logging.WARNING if sys.stderr.isatty() else
-                        logging.INFO)
+  if not FLAGS["verbosity"].present:
+    std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
+    # On a terminal the progress bar reports; log lines would break it.
+    logging.set_verbosity(logging.WARNING if sys.stderr.isatty() else
+                          logging.INFO)
   fields = {f.name for f in dataclasses.fields(training.ExperimentConfig)}
   config = training.ExperimentConfig(
       **{name: FLAGS[name].value for name in fields})
@@ -231,5 +258,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   app.run(main)

@@ -126,11 +126,18 @@ def _prototype_teachers(models, global_prototypes, collected, validation,
   return clients, client_weights, keep, informative, received
 
 
+def _ensemble_predictions(models, clients, keep, images):
+  """Every prototype's `distillation.ensemble_predictions` of its kept
+  clients, and how many each kept."""
+  return ([distillation.ensemble_predictions(model, stack, images, k)
+           for model, stack, k in zip(models, clients, keep)],
+          [tf.reduce_sum(k) for k in keep])
+
+
 def _avg_logits(models, clients, keep, images):
   """AVGLOGITS of every kept client model, whatever its prototype."""
-  predictions = [distillation.ensemble_predictions(model, stack, images, k)
-                 for model, stack, k in zip(models, clients, keep)]
-  return mean_logits_across(predictions, [tf.reduce_sum(k) for k in keep])
+  return mean_logits_across(*_ensemble_predictions(models, clients, keep,
+                                                   images))
 
 
 @tf.function
@@ -215,10 +222,12 @@ def teacher_probabilities(model_fns: Sequence[Callable[[], tf.keras.Model]],
                           data: server_data_lib.ServerData,
                           config: server_distillation.ServerDistillationConfig,
                           images):
-  """The round's teacher ensemble on `images`: softmax of its AVGLOGITS.
+  """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
+  mean_entropy)`, the softmax of its AVGLOGITS and the kept clients' mean
+  entropy.
 
-  For `ensemble_test_accuracy`; the same kept clients as `server_update`
-  distills from, given the same inputs.
+  For `ensemble_test_accuracy` and the teachers' uncertainty; the same kept
+  clients as `server_update` distills from, given the same inputs.
   """
   validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
   with tf.device(config.device):
@@ -233,7 +242,14 @@ def _teacher_step(models, global_prototypes, collected, validation, images,
   # `distillation.assign_weights`).
   clients, _, keep, _, _ = _prototype_teachers(
       models, global_prototypes, collected, validation, config)
-  return tf.nn.softmax(_avg_logits(models, clients, keep, images))
+  predictions, counts = _ensemble_predictions(models, clients, keep, images)
+  kept = tf.stack(counts)
+  mean_entropy = tf.math.divide_no_nan(
+      tf.tensordot(kept, tf.stack([p["mean_entropy"] for p in predictions]),
+                   1), tf.reduce_sum(kept))
+  return collections.OrderedDict(
+      probabilities=tf.nn.softmax(mean_logits_across(predictions, counts)),
+      mean_entropy=mean_entropy)
 
 
 def build_prototype_client_work(

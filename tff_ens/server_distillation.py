@@ -360,18 +360,23 @@ def _teacher_step(model, global_weights, collected, seed, validation, images,
       model, global_weights, collected, seed, config, validation)
   predictions = distillation.ensemble_predictions(
       model, stack, images, teacher_weights)
-  if config.method == "feddf":
-    return tf.nn.softmax(predictions["mean_logits"])
-  return predictions["mean_probabilities"]
+  return collections.OrderedDict(
+      probabilities=(tf.nn.softmax(predictions["mean_logits"])
+                     if config.method == "feddf" else
+                     predictions["mean_probabilities"]),
+      mean_entropy=predictions["mean_entropy"])
 
 
 def teacher_probabilities(model_fn, global_weights, collected, round_num,
                           data: server_data_lib.ServerData,
                           config: ServerDistillationConfig, images):
-  """The round's teacher ensemble's mean probabilities on `images`.
+  """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
+  mean_entropy)`, its predictive distribution (FedDF: the softmax of
+  AVGLOGITS) and its members' mean entropy.
 
-  For reporting the teacher's accuracy (`ensemble_test_accuracy`); the same
-  teachers as `server_update` builds from the same inputs.
+  For reporting the teachers' accuracy (`ensemble_test_accuracy`) and
+  uncertainty; the same teachers as `server_update` builds from the same
+  inputs.
   """
   validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
   with tf.device(config.device):
@@ -414,7 +419,8 @@ class ServerDistillationProcess:
     process: the `tff.learning.templates.LearningProcess`.
     client_work: the shared client work (its `client_update` gives the
       per-client download and upload types).
-    teacher_probabilities: `(state, client_data, images) -> probabilities`:
+    teacher_probabilities: `(state, client_data, images) ->
+      OrderedDict(probabilities, mean_entropy)`:
       what the teachers of the round `process.next(state, client_data)`
       would predict on `images` (float32 [n, ...] at SERVER).
   """

@@ -42,6 +42,7 @@ from tff_ens import evaluation
 from tff_ens import fed_ensemble
 from tff_ens import fedppd
 from tff_ens import personalization
+from tff_ens import plots
 from tff_ens import privacy
 from tff_ens import runtime
 from tff_ens import server_data as server_data_lib
@@ -80,6 +81,7 @@ class ExperimentConfig:
   """Everything that defines a run (written to `config.json`)."""
 
   task: str = "femnist"
+  classes: str = "all"
   data_dir: str | None = None
   num_clients: int = 10
   partition: str = "iid"
@@ -159,9 +161,9 @@ class ExperimentConfig:
       raise UsageError(f"unknown --algorithm={self.algorithm}: choose one of "
                        f"{', '.join(algorithms.ALGORITHMS)}")
     try:
-      task = tasks.get_task(self.task)
+      task = self.task_module()
     except ValueError as e:
-      raise UsageError(f"--task: {e}") from None
+      raise UsageError(f"--task={self.task} --classes={self.classes}: {e}") from None
     if self.model not in task.MODEL_NAMES:
       raise UsageError(f"unknown --model={self.model} for task {self.task}: "
                        f"choose one of {', '.join(task.MODEL_NAMES)}")
@@ -331,9 +333,13 @@ class ExperimentConfig:
         server_unlabeled_examples=self.server_unlabeled_examples,
         server_validation_examples=self.server_validation_examples)
 
+  def task_module(self):
+    """The task of --task with --classes (see `tasks.get_task`)."""
+    return tasks.get_task(self.task, self.classes)
+
   def resolved_student_model(self) -> str:
     """FedPPD's student: --student_model, else the task's for --model."""
-    task = tasks.get_task(self.task)
+    task = self.task_module()
     return self.student_model or getattr(task, "STUDENT_MODELS", {}).get(
         self.model, self.model)
 
@@ -833,7 +839,7 @@ def run_experiment(config: ExperimentConfig) -> dict:
       run; the message says from which round `--resume` continues.
   """
   config.validate()
-  task = tasks.get_task(config.task)
+  task = config.task_module()
   data = task.load_data(config.data_dir, partition=config.partition_config(),
                         seed=config.seed)
   train_ids = data.train.client_ids
@@ -903,7 +909,7 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
   train = _labeled(data.train, pool, sizes)
   # Labeled examples per client, for the simulated finishing times.
   train_sizes = np.array([len(train.y[c]) for c in train.client_ids])
-  augmentation = tasks.get_task(config.task).TRAIN_AUGMENTATION
+  augmentation = config.task_module().TRAIN_AUGMENTATION
   num_clients = len(data.train.client_ids)
   # With DP noise, metrics.csv gets the epsilon spent after each round.
   dp_epsilons = (privacy.epsilons(
@@ -943,7 +949,8 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
           # The last round's teacher ensemble, for `ensemble_test_accuracy`.
           teacher_test = algorithm.teacher_fn(
               held.value, *algorithm.next_args(datasets, plan.cohort[reports]),
-              data.test.concatenated()[0])
+              np.concatenate([s.concatenated()[0]
+                              for s in _evaluation_splits(data).values()]))
         cohort = plan.cohort[reports]
         if store is None:
           metrics = held.next(*algorithm.next_args(datasets, cohort))
@@ -1043,6 +1050,8 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
   if algorithm.prototypes_fn is not None:
     summary["prototype_test_accuracy"] = _prototype_accuracies(
         algorithm.prototypes_fn(state), data.test, outputs.dir)
+  summary.update(_uncertainty_summary(config, data, evaluator, models,
+                                      member_test, outputs.dir, teacher_test))
   new_clients = evaluator.summary(models, data.new_clients, prefix="new")
   down, up = algorithm.bytes_per_client_round()
   seconds = [float(r["seconds"]) for r in rows if r.get("seconds")]
@@ -1058,6 +1067,66 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
                                         for p in pool.curve]
   _save_models(outputs.dir, evaluator.model, models)
   _write_json_atomically(os.path.join(outputs.dir, SUMMARY_FILE), summary)
+  return summary
+
+
+def _evaluation_splits(data) -> dict:
+  """The splits the final evaluation predicts on: test, and ood and shift when
+  the task has them (see `tasks.femnist.FederatedData`)."""
+  splits = {"test": data.test, "ood": data.ood, "shift": data.shift}
+  return {name: split for name, split in splits.items()
+          if split is not None and split.num_examples()}
+
+
+def _predictions(member_probs: np.ndarray) -> dict[str, np.ndarray]:
+  """The predictive distribution of K members' probabilities [K, n, C] and
+  its uncertainty (`evaluation.ensemble_uncertainty`; no mutual information
+  for one model)."""
+  predictions = evaluation.ensemble_uncertainty(member_probs)
+  if len(member_probs) == 1:
+    del predictions["mutual_information"]
+  return predictions
+
+
+def _uncertainty_summary(config, data, evaluator, models, member_test,
+                         output_dir: str, teacher=None) -> dict:
+  """`evaluation.uncertainty_summary` of the run's model(s), and of the last
+  round's teachers (keys prefixed `teacher_`) for server-distillation
+  algorithms; draws `plots.UNCERTAINTY_FIGURE`."""
+  splits = _evaluation_splits(data)
+  members = {"test": np.concatenate(
+      [member_test[c] for c in data.test.client_ids], axis=1)}
+  for name in splits.keys() - {"test"}:
+    probs = evaluator.member_probabilities(models, splits[name])
+    members[name] = np.concatenate(
+        [probs[c] for c in splits[name].client_ids], axis=1)
+  predictions = {name: _predictions(p) for name, p in members.items()}
+  labels = {name: split.concatenated()[1] for name, split in splits.items()}
+  summary = evaluation.uncertainty_summary(
+      predictions["test"], labels["test"], predictions.get("ood"),
+      predictions.get("shift"), labels.get("shift"))
+  plots.uncertainty_figure(
+      os.path.join(output_dir, plots.UNCERTAINTY_FIGURE),
+      summary["reliability"],
+      {"test (in-distribution)" if name == "test" else name: p["entropy"]
+       for name, p in predictions.items()},
+      f"{config.algorithm}, {config.task} ({config.classes} classes), "
+      f"seed {config.seed}, {config.rounds} rounds")
+  if teacher is not None:
+    counts = [splits[name].num_examples() for name in splits]
+    teacher_predictions = {}
+    for name, probs, mean_entropy in zip(
+        splits, evaluation.split_by_client(teacher["probabilities"], counts),
+        evaluation.split_by_client(teacher["mean_entropy"], counts)):
+      entropy = evaluation.entropy(probs)
+      teacher_predictions[name] = {
+          "probabilities": probs, "entropy": entropy,
+          "mutual_information": entropy - mean_entropy}
+    teachers = evaluation.uncertainty_summary(
+        teacher_predictions["test"], labels["test"],
+        teacher_predictions.get("ood"), teacher_predictions.get("shift"),
+        labels.get("shift"))
+    summary.update({f"teacher_{k}": v for k, v in teachers.items()})
   return summary
 
 
@@ -1102,9 +1171,10 @@ def _server_distillation_summary(data, rows, summary, teacher_test,
   }
   if teacher_test is not None:
     counts = [data.test.num_examples(c) for c in data.test.client_ids]
+    test_probabilities = teacher_test["probabilities"][:sum(counts)]
     extra["ensemble_test_accuracy"] = evaluation.classification_summary(
         dict(zip(data.test.client_ids,
-                 evaluation.split_by_client(teacher_test, counts))),
+                 evaluation.split_by_client(test_probabilities, counts))),
         data.test.y)["test_accuracy"]
   return extra
 

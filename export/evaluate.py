@@ -17,7 +17,10 @@ that alpha, and with the uniform alpha. The run's Keras model(s) make the same p
 - reference_accuracy, reference_per_client_accuracy, reference_personalized_accuracy: the
   run's summary.json; keras_accuracy, keras_personalized_accuracy: recomputed here;
 - agreement: fraction of test examples on which the file and Keras predict the same class
-  (personalized predictions for ensembles; uniform_agreement for the uniform ones).
+  (personalized predictions for ensembles; uniform_agreement for the uniform ones);
+- for a task with out-of-distribution inputs (`--classes=digits`): ood_auroc_entropy and
+  ood_auroc_mutual_information (ensembles) of the file's outputs, keras_ood_auroc_* of the
+  Keras model(s) and reference_ood_auroc_* from the run's summary.
 """
 
 import json
@@ -29,6 +32,7 @@ from absl import app
 from absl import flags
 from absl import logging
 import numpy as np
+import scipy.special
 
 from export import ExportError
 from export import on_device
@@ -109,6 +113,34 @@ def evaluate_ensemble(exported: on_device.Ensemble, models, data,
               lambda: exported.predict(one_image), latency_repeats)}
 
 
+OOD_KEYS = ("ood_auroc_entropy", "ood_auroc_mutual_information")
+
+
+def evaluate_ood(exported, models, data) -> dict:
+  """OOD AUROCs of the file's uncertainty on the test inputs against the task's
+  out-of-distribution ones (the ensemble's uniform `entropy` and
+  `mutual_information` outputs; a single model's predictive entropy), and the
+  Keras model(s)' as the run's summary computes them (`keras_` keys)."""
+  def file_predictions(x):
+    if isinstance(exported, on_device.Ensemble):
+      return exported.predict(x)
+    probabilities = scipy.special.softmax(
+        exported.logits(x).astype(np.float64), axis=-1)
+    return {"probabilities": probabilities,
+            "entropy": evaluation.entropy(probabilities)}
+
+  def keras_predictions(x):
+    return evaluation.predictive_uncertainty(np.stack(
+        [evaluation.predict_probabilities(m, x) for m in models]))
+
+  (test_x, test_y), (ood_x, _) = data.test.concatenated(), data.ood.concatenated()
+  report = {}
+  for prefix, predict in (("", file_predictions), ("keras_", keras_predictions)):
+    summary = evaluation.uncertainty_summary(predict(test_x), test_y, predict(ood_x))
+    report.update({prefix + k: summary[k] for k in OOD_KEYS})
+  return report
+
+
 def build_report(run: runs.Run, tflite_path: str, data, num_threads: int = 1,
                  latency_repeats: int = 50) -> dict:
   """The report (see the module docstring) of the file at `tflite_path` exported from `run`."""
@@ -124,6 +156,9 @@ def build_report(run: runs.Run, tflite_path: str, data, num_threads: int = 1,
       raise ExportError(f"{tflite_path} holds one model but {run.run_dir} is an ensemble "
                         "run: pass the run it was exported from")
     measured = evaluate_classifier(exported, models, data, latency_repeats)
+  if data.ood is not None and data.ood.num_examples():
+    measured.update(evaluate_ood(exported, models, data))
+    measured.update({f"reference_{k}": run.summary.get(k) for k in OOD_KEYS})
   summary = run.summary
   return {
       "tflite": os.path.abspath(tflite_path), "run_dir": os.path.abspath(run.run_dir),

@@ -42,7 +42,8 @@ class Run:
 
   @property
   def task(self):
-    return tasks.get_task(self.config.get("task", "femnist"))
+    return tasks.get_task(self.config.get("task", "femnist"),
+                          self.config.get("classes", "all"))
 
   @property
   def is_binary(self) -> bool:

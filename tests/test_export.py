@@ -17,6 +17,7 @@ import tensorflow as tf
 from export import ExportError
 from export import convert
 from export import ensemble_module
+from export import evaluate
 from export import metadata
 from export import on_device
 from export import runs
@@ -272,6 +273,37 @@ def test_export_command_reports_run_without_model(tmp_path):
   assert result.returncode == 2
   [line] = result.stderr.strip().splitlines()[-1:]
   assert line.startswith("error: ") and "has no model" in line
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_exported_uncertainty_detects_ood_as_keras_does(k, tmp_path):
+  # Digits-only models (10 logits); the digits run's letters are the OOD inputs.
+  models = []
+  for seed in range(k):
+    init = tf.keras.initializers.GlorotUniform(seed=seed)
+    models.append(tf.keras.Sequential([
+        tf.keras.Input(femnist.INPUT_SHAPE),
+        tf.keras.layers.Conv2D(4, 3, strides=2, activation="relu",
+                               kernel_initializer=init),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(10, kernel_initializer=init)]))
+  run = write_run(tmp_path / "run", models, config={
+      "classes": "digits", "algorithm": "fedensemble" if k > 1 else "fedavg"},
+                  summary={"personalization_temperature": 0.5,
+                           "ood_auroc_entropy": 0.6})
+  path = tmp_path / "model.tflite"
+  path.write_bytes(convert.export_run(run, "ensemble" if k > 1 else "float"))
+  assert on_device.load(str(path)).class_labels == list("0123456789")
+  report = evaluate.build_report(run, str(path),
+                                 femnist.DIGITS.load_data(DATA_DIR),
+                                 latency_repeats=1)
+  for key in evaluate.OOD_KEYS:
+    if k == 1 and key.endswith("mutual_information"):
+      assert report[key] is None and report[f"keras_{key}"] is None
+    else:
+      assert 0.0 < report[key] < 1.0
+      assert report[key] == pytest.approx(report[f"keras_{key}"], abs=2e-3)
+  assert report["reference_ood_auroc_entropy"] == 0.6
 
 
 def test_export_and_evaluate_commands(single_run, tmp_path):

@@ -112,6 +112,15 @@ def ensemble_uncertainty(member_probs: np.ndarray,
   }
 
 
+def predictive_uncertainty(member_probs: np.ndarray) -> dict[str, np.ndarray]:
+  """`ensemble_uncertainty` of K members' probabilities [K, n, classes],
+  without mutual information when K = 1 (one model has none)."""
+  predictions = ensemble_uncertainty(member_probs)
+  if len(member_probs) == 1:
+    del predictions["mutual_information"]
+  return predictions
+
+
 def auroc(scores: np.ndarray, positive: np.ndarray) -> float:
   """Area under the ROC curve of `scores` for the `positive` examples.
 

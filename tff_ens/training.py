@@ -1078,16 +1078,6 @@ def _evaluation_splits(data) -> dict:
           if split is not None and split.num_examples()}
 
 
-def _predictions(member_probs: np.ndarray) -> dict[str, np.ndarray]:
-  """The predictive distribution of K members' probabilities [K, n, C] and
-  its uncertainty (`evaluation.ensemble_uncertainty`; no mutual information
-  for one model)."""
-  predictions = evaluation.ensemble_uncertainty(member_probs)
-  if len(member_probs) == 1:
-    del predictions["mutual_information"]
-  return predictions
-
-
 def _uncertainty_summary(config, data, evaluator, models, member_test,
                          output_dir: str, teacher=None) -> dict:
   """`evaluation.uncertainty_summary` of the run's model(s), and of the last
@@ -1100,7 +1090,8 @@ def _uncertainty_summary(config, data, evaluator, models, member_test,
     probs = evaluator.member_probabilities(models, splits[name])
     members[name] = np.concatenate(
         [probs[c] for c in splits[name].client_ids], axis=1)
-  predictions = {name: _predictions(p) for name, p in members.items()}
+  predictions = {name: evaluation.predictive_uncertainty(p)
+                 for name, p in members.items()}
   labels = {name: split.concatenated()[1] for name, split in splits.items()}
   summary = evaluation.uncertainty_summary(
       predictions["test"], labels["test"], predictions.get("ood"),

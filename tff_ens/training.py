@@ -53,6 +53,9 @@ import tasks
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.csv"
 SUMMARY_FILE = "summary.json"
+# Each test writer's accuracy of the final model(s) (`per_client_accuracy` is
+# their mean), for `tff_ens.compare`.
+PER_CLIENT_ACCURACY_FILE = "per_client_accuracy.json"
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "round_"
 
@@ -766,6 +769,10 @@ class _Evaluator:
     }
 
 
+# The metrics a terminal's evaluation line shows.
+_EVALUATION_KEYS = ("test_accuracy", "test_loss", "ece", "per_client_accuracy")
+
+
 @contextlib.contextmanager
 def _progress(config: ExperimentConfig, start_round: int):
   """A tqdm bar on a terminal; plain log lines otherwise."""
@@ -776,9 +783,11 @@ def _progress(config: ExperimentConfig, start_round: int):
     last = {}  # The latest value of each shown metric.
 
     def report(round_num, row):
-      del round_num
       last.update({k: f"{row[k]:.4f}" for k in ("train_loss",
                                                  "test_accuracy") if k in row})
+      if "test_accuracy" in row:  # One line per evaluation, above the bar.
+        bar.write(f"round {round_num}: " + " ".join(
+            f"{k}={row[k]:.4f}" for k in _EVALUATION_KEYS if k in row))
       bar.set_postfix(last, refresh=False)
       bar.update(1)
 
@@ -1066,6 +1075,10 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
     summary["active_learning_curve"] = [[p["labeled"], p["test_accuracy"]]
                                         for p in pool.curve]
   _save_models(outputs.dir, evaluator.model, models)
+  _write_json_atomically(
+      os.path.join(outputs.dir, PER_CLIENT_ACCURACY_FILE),
+      {c: evaluation.accuracy(member_test[c].mean(0), data.test.y[c])
+       for c in data.test.client_ids})
   _write_json_atomically(os.path.join(outputs.dir, SUMMARY_FILE), summary)
   return summary
 

@@ -21,6 +21,9 @@ from export import ExportError
 from export import convert
 from export import runs
 import tasks
+# Replaces the default TFF context that importing TFF (through tasks) installs, whose
+# clean-up at interpreter exit fails once tensorflow-datasets is imported too.
+from tff_ens import runtime  # pylint: disable=unused-import
 
 FLAGS = flags.FLAGS
 

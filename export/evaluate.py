@@ -39,6 +39,9 @@ from export import on_device
 from export import runs
 from tff_ens import evaluation
 from tff_ens import personalization
+# Replaces the default TFF context that importing TFF (through tasks) installs, whose
+# clean-up at interpreter exit fails once tensorflow-datasets is imported too.
+from tff_ens import runtime  # pylint: disable=unused-import
 import tasks
 
 FLAGS = flags.FLAGS

@@ -1043,7 +1043,15 @@ def _labeled(train, pool: active_learning.Pool | None, sizes):
 def _write_summary(config, data, algorithm, state, outputs, evaluator,
                    teacher_test=None, pool=None):
   models = algorithm.models_fn(state)
-  member_test = evaluator.member_probabilities(models, data.test)
+  # Each split predicted once (FEMNIST's shift split is its new clients).
+  predicted = {}
+
+  def member_probabilities(split) -> dict[str, np.ndarray]:
+    if id(split) not in predicted:
+      predicted[id(split)] = evaluator.member_probabilities(models, split)
+    return predicted[id(split)]
+
+  member_test = member_probabilities(data.test)
   summary = evaluator.summary(models, data.test, member_probs=member_test)
   if len(models) > 1:
     summary.update(evaluator.ensemble_summary(
@@ -1059,9 +1067,11 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
   if algorithm.prototypes_fn is not None:
     summary["prototype_test_accuracy"] = _prototype_accuracies(
         algorithm.prototypes_fn(state), data.test, outputs.dir)
-  summary.update(_uncertainty_summary(config, data, evaluator, models,
-                                      member_test, outputs.dir, teacher_test))
-  new_clients = evaluator.summary(models, data.new_clients, prefix="new")
+  summary.update(_uncertainty_summary(config, data, member_probabilities,
+                                      outputs.dir, teacher_test))
+  new_clients = evaluator.summary(
+      models, data.new_clients, prefix="new",
+      member_probs=member_probabilities(data.new_clients))
   down, up = algorithm.bytes_per_client_round()
   seconds = [float(r["seconds"]) for r in rows if r.get("seconds")]
   summary.update(
@@ -1091,18 +1101,18 @@ def _evaluation_splits(data) -> dict:
           if split is not None and split.num_examples()}
 
 
-def _uncertainty_summary(config, data, evaluator, models, member_test,
+def _uncertainty_summary(config, data, member_probabilities,
                          output_dir: str, teacher=None) -> dict:
-  """`evaluation.uncertainty_summary` of the run's model(s), and of the last
+  """`evaluation.uncertainty_summary` of the run's model(s), whose
+  `member_probabilities(split)` are {client: [K, n, classes]}, and of the last
   round's teachers (keys prefixed `teacher_`) for server-distillation
   algorithms; draws `plots.UNCERTAINTY_FIGURE`."""
   splits = _evaluation_splits(data)
-  members = {"test": np.concatenate(
-      [member_test[c] for c in data.test.client_ids], axis=1)}
-  for name in splits.keys() - {"test"}:
-    probs = evaluator.member_probabilities(models, splits[name])
-    members[name] = np.concatenate(
-        [probs[c] for c in splits[name].client_ids], axis=1)
+  members = {}
+  for name, split in splits.items():
+    probs = member_probabilities(split)
+    members[name] = np.concatenate([probs[c] for c in split.client_ids],
+                                   axis=1)
   predictions = {name: evaluation.predictive_uncertainty(p)
                  for name, p in members.items()}
   labels = {name: split.concatenated()[1] for name, split in splits.items()}

@@ -3,13 +3,15 @@ r"""Command line: run an exported file on FEMNIST writers in a standalone TFLite
   python -m export.evaluate --run_dir=RUN --tflite=FILE.tflite --data_dir=DATA \
       --output=tflite_report.json
 
-The file runs in tflite-runtime, or LCE's interpreter for `lce` files (`on_device`), never
-in TensorFlow's. For every test writer that has training data (the run's test split):
-a single model predicts the writer's test images; an ensemble first `personalize`s on the
-writer's training examples (the run's temperature), then `predict`s its test images with
-that alpha, and with the uniform alpha. The run's Keras model(s) make the same predictions
-(with `tff_ens.evaluation` and `tff_ens.personalization`, as the run's summary did) for
-`agreement`. The report's keys:
+The file runs in LiteRT in the device environment (`uv run --project device python -m
+export.evaluate ...`: no TensorFlow), in tflite-runtime in the main one, and in LCE's
+interpreter for `lce` files (`on_device`), never in TensorFlow's. For every test writer that
+has training data (the run's test split): a single model predicts the writer's test images;
+an ensemble first `personalize`s on the writer's training examples (the run's temperature),
+then `predict`s its test images with that alpha, and with the uniform alpha. Where
+TensorFlow is installed (the main environment), the run's Keras model(s) make the same
+predictions (`reference`) for the keras_* keys and `agreement`; the device environment reads
+the LEAF files itself (`leaf`) and leaves those keys out. The report's keys:
 
 - size_bytes, runtime, latency_ms_median (one image, `--num_threads`, this CPU);
 - accuracy (all test examples; uniform for ensembles) and per_client_accuracy (mean over
@@ -23,6 +25,8 @@ that alpha, and with the uniform alpha. The run's Keras model(s) make the same p
   Keras model(s) and reference_ood_auroc_* from the run's summary.
 """
 
+import importlib
+import importlib.util
 import json
 import logging as std_logging
 import os
@@ -37,12 +41,13 @@ import scipy.special
 from export import ExportError
 from export import on_device
 from export import runs
-from tff_ens import evaluation
-from tff_ens import personalization
-# Replaces the default TFF context that importing TFF (through tasks) installs, whose
-# clean-up at interpreter exit fails once tensorflow-datasets is imported too.
-from tff_ens import runtime  # pylint: disable=unused-import
-import tasks
+from tasks import leaf
+from tasks.data import DataError
+from tff_ens import metrics
+
+# The Keras comparison needs TensorFlow: the main environment has it, the device one not.
+reference = (importlib.import_module("export.reference")
+             if importlib.util.find_spec("tensorflow") else None)
 
 FLAGS = flags.FLAGS
 
@@ -57,36 +62,29 @@ def _agreement(a: dict, b: dict) -> float:
   return float(np.concatenate([a[c] == b[c] for c in a]).mean())
 
 
-def _keras_member_probabilities(models, split) -> dict[str, np.ndarray]:
-  """writer -> [K, n, classes] Keras probabilities (as tff_ens.training computes them)."""
-  x, _ = split.concatenated()
-  stacked = np.stack([evaluation.predict_probabilities(m, x) for m in models], axis=1)
-  return {c: np.moveaxis(p, 1, 0) for c, p in zip(
-      split.client_ids, evaluation.split_by_client(stacked, _counts(split)))}
-
-
-def _counts(split) -> list[int]:
-  return [split.num_examples(c) for c in split.client_ids]
-
-
 def evaluate_classifier(exported: on_device.Classifier, models, data,
                         latency_repeats: int) -> dict:
+  """The file's accuracies and latency; with Keras `models`, theirs and the agreement."""
   test = data.test
   x, _ = test.concatenated()
-  split = lambda classes: dict(zip(test.client_ids,
-                                   evaluation.split_by_client(classes, _counts(test))))
-  tflite = split(exported.predict_classes(x))
-  keras = split(evaluation.predict_probabilities(models[0], x).argmax(-1))
+  counts = [test.num_examples(c) for c in test.client_ids]
+  tflite = dict(zip(test.client_ids,
+                    metrics.split_by_client(exported.predict_classes(x), counts)))
   accuracy, per_client = _mean_accuracy(tflite, test.y)
-  return {"accuracy": accuracy, "per_client_accuracy": per_client,
-          "keras_accuracy": _mean_accuracy(keras, test.y)[0],
-          "agreement": _agreement(tflite, keras),
-          "latency_ms_median": on_device.latency_ms(
-              lambda: exported.logits(x[:1]), latency_repeats)}
+  report = {"accuracy": accuracy, "per_client_accuracy": per_client,
+            "latency_ms_median": on_device.latency_ms(
+                lambda: exported.logits(x[:1]), latency_repeats)}
+  if models is not None:
+    keras = reference.classes(models, test)
+    report.update(keras_accuracy=_mean_accuracy(keras, test.y)[0],
+                  agreement=_agreement(tflite, keras))
+  return report
 
 
 def evaluate_ensemble(exported: on_device.Ensemble, models, data,
                       latency_repeats: int) -> dict:
+  """The file's uniform and personalized accuracies and latency; with Keras `models`,
+  theirs and the agreements."""
   train, test = data.train, data.test
   writers = [c for c in test.client_ids if c in train.x]
   tflite, tflite_uniform = {}, {}
@@ -94,26 +92,22 @@ def evaluate_ensemble(exported: on_device.Ensemble, models, data,
     alpha = exported.personalize(train.x[c], train.y[c])
     tflite[c] = exported.predict(test.x[c], alpha)["probabilities"].argmax(-1)
     tflite_uniform[c] = exported.predict(test.x[c])["probabilities"].argmax(-1)
-  member_train = _keras_member_probabilities(models, train)
-  member_test = _keras_member_probabilities(models, test)
-  keras, keras_uniform = {}, {}
-  for c in writers:
-    alpha = personalization.personalization_weights(
-        personalization.member_losses(member_train[c], train.y[c]), exported.temperature)
-    keras[c] = personalization.weighted_probabilities(member_test[c], alpha).argmax(-1)
-    keras_uniform[c] = member_test[c].mean(0).argmax(-1)
   labels = {c: test.y[c] for c in writers}
   accuracy, per_client = _mean_accuracy(tflite_uniform, labels)
   one_image = test.x[writers[0]][:1]
-  return {"accuracy": accuracy, "per_client_accuracy": per_client,
-          "personalized_accuracy": _mean_accuracy(tflite, labels)[1],
-          "keras_accuracy": _mean_accuracy(keras_uniform, labels)[0],
-          "keras_personalized_accuracy": _mean_accuracy(keras, labels)[1],
-          "agreement": _agreement(tflite, keras),
-          "uniform_agreement": _agreement(tflite_uniform, keras_uniform),
-          "personalization_temperature": exported.temperature,
-          "latency_ms_median": on_device.latency_ms(
-              lambda: exported.predict(one_image), latency_repeats)}
+  report = {"accuracy": accuracy, "per_client_accuracy": per_client,
+            "personalized_accuracy": _mean_accuracy(tflite, labels)[1],
+            "personalization_temperature": exported.temperature,
+            "latency_ms_median": on_device.latency_ms(
+                lambda: exported.predict(one_image), latency_repeats)}
+  if models is not None:
+    keras, keras_uniform = reference.ensemble_classes(models, train, test, writers,
+                                                      exported.temperature)
+    report.update(keras_accuracy=_mean_accuracy(keras_uniform, labels)[0],
+                  keras_personalized_accuracy=_mean_accuracy(keras, labels)[1],
+                  agreement=_agreement(tflite, keras),
+                  uniform_agreement=_agreement(tflite_uniform, keras_uniform))
+  return report
 
 
 OOD_KEYS = ("ood_auroc_entropy", "ood_auroc_mutual_information")
@@ -122,43 +116,60 @@ OOD_KEYS = ("ood_auroc_entropy", "ood_auroc_mutual_information")
 def evaluate_ood(exported, models, data) -> dict:
   """OOD AUROCs of the file's uncertainty on the test inputs against the task's
   out-of-distribution ones (the ensemble's uniform `entropy` and
-  `mutual_information` outputs; a single model's predictive entropy), and the
-  Keras model(s)' as the run's summary computes them (`keras_` keys)."""
+  `mutual_information` outputs; a single model's predictive entropy), and with Keras
+  `models` theirs as the run's summary computes them (`keras_` keys)."""
   def file_predictions(x):
     if isinstance(exported, on_device.Ensemble):
       return exported.predict(x)
     probabilities = scipy.special.softmax(
         exported.logits(x).astype(np.float64), axis=-1)
     return {"probabilities": probabilities,
-            "entropy": evaluation.entropy(probabilities)}
+            "entropy": metrics.entropy(probabilities)}
 
-  def keras_predictions(x):
-    return evaluation.predictive_uncertainty(np.stack(
-        [evaluation.predict_probabilities(m, x) for m in models]))
-
+  predictions = {"": file_predictions}
+  if models is not None:
+    predictions["keras_"] = lambda x: reference.uncertainty(models, x)
   (test_x, test_y), (ood_x, _) = data.test.concatenated(), data.ood.concatenated()
   report = {}
-  for prefix, predict in (("", file_predictions), ("keras_", keras_predictions)):
-    summary = evaluation.uncertainty_summary(predict(test_x), test_y, predict(ood_x))
+  for prefix, predict in predictions.items():
+    summary = metrics.uncertainty_summary(predict(test_x), test_y, predict(ood_x))
     report.update({prefix + k: summary[k] for k in OOD_KEYS})
   return report
+
+
+def load_data(run: runs.Run, data_dir: str | None):
+  """The run's data: by its task where TensorFlow is installed, else its LEAF files."""
+  if reference is not None:
+    return reference.load_data(run, data_dir)
+  task = run.config.get("task", "femnist")
+  if task != "femnist":
+    raise ExportError(f"{run.run_dir} is a {task} run: the device environment reads "
+                      "FEMNIST's LEAF files only; evaluate it in the main environment "
+                      "(uv run python -m export.evaluate ...)")
+  try:
+    data = leaf.load_leaf(data_dir or run.config.get("data_dir")
+                          or os.environ.get(leaf.DATA_DIR_ENV, ""))
+  except DataError as e:
+    raise ExportError(str(e)) from None
+  return leaf.digits_only(data) if run.config.get("classes") == "digits" else data
 
 
 def build_report(run: runs.Run, tflite_path: str, data, num_threads: int = 1,
                  latency_repeats: int = 50) -> dict:
   """The report (see the module docstring) of the file at `tflite_path` exported from `run`."""
   exported = on_device.load(tflite_path, num_threads)
-  models = run.load_models()
   if isinstance(exported, on_device.Ensemble):
-    if len(models) != exported.ensemble_size:
+    if len(run.model_paths) != exported.ensemble_size:
       raise ExportError(f"{tflite_path} holds K={exported.ensemble_size} models but "
-                        f"{run.run_dir} has {len(models)}: pass the run it was exported from")
-    measured = evaluate_ensemble(exported, models, data, latency_repeats)
-  else:
-    if run.is_ensemble:
-      raise ExportError(f"{tflite_path} holds one model but {run.run_dir} is an ensemble "
-                        "run: pass the run it was exported from")
-    measured = evaluate_classifier(exported, models, data, latency_repeats)
+                        f"{run.run_dir} has {len(run.model_paths)}: pass the run it was "
+                        "exported from")
+  elif run.is_ensemble:
+    raise ExportError(f"{tflite_path} holds one model but {run.run_dir} is an ensemble "
+                      "run: pass the run it was exported from")
+  models = run.load_models() if reference is not None else None
+  evaluate = (evaluate_ensemble if isinstance(exported, on_device.Ensemble)
+              else evaluate_classifier)
+  measured = evaluate(exported, models, data, latency_repeats)
   if data.ood is not None and data.ood.num_examples():
     measured.update(evaluate_ood(exported, models, data))
     measured.update({f"reference_{k}": run.summary.get(k) for k in OOD_KEYS})
@@ -197,7 +208,7 @@ def main(argv):
       if not FLAGS[name].value:
         raise ExportError(f"--{name} is required (see --help)")
     run = runs.load_run(FLAGS.run_dir)
-    data = run.task.load_data(FLAGS.data_dir or run.config.get("data_dir"))
+    data = load_data(run, FLAGS.data_dir)
     report = build_report(run, FLAGS.tflite, data, FLAGS.num_threads, FLAGS.latency_repeats)
     try:
       with open(FLAGS.output, "w") as f:
@@ -205,7 +216,7 @@ def main(argv):
     except OSError as e:
       raise ExportError(f"cannot write --output={FLAGS.output} ({e.strerror}): choose a "
                         "writable path") from None
-  except (ExportError, tasks.DataError) as e:
+  except ExportError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   keys = ("accuracy", "reference_accuracy", "personalized_accuracy",

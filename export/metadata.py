@@ -10,13 +10,18 @@ dependency here, so the entry holds JSON that any flatbuffer reader can get at: 
 
 Added to a model object of TensorFlow's `flatbuffer_utils` (the TFLite schema's object API;
 `export.convert.finalize`); read with the schema's zero-copy accessors, so reading a 130 MB
-ensemble does not copy its weights.
+ensemble does not copy its weights. The schema is LiteRT's copy in the device environment
+(`device/`, no TensorFlow), TensorFlow's in the main one.
 """
 
 import json
 
 import numpy as np
-from tensorflow.lite.python import schema_py_generated as schema
+
+try:
+  from ai_edge_litert import schema_py_generated as schema
+except ImportError:
+  from tensorflow.lite.python import schema_py_generated as schema
 
 from export import ExportError
 

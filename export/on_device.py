@@ -1,26 +1,53 @@
 """Runs exported files in a standalone runtime, as a phone would, with checked inputs.
 
-A file's metadata (`metadata`) says which runtime it needs: tflite-runtime's `Interpreter`
-(TFLite's standalone Python package, no TensorFlow; XNNPACK for float ops as on phones)
-or, for `lce` files, larq-compute-engine's `lce.testing.Interpreter` (TFLite with LCE's
-1-bit kernels registered). Inputs are checked against the metadata before they reach the
+A file's metadata (`metadata`) says which runtime it needs: a standalone TFLite
+`Interpreter` (no TensorFlow; XNNPACK for float ops as on phones), LiteRT's in the device
+environment (`device/`) and tflite-runtime's in the main one, or, for `lce` files,
+larq-compute-engine's `lce.testing.Interpreter` (TFLite with LCE's 1-bit kernels
+registered), in both. Inputs are checked against the metadata before they reach the
 interpreter, whose own errors do not say what was expected: a wrong image shape, dtype or
 value range, an alpha that is not K weights on the simplex, or an empty or mislabeled
 personalization set raise `ExportError` with a one-line message.
 """
 
+import importlib.metadata
+import importlib.util
+import sys
 import time
 
-import larq_compute_engine as lce
 import numpy as np
-import tflite_runtime
-from tflite_runtime import interpreter as tflite
+
+try:
+  from ai_edge_litert import interpreter as tflite
+  RUNTIME = f"ai_edge_litert {importlib.metadata.version('ai-edge-litert')}"
+except ImportError:
+  from tflite_runtime import interpreter as tflite
+  RUNTIME = f"tflite_runtime {importlib.metadata.version('tflite-runtime')}"
 
 from export import ExportError
 from export import metadata
 
 # alpha must sum to 1 within this (float32 rounding of user-computed weights).
 ALPHA_SUM_TOLERANCE = 1e-3
+
+
+def lce_interpreter() -> type:
+  """larq-compute-engine's interpreter class (`lce.testing.Interpreter`).
+
+  Its package's `__init__` imports LCE's converter and with it TensorFlow, which the
+  interpreter does not use. Without TensorFlow (the device environment) the package is
+  registered unexecuted, so that only the interpreter's modules load.
+  """
+  if importlib.util.find_spec("larq_compute_engine") is None:
+    raise ExportError("lce files need larq-compute-engine, which has no wheel for this "
+                      "platform: run the file where it installs (x86-64, macOS)")
+  if (importlib.util.find_spec("tensorflow") is None and
+      "larq_compute_engine" not in sys.modules):
+    spec = importlib.util.find_spec("larq_compute_engine")
+    sys.modules["larq_compute_engine"] = importlib.util.module_from_spec(spec)
+  # pylint: disable-next=import-outside-toplevel
+  from larq_compute_engine.tflite.python import interpreter
+  return interpreter.Interpreter
 
 
 def load(path: str, num_threads: int = 1) -> "Classifier | Ensemble":
@@ -83,8 +110,9 @@ class Classifier(_Exported):
   def __init__(self, flatbuffer: bytes, description: dict, num_threads: int = 1):
     super().__init__(flatbuffer, description)
     if description["runtime"] == metadata.RUNTIME_LCE:
-      self._lce = lce.testing.Interpreter(flatbuffer, num_threads=num_threads)
-      self.runtime = f"larq_compute_engine {lce.__version__} (lce.testing.Interpreter)"
+      self._lce = lce_interpreter()(flatbuffer, num_threads=num_threads)
+      version = importlib.metadata.version("larq-compute-engine")
+      self.runtime = f"larq_compute_engine {version} (lce.testing.Interpreter)"
     else:
       self._lce = None
       self._interpreter = tflite.Interpreter(model_content=flatbuffer,
@@ -92,7 +120,7 @@ class Classifier(_Exported):
       self._input = self._interpreter.get_input_details()[0]
       self._output = self._interpreter.get_output_details()[0]
       self._interpreter.allocate_tensors()
-      self.runtime = f"tflite_runtime {tflite_runtime.__version__} (Interpreter)"
+      self.runtime = f"{RUNTIME} (Interpreter)"
 
   def logits(self, images: np.ndarray) -> np.ndarray:
     """float32 [n, classes] logits of float32 images [n, *input_shape] in [0, 1].
@@ -127,8 +155,7 @@ class Ensemble(_Exported):
     interpreter = tflite.Interpreter(model_content=flatbuffer, num_threads=num_threads)
     self._predict = interpreter.get_signature_runner("predict")
     self._personalize = interpreter.get_signature_runner("personalize")
-    self.runtime = (f"tflite_runtime {tflite_runtime.__version__} (Interpreter, "
-                    "signature runners)")
+    self.runtime = f"{RUNTIME} (Interpreter, signature runners)"
 
   def uniform_alpha(self) -> np.ndarray:
     return np.full(self.ensemble_size, 1.0 / self.ensemble_size, np.float32)

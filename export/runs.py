@@ -1,7 +1,8 @@
 """A trained run as `tff_ens.main` writes it: config, summary and Keras model(s).
 
 `model.keras` for one model, `members/member_k.keras` for an ensemble (see
-`tff_ens.training`), with `config.json` and `summary.json` beside them.
+`tff_ens.training`), with `config.json` and `summary.json` beside them. Reading a run needs
+no TensorFlow (the device environment reads runs too); `task` and `load_models` import it.
 """
 
 import dataclasses
@@ -9,10 +10,7 @@ import json
 import os
 import re
 
-import tensorflow as tf
-
 from export import ExportError
-import tasks
 
 MODEL_FILE = "model.keras"
 MEMBERS_DIR = "members"
@@ -42,6 +40,7 @@ class Run:
 
   @property
   def task(self):
+    import tasks  # pylint: disable=import-outside-toplevel
     return tasks.get_task(self.config.get("task", "femnist"),
                           self.config.get("classes", "all"))
 
@@ -49,8 +48,10 @@ class Run:
   def is_binary(self) -> bool:
     return self.config.get("model") in getattr(self.task, "BINARY_MODEL_NAMES", ())
 
-  def load_models(self) -> list[tf.keras.Model]:
+  def load_models(self) -> list:
     """The Keras model(s), un-compiled (larq's layers are registered by importing tasks)."""
+    import tasks  # pylint: disable=import-outside-toplevel,unused-import
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     return [tf.keras.models.load_model(p, compile=False) for p in self.model_paths]
 
 

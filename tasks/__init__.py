@@ -2,14 +2,18 @@
 
 A task (a module, or for CIFAR a `cifar.CifarTask`) exposes NUM_CLASSES,
 INPUT_SHAPE, CLASS_LABELS, MODEL_NAMES, BINARY_MODEL_NAMES,
-TRAIN_AUGMENTATION, load_data and build_model:
+TRAIN_AUGMENTATION, DEFAULT_PARTITION, SERVER_EXAMPLES, load_data and
+build_model:
 
   load_data(data_dir=None, *, partition=None, seed=0) -> a
-    `femnist.FederatedData`, whose `server` field holds the server's examples
+    `data.FederatedData`, whose `server` field holds the server's examples
     when the task sets them aside and whose `shift` and `ood` fields hold its
-    shifted and out-of-distribution evaluation sets when it has them; `partition` is a
-    `partition.PartitionConfig` (a task with natural clients refuses any but
-    the default one).
+    shifted and out-of-distribution evaluation sets when it has them;
+    `partition` is a `partition.PartitionConfig` (None: the task's own
+    clients, FEMNIST's writers) applied by `data.split_pool`.
+  DEFAULT_PARTITION: the split when --partition is unset (None: natural
+    clients). SERVER_EXAMPLES: the default (unlabeled, validation) examples
+    a split sets aside for the server.
   build_model(name, *, seed=0, norm="batch") -> an un-compiled Keras model
     to logits.
   TRAIN_AUGMENTATION: None, or `(x, y, seed) -> (x, y)` applied to each
@@ -17,20 +21,32 @@ TRAIN_AUGMENTATION, load_data and build_model:
     server data.
 """
 
-from tasks import cifar
-from tasks import femnist
+import importlib
+
+from tasks import data
 from tasks import partition  # pylint: disable=unused-import
 
-TASKS = {"femnist": femnist, "cifar10": cifar.CIFAR10,
-         "cifar100": cifar.CIFAR100}
+# Task name -> (module, attribute or None for the module itself). The modules
+# build Keras models, so they are imported on first use: `tasks.data`,
+# `tasks.partition` and `tasks.leaf` run without TensorFlow (the device
+# environment, device/).
+TASKS = {"femnist": ("femnist", None), "cifar10": ("cifar", "CIFAR10"),
+         "cifar100": ("cifar", "CIFAR100")}
 
 # The error every task raises for missing or malformed data.
-DataError = femnist.DataError
+DataError = data.DataError
 
 
 # --classes: every class of the task, or FEMNIST's digits with its letters as
 # out-of-distribution inputs (`femnist.DIGITS`).
 CLASSES = ("all", "digits")
+
+
+def __getattr__(name: str):
+  """`tasks.femnist`, `tasks.cifar`: the task modules, imported on first use."""
+  if name in ("femnist", "cifar"):
+    return importlib.import_module(f"tasks.{name}")
+  raise AttributeError(f"module 'tasks' has no attribute {name!r}")
 
 
 def get_task(name: str, classes: str = "all"):
@@ -45,5 +61,7 @@ def get_task(name: str, classes: str = "all"):
     if name != "femnist":
       raise ValueError(f"classes 'digits' applies to femnist, not {name}: "
                        "leave it at 'all'")
-    return femnist.DIGITS
-  return TASKS[name]
+    return importlib.import_module("tasks.femnist").DIGITS
+  module, attribute = TASKS[name]
+  module = importlib.import_module(f"tasks.{module}")
+  return getattr(module, attribute) if attribute else module

@@ -49,7 +49,6 @@ crop, flip); evaluation and the server's data never are.
 """
 
 import dataclasses
-import hashlib
 import logging
 import os
 import pickle
@@ -59,6 +58,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from tasks import data as data_lib
 from tasks import femnist
 from tasks import partition as partition_lib
 from tasks import resnet
@@ -68,7 +68,7 @@ MODEL_NAMES = ("cnn", "resnet8", "resnet20", "resnet32", "resnet8_binary")
 # The models with 1-bit layers (larq), which export as `lce` and `binary`.
 BINARY_MODEL_NAMES = ("resnet8_binary",)
 DATA_DIR_ENV = femnist.DATA_DIR_ENV
-DataError = femnist.DataError
+DataError = data_lib.DataError
 KERAS_CACHE_DIR = os.path.join("~", ".keras")
 # tfds' default data directory: $TFDS_DATA_DIR, else ~/tensorflow_datasets.
 TFDS_DATA_DIR_ENV = "TFDS_DATA_DIR"
@@ -360,38 +360,6 @@ def augment_training_example(x: tf.Tensor, y: tf.Tensor,
   return x, y
 
 
-def _row_digests(images: np.ndarray) -> list[bytes]:
-  return [hashlib.blake2b(row.tobytes(), digest_size=16).digest()
-          for row in images]
-
-
-def _server_indices(train_x: np.ndarray, test_x: np.ndarray,
-                    config: partition_lib.PartitionConfig, seed: int,
-                    source: str) -> tuple[np.ndarray, np.ndarray]:
-  """(unlabeled, validation) training indices drawn for the server, seeded.
-
-  Training images byte-identical to a test image are never drawn, so the
-  server's data share no image with the test data (server_data.py checks).
-  """
-  wanted = config.server_unlabeled_examples + config.server_validation_examples
-  if wanted >= len(train_x):
-    raise DataError(
-        f"{source}: --server_unlabeled_examples="
-        f"{config.server_unlabeled_examples} and --server_validation_examples="
-        f"{config.server_validation_examples} leave none of its "
-        f"{len(train_x)} training examples to the clients: lower them")
-  in_test = set(_row_digests(test_x))
-  allowed = np.array([d not in in_test for d in _row_digests(train_x)])
-  order = np.random.default_rng([seed, 3]).permutation(len(train_x))
-  drawn = order[allowed[order]][:wanted]
-  if len(drawn) < wanted:
-    raise DataError(f"{source}: only {len(drawn)} training images differ from "
-                    f"every test image, the server needs {wanted}: lower "
-                    "--server_unlabeled_examples")
-  return (np.sort(drawn[:config.server_unlabeled_examples]),
-          np.sort(drawn[config.server_unlabeled_examples:]))
-
-
 def _build_convnet(num_classes: int, seed: int) -> tf.keras.Model:
   """FedBE's CIFAR ConvNet: three 3x3 convolutions and two dense layers.
 
@@ -420,7 +388,8 @@ class CifarTask:
   """CIFAR-10 or CIFAR-100, with the interface of a task module.
 
   See tasks/__init__.py: NUM_CLASSES, INPUT_SHAPE, CLASS_LABELS, MODEL_NAMES,
-  BINARY_MODEL_NAMES, TRAIN_AUGMENTATION, DataError, load_data, build_model.
+  BINARY_MODEL_NAMES, TRAIN_AUGMENTATION, DEFAULT_PARTITION, SERVER_EXAMPLES,
+  DataError, load_data, build_model.
   `shift_dataset` names the tfds dataset of its `shift` set, or is None.
   """
 
@@ -429,6 +398,10 @@ class CifarTask:
   BINARY_MODEL_NAMES = BINARY_MODEL_NAMES
   DataError = DataError
   TRAIN_AUGMENTATION = staticmethod(augment_training_example)
+  # No natural clients: an iid split unless --partition says otherwise.
+  DEFAULT_PARTITION = "iid"
+  # The server's (unlabeled, validation) examples: FedBE's 10,000 of the 50,000.
+  SERVER_EXAMPLES = (10_000, 1_000)
 
   def __init__(self, name: str, class_labels: tuple[str, ...],
                archive: Archive, shift_dataset: str | None = None):
@@ -493,7 +466,7 @@ class CifarTask:
       self, data_dir: str | None = None, *,
       shift_corruption: str = SHIFT_CORRUPTION,
       shift_severity: int = SHIFT_SEVERITY) -> tuple[
-          femnist.ClientArrays | None, femnist.ClientArrays | None]:
+          data_lib.ClientArrays | None, data_lib.ClientArrays | None]:
     """(shift, ood): standardized pseudo-clients, each None if not prepared.
 
     Read with tfds from the given directory (as `find_data`), else tfds'
@@ -516,7 +489,7 @@ class CifarTask:
       if found:
         x, y = read_tfds(name, found, "test")
         client = name.split("/")[0]
-        sets[field] = femnist.ClientArrays(
+        sets[field] = data_lib.ClientArrays(
             (client,), {client: self.standardize(x)}, {client: y})
       else:
         missing.append((field, name))
@@ -530,7 +503,7 @@ class CifarTask:
   def load_data(self, data_dir: str | None = None, *,
                 partition: partition_lib.PartitionConfig | None = None,
                 seed: int = 0, shift_corruption: str = SHIFT_CORRUPTION,
-                shift_severity: int = SHIFT_SEVERITY) -> femnist.FederatedData:
+                shift_severity: int = SHIFT_SEVERITY) -> data_lib.FederatedData:
     """The federated split of the dataset (see the module docstring).
 
     Args:
@@ -556,42 +529,16 @@ class CifarTask:
       (train_x, train_y), (test_x, test_y) = load_archive(
           where, self.archive, self.CLASS_LABELS)
       source = f"{self.name}:{where}"
-    unlabeled, validation = _server_indices(train_x, test_x, config, seed,
-                                            where)
-    pool = np.setdiff1d(np.arange(len(train_y)),
-                        np.concatenate([unlabeled, validation]))
-    try:
-      parts = [pool[p] for p in partition_lib.partition(train_y[pool], config,
-                                                         seed)]
-    except partition_lib.PartitionError as e:
-      raise DataError(f"{where}: {e}") from None
-    test_parts = partition_lib.split_like([train_y[p] for p in parts],
-                                          test_y, seed)
-    digits = len(str(config.num_clients - 1))
-    ids = tuple(f"client_{k:0{digits}d}" for k in range(config.num_clients))
-    train = femnist.ClientArrays(
-        ids, {c: self.standardize(train_x[p]) for c, p in zip(ids, parts)},
-        {c: train_y[p] for c, p in zip(ids, parts)})
-    tested = [(c, p) for c, p in zip(ids, test_parts) if len(p)]
-    test = femnist.ClientArrays(
-        tuple(c for c, _ in tested),
-        {c: self.standardize(test_x[p]) for c, p in tested},
-        {c: test_y[p] for c, p in tested})
-    logging.info("%s, %s split over %d clients (examples per class):\n%s",
-                 source, config.partition, config.num_clients,
-                 partition_lib.partition_report(
-                     ids, [train.y[c] for c in ids], self.NUM_CLASSES))
+    train, test, server = data_lib.split_pool(
+        (train_x, train_y), (test_x, test_y), config, seed, where=source,
+        num_classes=self.NUM_CLASSES, preprocess=self.standardize)
     shift, ood = self.evaluation_sets(data_dir,
                                       shift_corruption=shift_corruption,
                                       shift_severity=shift_severity)
-    return femnist.FederatedData(
+    return data_lib.FederatedData(
         train=train, test=test,
-        new_clients=femnist.ClientArrays((), {}, {}), source=source,
-        server=femnist.ServerExamples(
-            unlabeled=self.standardize(train_x[unlabeled]),
-            validation_x=self.standardize(train_x[validation]),
-            validation_y=train_y[validation]),
-        shift=shift, ood=ood)
+        new_clients=data_lib.ClientArrays((), {}, {}, INPUT_SHAPE),
+        source=source, server=server, shift=shift, ood=ood)
 
   def standardize(self, images: np.ndarray) -> np.ndarray:
     """uint8 [n, 32, 32, 3] -> float32 (images / 255 - mean) / std."""

@@ -57,7 +57,7 @@ def test_acquisition_reveals_labels_of_the_selected_inputs_only():
   assert revealed == 4
   # The training split the loop builds holds exactly the labeled examples.
   x = {c: np.arange(n, dtype=np.float32) for c, n in sizes.items()}
-  train = tasks.femnist.ClientArrays(("a", "b"), x, dict(x))
+  train = tasks.data.ClientArrays(("a", "b"), x, dict(x))
   labeled = training._labeled(train, pool, sizes)  # pylint: disable=protected-access
   for client in sizes:
     np.testing.assert_array_equal(labeled.y[client],
@@ -92,6 +92,7 @@ def active_run(tmp_path_factory):
   return config, training.run_experiment(config)
 
 
+@pytest.mark.slow
 def test_active_learning_run_reports_the_curve(active_run):
   config, summary = active_run
   sizes = training.tasks.get_task("femnist").load_data(

@@ -15,7 +15,6 @@ import tensorflow as tf
 
 import tasks
 from tasks import cifar
-from tasks import femnist
 from tasks import partition
 from tff_ens import algorithms
 from tff_ens import server_data
@@ -386,8 +385,9 @@ def test_data_too_small_for_the_split(cifar10_dir, change, message):
      "unknown --partition=shards"),
     (dict(partition_alpha=-1.0), training.UsageError,
      "--partition_alpha must be > 0"),
-    (dict(task="femnist", num_clients=3), tasks.DataError,
-     "FEMNIST's clients are its writers"),
+    (dict(task="femnist", num_clients=3), training.UsageError,
+     "--num_clients applies to a pooled split, and femnist's clients are its "
+     "writers"),
 ])
 def test_bad_partition_flags_of_a_run(cifar10_dir, tmp_path, change, error,
                                       message):
@@ -395,11 +395,6 @@ def test_bad_partition_flags_of_a_run(cifar10_dir, tmp_path, change, error,
       task="cifar10", data_dir=str(cifar10_dir), output_dir=str(tmp_path))
   with pytest.raises(error, match=message):
     training.run_experiment(dataclasses.replace(config, **change))
-
-
-def test_femnist_refuses_a_partition():
-  with pytest.raises(tasks.DataError, match="FEMNIST's clients are its"):
-    femnist.load_data(partition=partition.PartitionConfig(num_clients=3))
 
 
 # Models and augmentation ------------------------------------------------------
@@ -496,7 +491,13 @@ def _quick(data_dir, output_dir, **changes):
 SMOKE_PARTITIONS = dict(zip(algorithms.ALGORITHMS, partition.PARTITIONS * 3))
 
 
-@pytest.mark.parametrize("algorithm", algorithms.ALGORITHMS)
+# The server-distillation runs take 15-25 s each: run with `-m slow`.
+SLOW_ON_CIFAR = ("fedbe", "feddf", "fedppd_distill")
+
+
+@pytest.mark.parametrize("algorithm", [
+    pytest.param(a, marks=pytest.mark.slow) if a in SLOW_ON_CIFAR else a
+    for a in algorithms.ALGORITHMS])
 def test_every_algorithm_runs_on_cifar(cifar10_dir, tmp_path, algorithm):
   summary = training.run_experiment(_quick(
       cifar10_dir.parent, tmp_path, algorithm=algorithm,
@@ -509,6 +510,7 @@ def test_every_algorithm_runs_on_cifar(cifar10_dir, tmp_path, algorithm):
     assert json.load(f)["config"]["partition"] == SMOKE_PARTITIONS[algorithm]
 
 
+@pytest.mark.slow
 def test_cli_runs_cifar100_with_a_resnet(tmp_path):
   data_dir = tmp_path / "data"
   write_cifar100(data_dir)

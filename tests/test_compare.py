@@ -17,6 +17,9 @@ from tests.femnist_runs import DATA_DIR, QUICK, ROOT, read_metrics
 from tff_ens import compare
 from tff_ens import training
 
+# Three real runs and CLI processes: minutes (`uv run pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 # Two rounds of three writers: FedAvg and a two-member Fed-ensemble of one
 # seed, and FedAvg of another seed.
 RUN_CONFIGS = {

@@ -1,12 +1,16 @@
 """Tests of `tff_ens.distillation`: FedBE's and FedDF's server distillation.
 
 Hand/NumPy checks on the tiny linear models of `tiny.py` (4 features, 3
-classes): the targets and losses (AVGLOGITS KL, cross-entropy, sharpening),
-teacher predictions over a stack of weights, one training step, SWA (the
-average of the models collected at the cycle ends, batch-norm statistics
-recomputed), early stopping, drop-worst, the device choice, and `distill`
-inside a TFF computation run by the shared TFF context (conftest.py).
+classes): the targets and losses (AVGLOGITS KL, cross-entropy, sharpening
+with a temperature), teacher predictions over a stack of weights, one
+training step (also with gradient clipping), SWA (the average of the models
+collected at the cycle ends, batch-norm statistics recomputed, the warm-up),
+early stopping (the best evaluated student, or the initial one), both
+drop-worst rules, the device choice, and `distill` inside a TFF computation
+run by the shared TFF context (conftest.py).
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -85,12 +89,25 @@ def test_cross_entropy_differs_from_kl_by_the_target_entropy():
     distillation.distillation_loss("l2", p, STUDENT_LOGITS)
 
 
-def test_sharpen_squares_and_renormalizes():
+def test_sharpen_raises_to_one_over_the_temperature_and_renormalizes():
   p = np.array([[0.5, 0.3, 0.2], [0.25, 0.25, 0.5]], np.float32)
+  # T = 0.5 (the default): p^2 / sum p^2.
+  want = [[0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38], [1 / 6, 1 / 6, 4 / 6]]
+  np.testing.assert_allclose(distillation.sharpen(p), want, rtol=1e-6)
+  np.testing.assert_allclose(distillation.sharpen(p, 0.5), want, rtol=1e-6)
+  # T = 1 keeps p; T = 0.25 is p^4 / sum p^4; T = 2 flattens, sqrt(p).
+  np.testing.assert_allclose(distillation.sharpen(p, 1.0), p, rtol=1e-6)
   np.testing.assert_allclose(
-      distillation.sharpen(p),
-      [[0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38], [1 / 6, 1 / 6, 4 / 6]],
-      rtol=1e-6)
+      distillation.sharpen(p, 0.25)[0],
+      np.array([0.0625, 0.0081, 0.0016]) / 0.0722, rtol=1e-5)
+  roots = np.sqrt([0.25, 0.25, 0.5])
+  np.testing.assert_allclose(distillation.sharpen(p, 2.0)[1],
+                             roots / roots.sum(), rtol=1e-6)
+  # A small T on small probabilities: p^(1/T) underflows in float32 (1e-50),
+  # softmax(log p / T) does not. A zero stays zero.
+  small = np.array([[1e-5, 2e-5, 0.0]], np.float32)
+  np.testing.assert_allclose(distillation.sharpen(small, 0.1),
+                             [[1 / 1025, 1024 / 1025, 0.0]], rtol=1e-4)
 
 
 # Teachers -------------------------------------------------------------------
@@ -130,7 +147,7 @@ def test_ensemble_predictions_and_member_accuracies_match_numpy():
       np.mean(logits.argmax(-1) == y, axis=1), rtol=1e-6)
 
 
-def test_chance_accuracy_and_drop_worst():
+def test_chance_accuracy_and_the_majority_drop_worst_rule():
   y = np.array([3, 3, 3, 1, 2, 0, 4, 5, 6, 7], np.int32)
   # Majority class 3: 30% > 1/10.
   np.testing.assert_allclose(distillation.chance_accuracy(y, 10), 0.3)
@@ -138,13 +155,94 @@ def test_chance_accuracy_and_drop_worst():
       distillation.chance_accuracy(np.arange(5), 62), 0.2)
   np.testing.assert_allclose(
       distillation.chance_accuracy(np.arange(62), 62), 1 / 62, rtol=1e-6)
-  mask = distillation.drop_worst_mask(tf.constant([0.9, 0.05, 0.3, 0.31]),
-                                      0.3)
-  np.testing.assert_array_equal(mask, [True, False, False, True])
-  # None above chance: all kept.
-  np.testing.assert_array_equal(
-      distillation.drop_worst_mask(tf.constant([0.1, 0.3]), 0.3),
-      [True, True])
+  keep, informative = distillation.drop_worst_mask(
+      "majority", tf.constant([0.9, 0.05, 0.3, 0.31]), y, 10)
+  np.testing.assert_array_equal(keep, [True, False, False, True])
+  assert bool(informative)
+  # None above chance: all kept, and nothing to learn from.
+  keep, informative = distillation.drop_worst_mask(
+      "majority", tf.constant([0.1, 0.3]), y, 10)
+  np.testing.assert_array_equal(keep, [True, True])
+  assert not bool(informative)
+  with pytest.raises(ValueError, match="unknown drop-worst rule 'best'"):
+    distillation.drop_worst_mask("best", tf.constant([0.1]), y, 10)
+
+
+def authors_drop_worst(accuracies, num_classes):
+  """FedDF's code in NumPy: drop below 1.2 / C, else the low outliers."""
+  accuracies = list(accuracies)
+  below = [a < 1.2 / num_classes for a in accuracies]
+  if any(below):
+    return [not b for b in below]
+  others = list(accuracies)
+  others.remove(max(others))
+  lower = np.mean(others) - 1.5 * np.std(others)
+  return [a >= lower for a in accuracies]
+
+
+Y10 = np.arange(10, dtype=np.int32)  # Balanced: chance is 1/10.
+
+
+def test_authors_drop_worst_rule_drops_below_guessing_by_hand():
+  # 1.2 / 10 = 0.12: 0.11 and 0.05 are dropped, 0.13 is kept though the
+  # majority rule's 0.1 would keep 0.11 too. No outlier test then.
+  accuracies = [0.5, 0.11, 0.13, 0.05, 0.6]
+  keep, informative = distillation.drop_worst_mask(
+      "guess_or_outliers", tf.constant(accuracies), Y10, 10)
+  np.testing.assert_array_equal(keep, [True, False, True, False, True])
+  assert bool(informative)
+  np.testing.assert_array_equal(keep, authors_drop_worst(accuracies, 10))
+  keep, _ = distillation.drop_worst_mask("majority", tf.constant(accuracies),
+                                         Y10, 10)
+  np.testing.assert_array_equal(keep, [True, True, True, False, True])
+  # All below guessing: all kept, nothing to learn from.
+  keep, informative = distillation.drop_worst_mask(
+      "guess_or_outliers", tf.constant([0.1, 0.02]), Y10, 10)
+  np.testing.assert_array_equal(keep, [True, True])
+  assert not bool(informative)
+
+
+def test_authors_drop_worst_rule_drops_low_outliers_by_hand():
+  # None below 0.12. Without the best (0.9), the others' mean is 0.425 and
+  # their population std sqrt(0.0683 / 4) = 0.1307: the cut is 0.229.
+  accuracies = [0.9, 0.5, 0.52, 0.48, 0.2]
+  others = np.array([0.5, 0.52, 0.48, 0.2])
+  np.testing.assert_allclose(others.mean() - 1.5 * others.std(),
+                             0.425 - 1.5 * np.sqrt(0.0683 / 4))
+  keep, informative = distillation.drop_worst_mask(
+      "guess_or_outliers", tf.constant(accuracies), Y10, 10)
+  np.testing.assert_array_equal(keep, [True, True, True, True, False])
+  assert bool(informative)
+  np.testing.assert_array_equal(keep, authors_drop_worst(accuracies, 10))
+  # The majority rule keeps all of them.
+  keep, _ = distillation.drop_worst_mask("majority", tf.constant(accuracies),
+                                         Y10, 10)
+  assert np.all(keep)
+  # Equal accuracies (std 0) and two models: none is an outlier.
+  for equal in ([0.3] * 5, [0.7, 0.2]):
+    keep, _ = distillation.drop_worst_mask(
+        "guess_or_outliers", tf.constant(equal), Y10, 10)
+    assert np.all(keep)
+
+
+def test_drop_worst_considers_members_only():
+  # Slot 3 is no member (an empty slot): its 0 is neither below guessing
+  # nor in the outliers' statistics, and it is never kept. Over the members
+  # (0.6 set aside), mean 0.525 and std 0.025 cut at 0.4875: all kept.
+  accuracies = tf.constant([0.6, 0.5, 0.55, 0.0])
+  members = tf.constant([True, True, True, False])
+  keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies,
+                                         Y10, 10, members=members)
+  np.testing.assert_array_equal(keep, [True, True, True, False])
+  # With slot 3 a member, it is below guessing and the only one dropped.
+  keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies,
+                                         Y10, 10)
+  np.testing.assert_array_equal(keep, [True, True, True, False])
+  # A single member is kept (the authors' code fails on one model).
+  keep, _ = distillation.drop_worst_mask(
+      "guess_or_outliers", accuracies, Y10, 10,
+      members=tf.constant([False, True, False, False]))
+  np.testing.assert_array_equal(keep, [False, True, False, False])
 
 
 # Schedules and SWA ------------------------------------------------------------
@@ -180,6 +278,33 @@ def test_swa_average_is_the_mean_of_the_collected_models():
   np.testing.assert_allclose(average[1], 2.0, rtol=1e-6)
 
 
+def test_fedbe_swa_warm_up_is_a_fraction_of_the_budget():
+  # The paper's 250 steps of the authors' 1,580 (20 epochs of 79 batches).
+  assert distillation.fedbe_config(1_580).swa_warmup_steps == 250
+  assert distillation.fedbe_config(200).swa_warmup_steps == 32  # 31.6
+  # The authors' code's 500 steps.
+  assert distillation.fedbe_config(
+      1_580, swa_warmup_fraction=500 / 1_580).swa_warmup_steps == 500
+  assert distillation.fedbe_config(
+      100, swa_warmup_fraction=0.0).swa_warmup_steps == 0
+  # 200 steps, 32 warm-up: the cycles ending at 50, ..., 200 are collected.
+  config = distillation.fedbe_config(200)
+  assert [s + 1 for s in range(200)
+          if distillation.is_swa_collection_step(s, config)] == list(
+              range(50, 201, 25))
+  with pytest.raises(ValueError, match="swa_warmup_fraction"):
+    distillation.fedbe_config(200, swa_warmup_fraction=1.0)
+  with pytest.raises(ValueError, match="collects none"):
+    distillation.fedbe_config(40, swa_warmup_fraction=0.7)
+
+
+def test_feddf_config_takes_the_authors_settings_where_the_paper_is_silent():
+  config = distillation.feddf_config()
+  assert (config.num_steps, config.patience) == (10_000, 1_000)  # Paper.
+  assert (config.batch_size, config.eval_every) == (128, 100)  # Code.
+  assert config.clip_norm == 5.0 and not config.keep_initial_student
+
+
 def test_config_validation():
   with pytest.raises(ValueError, match="collects none"):
     Config(num_steps=7, cycle_steps=4, swa_warmup_steps=4)
@@ -189,6 +314,8 @@ def test_config_validation():
     Config(num_steps=8, optimizer="rmsprop", swa=False)
   with pytest.raises(ValueError, match="needs patience"):
     Config(num_steps=8, swa=False, eval_every=2)
+  with pytest.raises(ValueError, match="clip_norm must be >= 0"):
+    Config(num_steps=8, swa=False, clip_norm=-1.0)
 
 
 # distill --------------------------------------------------------------------
@@ -209,6 +336,38 @@ def test_one_full_batch_sgd_step_by_hand():
                              bias - 0.5 * d.sum(0), rtol=1e-5, atol=1e-6)
   assert int(stats["steps"]) == 1 and int(stats["examples"]) == 6
   assert int(stats["swa_models"]) == 0
+
+
+def test_gradient_clipping_scales_a_large_step_to_the_clip_norm():
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  x = 100 * X  # A large gradient: X^T d grows with x.
+  config = Config(num_steps=1, batch_size=6, learning_rate=0.5,
+                  lr_schedule="constant", momentum=0.0, swa=False,
+                  clip_norm=5.0)
+  weights, _ = distillation.distill(model, initial, images(x), TARGETS,
+                                    config, seed=0)
+  kernel, bias = (np.asarray(t, np.float64) for t in initial.trainable)
+  d = (softmax(numpy_logits(initial, x)) - TARGETS) / len(x)
+  gradient = [x.T @ d, d.sum(0)]
+  norm = np.sqrt(sum(np.sum(g**2) for g in gradient))
+  assert norm > 50.0  # Clipping changes this step.
+  scale = 5.0 / norm
+  np.testing.assert_allclose(weights.trainable[0],
+                             kernel - 0.5 * scale * gradient[0], rtol=1e-4,
+                             atol=1e-6)
+  np.testing.assert_allclose(weights.trainable[1],
+                             bias - 0.5 * scale * gradient[1], rtol=1e-4,
+                             atol=1e-6)
+  # SGD moves the weights by lr * 5, where without clipping lr * norm.
+  moved = np.sqrt(sum(np.sum((np.asarray(w) - np.asarray(v))**2) for w, v in
+                      zip(weights.trainable, initial.trainable)))
+  np.testing.assert_allclose(moved, 0.5 * 5.0, rtol=1e-4)
+  unclipped, _ = distillation.distill(
+      model, initial, images(x), TARGETS,
+      dataclasses.replace(config, clip_norm=0.0), seed=0)
+  np.testing.assert_allclose(unclipped.trainable[0],
+                             kernel - 0.5 * gradient[0], rtol=1e-4, atol=1e-5)
 
 
 def swa_config(**overrides):
@@ -262,7 +421,7 @@ def test_recompute_batch_norm_of_a_fused_layer_uses_keras_statistics():
   assert layer.momentum == 0.99  # Restored.
 
 
-def test_early_stopping_stops_and_returns_the_best_student():
+def test_early_stopping_with_the_initial_student_returns_it_if_unbeaten():
   model = tiny_model(seed=0)
   initial = weights_of(model)
   # Validation labels are the initial student's predictions: accuracy 1 at
@@ -270,7 +429,8 @@ def test_early_stopping_stops_and_returns_the_best_student():
   y_val = numpy_logits(initial, X).argmax(-1).astype(np.int32)
   config = Config(num_steps=100, batch_size=2, optimizer="adam",
                   learning_rate=0.1, lr_schedule="cosine", loss="kl",
-                  swa=False, eval_every=2, patience=4)
+                  swa=False, eval_every=2, patience=4,
+                  keep_initial_student=True)
   weights, stats = distillation.distill(
       model, initial, images(X), TARGETS, config, seed=1,
       validation=(images(X), y_val))
@@ -294,7 +454,7 @@ def test_early_stopping_takes_only_improvements_above_the_margin():
     config = Config(num_steps=40, batch_size=2, optimizer="adam",
                     learning_rate=0.1, lr_schedule="cosine", loss="kl",
                     swa=False, eval_every=2, patience=20,
-                    min_improvement=margin)
+                    min_improvement=margin, keep_initial_student=True)
     results[margin] = distillation.distill(
         model, initial, images(X), TARGETS, config, seed=1,
         validation=(images(X), y_val))
@@ -303,6 +463,82 @@ def test_early_stopping_takes_only_improvements_above_the_margin():
   weights, stats = results[1.0]
   assert int(stats["steps"]) == 20
   np.testing.assert_allclose(stats["validation_accuracy"], start)
+  for got, want in zip(weights.trainable, initial.trainable):
+    np.testing.assert_array_equal(got, want)
+
+
+# Plain SGD at a constant step size: the first k steps are the same whatever
+# the budget, so a run of k steps is the trajectory's student after k steps.
+SGD = dict(batch_size=2, learning_rate=0.5, lr_schedule="constant",
+           momentum=0.0, swa=False)
+
+
+def trajectory(model, initial, num_steps):
+  """The students after 1, ..., num_steps steps of SGD (seed 2)."""
+  return [distillation.distill(model, initial, images(X), TARGETS,
+                               Config(num_steps=k, **SGD), seed=2)[0]
+          for k in range(1, num_steps + 1)]
+
+
+def validation_curve(students, y_val):
+  return [np.mean(numpy_logits(w, X).argmax(-1) == y_val) for w in students]
+
+
+def test_early_stopping_returns_the_student_at_the_validation_peak():
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  students = trajectory(model, initial, 12)
+  # Validation labels: the student's predictions after 5 steps, so that its
+  # accuracy peaks (at 1) there, mid-run; the initial student is below.
+  y_val = numpy_logits(students[4], X).argmax(-1).astype(np.int32)
+  curve = validation_curve(students, y_val)
+  peak = int(np.argmax(curve))  # The first at the maximum.
+  assert curve[peak] == 1.0 and peak < 11 and curve[-1] < 1.0
+  assert np.mean(numpy_logits(initial, X).argmax(-1) == y_val) < 1.0
+  for keep_initial_student in (False, True):
+    config = Config(num_steps=12, eval_every=1, patience=12,
+                    keep_initial_student=keep_initial_student, **SGD)
+    weights, stats = distillation.distill(
+        model, initial, images(X), TARGETS, config, seed=2,
+        validation=(images(X), y_val))
+    assert int(stats["steps"]) == 12
+    np.testing.assert_allclose(stats["validation_accuracy"], 1.0)
+    for got, want in zip(weights.trainable, students[peak].trainable):
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_early_stopping_without_the_initial_one_returns_the_best_evaluated():
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  students = trajectory(model, initial, 12)
+  # Validation labels: the initial student's predictions (accuracy 1), which
+  # the trained students do not reach.
+  y_val = numpy_logits(initial, X).argmax(-1).astype(np.int32)
+  curve = validation_curve(students, y_val)
+  best = int(np.argmax(curve))
+  assert curve[best] < 1.0
+  config = Config(num_steps=12, eval_every=1, patience=12, **SGD)
+  assert not config.keep_initial_student  # FedDF's code's default.
+  weights, stats = distillation.distill(
+      model, initial, images(X), TARGETS, config, seed=2,
+      validation=(images(X), y_val))
+  np.testing.assert_allclose(stats["validation_accuracy"], curve[best])
+  for got, want in zip(weights.trainable, students[best].trainable):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  # With the initial student as a candidate, it is unbeaten.
+  weights, stats = distillation.distill(
+      model, initial, images(X), TARGETS,
+      dataclasses.replace(config, keep_initial_student=True), seed=2,
+      validation=(images(X), y_val))
+  np.testing.assert_allclose(stats["validation_accuracy"], 1.0)
+  for got, want in zip(weights.trainable, initial.trainable):
+    np.testing.assert_array_equal(got, want)
+  # A budget shorter than eval_every evaluates no student: the initial one.
+  weights, stats = distillation.distill(
+      model, initial, images(X), TARGETS,
+      Config(num_steps=3, eval_every=5, patience=5, **SGD), seed=2,
+      validation=(images(X), y_val))
+  np.testing.assert_allclose(stats["validation_accuracy"], -1.0)
   for got, want in zip(weights.trainable, initial.trainable):
     np.testing.assert_array_equal(got, want)
 
@@ -373,8 +609,8 @@ def test_teachers_and_drop_worst_in_a_tff_computation():
   def teachers(stacked, x, y):
     predictions = distillation.ensemble_predictions(model_fn(), stacked, x)
     accuracies = distillation.member_accuracies(model_fn(), stacked, x, y)
-    keep = distillation.drop_worst_mask(
-        accuracies, distillation.chance_accuracy(y, 3))
+    keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies,
+                                           y, 3)
     kept = distillation.ensemble_predictions(
         model_fn(), stacked, x, member_weights=tf.cast(keep, tf.float32))
     return predictions, accuracies, keep, kept
@@ -386,8 +622,7 @@ def test_teachers_and_drop_worst_in_a_tff_computation():
                              rtol=1e-5, atol=1e-6)
   want = np.mean(logits.argmax(-1) == Y_VAL, axis=1)
   np.testing.assert_allclose(accuracies, want, rtol=1e-6)
-  chance = 1 / 3  # Y_VAL is balanced.
-  np.testing.assert_array_equal(keep, want > chance)
+  np.testing.assert_array_equal(keep, authors_drop_worst(want, 3))
   assert 0 < np.sum(keep) < 3  # The example drops some, not all.
   np.testing.assert_allclose(kept["mean_logits"], logits[keep].mean(0),
                              rtol=1e-5, atol=1e-6)

@@ -22,40 +22,12 @@ from export import metadata
 from export import on_device
 from export import runs
 from tasks import femnist
+from tests.exported_runs import DATA_DIR, REPO_ROOT, small_femnist_model, write_run
 from tff_ens import evaluation
 from tff_ens import personalization
 import tiny
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "femnist")
 K = 3
-
-
-def small_femnist_model(seed: int) -> tf.keras.Model:
-  """A FEMNIST-shaped model (28x28x1 -> 62 logits) that converts in a second."""
-  init = tf.keras.initializers.GlorotUniform(seed=seed)
-  return tf.keras.Sequential([
-      tf.keras.Input(femnist.INPUT_SHAPE),
-      tf.keras.layers.Conv2D(4, 3, strides=2, activation="relu", kernel_initializer=init),
-      tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(femnist.NUM_CLASSES, kernel_initializer=init)])
-
-
-def write_run(run_dir, models, config=None, summary=None) -> runs.Run:
-  """A run directory as tff_ens.training writes it, holding `models`."""
-  os.makedirs(run_dir, exist_ok=True)
-  if len(models) == 1:
-    models[0].save(os.path.join(run_dir, runs.MODEL_FILE))
-  else:
-    os.makedirs(os.path.join(run_dir, runs.MEMBERS_DIR))
-    for k, model in enumerate(models):
-      model.save(os.path.join(run_dir, runs.MEMBERS_DIR, f"member_{k}.keras"))
-  config = {"task": "femnist", "model": "cnn", "algorithm": "fedavg",
-            "data_dir": DATA_DIR, **(config or {})}
-  for name, value in ((runs.CONFIG_FILE, config), (runs.SUMMARY_FILE, summary or {})):
-    with open(os.path.join(run_dir, name), "w") as f:
-      json.dump(value, f)
-  return runs.load_run(run_dir)
 
 
 def images(n, seed=0):
@@ -267,6 +239,7 @@ def _run_module(*args):
                         text=True, timeout=600, check=False)
 
 
+@pytest.mark.slow
 def test_export_command_reports_run_without_model(tmp_path):
   result = _run_module("export", f"--run_dir={tmp_path}", "--format=float",
                        f"--output={tmp_path / 'm.tflite'}")

@@ -73,6 +73,7 @@ def test_federated_client_update_clips_latent_weights():
   assert any(np.isclose(np.abs(k).max(), 1.0) for k in kernels)
 
 
+@pytest.mark.slow
 def test_lce_and_binary_exports_match_keras(trained_binary_resnet8):
   model = trained_binary_resnet8
   x = np.random.default_rng(1).random((16, *femnist.INPUT_SHAPE), dtype=np.float32)

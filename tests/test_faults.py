@@ -41,6 +41,7 @@ def test_straggler_dataset_stops_after_its_share_of_batches():
   assert count(1e-9) == 1
 
 
+@pytest.mark.slow
 def test_fed_ensemble_survives_dropouts_and_stragglers(tmp_path):
   # Fed-ensemble: the clients that report keep their assigned models (FedAvg
   # shares the loop; its all-dropout round is tested below).
@@ -56,6 +57,7 @@ def test_fed_ensemble_survives_dropouts_and_stragglers(tmp_path):
   assert used == expected
 
 
+@pytest.mark.slow
 def test_round_where_every_client_drops_out_keeps_the_model(tmp_path):
   config = dataclasses.replace(QUICK, rounds=2, eval_every=1,
                                dropout_rate=1.0, output_dir=str(tmp_path))
@@ -104,6 +106,7 @@ def test_round_plan_poisons_and_drops_only_reporting_clients():
       assert durations[plan.late].min() >= durations[plan.reports].max()
 
 
+@pytest.mark.slow
 def test_nan_updates_are_rejected_and_late_clients_left_out(tmp_path):
   config = dataclasses.replace(QUICK, rounds=2, eval_every=2,
                                aggregate_first=3, nan_clients_per_round=1,

@@ -113,6 +113,9 @@ def test_unknown_assignment_and_bad_size_raise():
   with pytest.raises(ValueError, match="cyclic"):
     fed_ensemble.build_fed_ensemble(member_model, SPEC, Config(), ensemble_size=2,
                                     assignment="cyclic")
+  with pytest.raises(ValueError, match="member_average 'median'"):
+    fed_ensemble.build_fed_ensemble(member_model, SPEC, Config(), ensemble_size=2,
+                                    member_average="median")
 
 
 # ------------------------------------------------------------- server update
@@ -155,6 +158,13 @@ def test_server_update_hand_example():
 
 @pytest.fixture(scope="module")
 def built():
+  return fed_ensemble.build_fed_ensemble(
+      member_model, SPEC, Config(learning_rate=LR), ensemble_size=3, seed=4,
+      member_average="examples")
+
+
+@pytest.fixture(scope="module")
+def built_by_clients():
   return fed_ensemble.build_fed_ensemble(
       member_model, SPEC, Config(learning_rate=LR), ensemble_size=3, seed=4)
 
@@ -278,7 +288,10 @@ def test_round_trains_only_the_assigned_members(built):
   assert new_state["client_work"] == 1
 
 
-def test_two_clients_on_one_member_are_weighted_by_examples(built):
+@pytest.mark.parametrize("average, weights", [("examples", (2, 3)), ("clients", (1, 1))])
+def test_two_clients_on_one_member_are_averaged_as_member_average_says(
+    average, weights, built, built_by_clients):
+  process = (built if average == "examples" else built_by_clients).process
   seed, k = 4, 3
   # Two clients with the same round-0 model.
   pairs = [(i, j) for i in range(30) for j in range(i + 1, 30)
@@ -286,14 +299,15 @@ def test_two_clients_on_one_member_are_weighted_by_examples(built):
   i, j = pairs[0]
   member = assign(seed, i, 0, k)
   data = CLIENT_DATA[:2]  # 2 and 3 examples.
-  state = built.process.initialize()
+  state = process.initialize()
   before = list(state["members"])
-  new_state, metrics = built.process.next(
+  new_state, metrics = process.next(
       state, [one_batch(x, y) for x, y in data], [np.int32(i), np.int32(j)])
   after = list(new_state["members"])
   (wa, ua), (wb, ub) = [_trained_update(before[member], *d) for d in data]
   assert (wa, wb) == (2.0, 3.0)
-  expected = tf.nest.map_structure(lambda w, a, b: w - (2 * a + 3 * b) / 5,
+  ca, cb = weights
+  expected = tf.nest.map_structure(lambda w, a, b: w - (ca * a + cb * b) / (ca + cb),
                                    before[member], ua, ub)
   for got, e in zip(_flat(after[member]), _flat(expected), strict=True):
     np.testing.assert_allclose(got, e, rtol=1e-5, atol=1e-6)

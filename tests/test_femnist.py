@@ -15,6 +15,7 @@ import tensorflow_federated as tff
 
 import tasks
 from tasks import femnist
+from tff_ens import training
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared/data/femnist"
 
@@ -110,7 +111,7 @@ def test_to_client_data(slice_data):
 
 
 def test_to_client_data_needs_clients():
-  empty = femnist.ClientArrays((), {}, {})
+  empty = tasks.data.ClientArrays((), {}, {}, femnist.INPUT_SHAPE)
   assert empty.num_examples() == 0
   assert empty.concatenated()[0].shape == (0, 28, 28, 1)
   with pytest.raises(ValueError, match="no clients"):
@@ -178,6 +179,54 @@ def _tiny_leaf(root):
   return root
 
 
+def _digests(images):
+  return collections.Counter(row.tobytes() for row in images)
+
+
+def test_label_skewed_split_pools_the_writers_once_and_is_fixed_by_the_seed(slice_data):
+  config = tasks.partition.PartitionConfig(
+      partition="dirichlet", num_clients=10, alpha=0.1, server_unlabeled_examples=2_000,
+      server_validation_examples=500)
+  pooled = femnist.load_data(str(DATA_DIR), partition=config, seed=0)
+  clients_x, clients_y = pooled.train.concatenated()
+  server = pooled.server
+  assert pooled.train.client_ids == tuple(f"client_{k}" for k in range(10))
+  assert (len(server.unlabeled), len(server.validation_y)) == (2_000, 500)
+  # Every training example of the writers is in exactly one place: a client or the server.
+  writers_x, writers_y = slice_data.train.concatenated()
+  assert (_digests(np.concatenate([clients_x, server.unlabeled, server.validation_x]))
+          == _digests(writers_x))
+  assert (collections.Counter(np.concatenate([clients_y, server.validation_y]).tolist())
+          <= collections.Counter(writers_y.tolist()))
+  # The test examples are the writers' 1,685, split like the clients' labels.
+  test_x, test_y = pooled.test.concatenated()
+  assert _digests(test_x) == _digests(slice_data.test.concatenated()[0])
+  for client in pooled.test.client_ids:
+    assert set(pooled.test.y[client]) <= set(pooled.train.y[client])
+  # Alpha 0.1 skews the labels: most of a client's examples are of few classes.
+  top = [np.sort(np.bincount(pooled.train.y[c], minlength=62))[-5:].sum()
+         / pooled.train.num_examples(c) for c in pooled.train.client_ids]
+  assert np.median(top) > 0.5
+  assert pooled.new_clients.client_ids == slice_data.new_clients.client_ids
+  again = femnist.load_data(str(DATA_DIR), partition=config, seed=0)
+  other = femnist.load_data(str(DATA_DIR), partition=config, seed=1)
+  for c in pooled.train.client_ids:
+    np.testing.assert_array_equal(again.train.y[c], pooled.train.y[c])
+  assert any(len(other.train.y[c]) != len(pooled.train.y[c])
+             for c in pooled.train.client_ids)
+
+
+def test_a_split_without_server_examples_leaves_the_server_the_test_only_writers():
+  config = tasks.partition.PartitionConfig(
+      partition="classes", num_clients=20, classes_per_client=2,
+      server_unlabeled_examples=0, server_validation_examples=0)
+  pooled = femnist.load_data(str(DATA_DIR), partition=config, seed=0)
+  assert pooled.server is None
+  assert pooled.train.num_examples() == 14_708
+  with pytest.raises(tasks.DataError, match="--classes=digits keeps FEMNIST's writers"):
+    femnist.DIGITS.load_data(str(DATA_DIR), partition=config)
+
+
 def test_tiny_leaf_directory(tmp_path):
   data = femnist.load_leaf(str(_tiny_leaf(tmp_path / "leaf")))
   assert data.train.client_ids == ("w1", "w2")  # w0 has no examples: skipped.
@@ -202,7 +251,7 @@ def test_load_data_argument_beats_env_var(tmp_path, monkeypatch):
 
 def test_load_data_without_data_fails_fast_in_one_line(tmp_path):
   start = time.monotonic()
-  with pytest.raises(femnist.DataError) as error:
+  with pytest.raises(tasks.data.DataError) as error:
     femnist.load_data()
   message = str(error.value)
   assert "\n" not in message
@@ -305,7 +354,7 @@ def test_leaf_errors_name_the_file(tmp_path, case):
     _tiny_leaf(root)
   root.mkdir(exist_ok=True)
   change(root)
-  with pytest.raises(femnist.DataError) as error:
+  with pytest.raises(tasks.data.DataError) as error:
     femnist.load_data(str(root / subdir) if subdir else str(root))
   message = str(error.value)
   assert "\n" not in message
@@ -369,9 +418,18 @@ def test_load_data_falls_back_to_tff_cache(tmp_path):
 def test_load_tff_with_corrupt_cache(tmp_path):
   database = tmp_path / "cache/emnist_all.sqlite"
   _write(database, "not a database")
-  with pytest.raises(femnist.DataError) as error:
+  with pytest.raises(tasks.data.DataError) as error:
     femnist.load_tff(str(tmp_path / "cache"))
   message = str(error.value)
   assert "\n" not in message
   assert message.startswith(f"{database}: ") and "delete it" in message
   assert database.exists()  # Only a partial download of our own is removed.
+
+
+def test_split_flags_need_a_split_for_femnist():
+  with pytest.raises(training.UsageError, match="--num_clients applies to a pooled split"):
+    training.ExperimentConfig(task="femnist", num_clients=5).validate()
+  config = training.ExperimentConfig(task="femnist", partition="dirichlet")
+  assert config.partition_config().server_unlabeled_examples == femnist.SERVER_EXAMPLES[0]
+  assert training.ExperimentConfig(task="femnist").partition_config() is None
+  assert training.ExperimentConfig(task="cifar10").partition_config().partition == "iid"

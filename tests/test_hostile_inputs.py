@@ -317,6 +317,7 @@ def test_writer_without_examples_is_skipped_with_a_warning(previous_run,
                      " without examples (f2062_39)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CLI_DATA_CASES)
 def test_cli_with_damaged_data(previous_run, case):
   damage, expected = DATA_CASES[case]
@@ -376,6 +377,7 @@ def _mismatch_message(config) -> str:
           "checkpoints, or choose a new --output_dir")
 
 
+@pytest.mark.slow
 def test_cli_checkpoint_of_another_algorithm(previous_run, tmp_path):
   # FedAvgM's server keeps a momentum buffer that FedAvg's state has not.
   config = _run_with_copied_checkpoints(previous_run, tmp_path,

@@ -23,16 +23,18 @@ MODEL_FNS = (lambda: tiny_model(seed=1), lambda: tiny_model(seed=2, batch_norm=T
 NAMES = ("dense", "bn")
 
 
-def _config(drop_worst=True):
+def _config(drop_worst=True, keep_initial_student=False):
   return sd.ServerDistillationConfig(
       method="feddf", distill=distillation.feddf_config(
-          20, batch_size=8, patience=10, eval_every=5), drop_worst=drop_worst,
+          20, batch_size=8, patience=10, eval_every=5,
+          keep_initial_student=keep_initial_student), drop_worst=drop_worst,
       seed=3)
 
 
-def _build(drop_worst=True):
-  return mp.build_heterogeneous_feddf(MODEL_FNS, NAMES, SPEC, LOCAL, SERVER,
-                                      _config(drop_worst), clients_per_round=4)
+def _build(drop_worst=True, keep_initial_student=False):
+  return mp.build_heterogeneous_feddf(
+      MODEL_FNS, NAMES, SPEC, LOCAL, SERVER,
+      _config(drop_worst, keep_initial_student), clients_per_round=4)
 
 
 def test_pack_and_unpack_round_trip_with_padding_and_stacking():
@@ -100,9 +102,10 @@ def test_one_round_distills_every_prototype_from_all_clients():
 
 def test_a_prototype_no_client_ran_is_distilled_from_the_others():
   # Clients 0 and 2 both run prototype 0; prototype 1 is distilled from
-  # their logits, from its previous weights, and early stopping keeps it
-  # at least as accurate on validation as it was.
-  built = _build(drop_worst=False)
+  # their logits, from its previous weights, and early stopping that keeps
+  # the initial student when none beats it keeps it at least as accurate on
+  # validation as it was.
+  built = _build(drop_worst=False, keep_initial_student=True)
   state = built.process.initialize()
   model = MODEL_FNS[1]()
   distillation.assign_weights(model, state["prototypes"][1])

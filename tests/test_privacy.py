@@ -285,6 +285,7 @@ def test_bad_dp_flags_are_one_line_errors(change, message):
 # ------------------------------------------------------------ FEMNIST run
 
 
+@pytest.mark.slow
 def test_dp_fedavg_run_reports_epsilon_for_its_delta(tmp_path):
   z = 0.3
   config = dataclasses.replace(QUICK, rounds=2, dp_noise_multiplier=z,

@@ -209,9 +209,13 @@ def test_cifar_server_examples_reach_no_client_and_no_test_image(
       assert scheme == "dirichlet", e  # Fits the others; Dirichlet may not.
       return
   clients = _rows(data.train.concatenated()[0])
-  server = _rows(data.server.unlabeled) + _rows(data.server.validation_x)
-  assert len(data.server.unlabeled) == unlabeled
-  assert len(data.server.validation_y) == validation
+  if unlabeled == validation == 0:  # Nothing set aside: no server examples.
+    assert data.server is None
+    server = []
+  else:
+    server = _rows(data.server.unlabeled) + _rows(data.server.validation_x)
+    assert len(data.server.unlabeled) == unlabeled
+    assert len(data.server.validation_y) == validation
   # Every training image once: at a client or at the server, never both.
   everything = _rows(cifar.CIFAR10.standardize(
       train.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)))

@@ -95,6 +95,7 @@ def _checkpoints(output_dir) -> list[str]:
     return []
 
 
+@pytest.mark.slow
 def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(
     two_workers, tmp_path):
   addresses, processes = two_workers
@@ -165,6 +166,7 @@ def test_concurrency_limit_with_workers_is_refused():
     config.validate()
 
 
+@pytest.mark.slow
 def test_unreachable_worker_is_a_usage_error_naming_the_flag(tmp_path):
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   config = dataclasses.replace(QUICK, workers=address,
@@ -206,6 +208,7 @@ def worker_clis():
         process.communicate()
 
 
+@pytest.mark.slow
 def test_worker_cli_serves_and_stops_on_sigterm(worker_clis):
   # (SIGINT takes the same path: both raise KeyboardInterrupt.)
   cli, port = worker_clis["free"]

@@ -144,6 +144,63 @@ def test_feddf_drops_clients_at_chance_and_averages_the_others():
   assert int(measurements["distill_steps"]) == 0  # No student to discard.
 
 
+def test_drop_worst_rule_decides_which_clients_feddf_keeps():
+  model = tiny_model()
+  images = np.eye(4, dtype=np.float32)[[0, 1, 2, 0, 1, 2]].reshape(6, 2, 2, 1)
+  validation = (tf.constant(images), tf.constant([0, 1, 2, 0, 1, 2], tf.int32))
+  # Pixel c votes for class c: accuracy 1. The last client maps pixel 2 to
+  # class 0: accuracy 2/3, above guessing (1.2 / 3) and the majority rate
+  # (1/3), but a low outlier of the others (mean 1, std 0).
+  good = ModelWeights([tf.constant(10 * np.eye(4, 3), tf.float32), tf.zeros([3])], [])
+  kernel = 10 * np.eye(4, 3)
+  kernel[2] = [10, 0, 0]
+  worse = ModelWeights([tf.constant(kernel, tf.float32), tf.zeros([3])], [])
+  updates = [tf.nest.map_structure(tf.zeros_like, good)] * 4 + [
+      tf.nest.map_structure(tf.subtract, good, worse)]
+  collected = _collected(updates, [1.0] * 5)
+  kept = {}
+  for rule in distillation.DROP_WORST_RULES:
+    config = sd.ServerDistillationConfig(
+        method="feddf", distill=distillation.feddf_config(20, eval_every=5),
+        drop_worst=True, drop_worst_rule=rule)
+    _, weights, _, dropped, informative = sd.teachers(
+        model, good, collected, tf.constant([1, 2], tf.int64), config,
+        validation)
+    assert bool(informative)
+    kept[rule] = (weights.numpy(), int(dropped))
+  np.testing.assert_array_equal(kept["guess_or_outliers"][0], [1, 1, 1, 1, 0])
+  assert kept["guess_or_outliers"][1] == 1
+  np.testing.assert_array_equal(kept["majority"][0], [1, 1, 1, 1, 1])
+  assert kept["majority"][1] == 0
+
+
+def test_distillation_targets_sharpen_with_the_configured_temperature():
+  logits = np.array([[2.0, 1.0, 0.0], [0.0, 0.5, 1.5]], np.float32)
+  p = np.array([[0.5, 0.3, 0.2], [0.25, 0.25, 0.5]], np.float32)
+  predictions = {"mean_logits": tf.constant(logits),
+                 "mean_probabilities": tf.constant(p)}
+  squared = p**2 / np.sum(p**2, -1, keepdims=True)
+
+  def targets(method, **kwargs):
+    distill = (distillation.feddf_config(20, eval_every=5) if method == "feddf"
+               else distillation.fedbe_config(25))
+    return sd.distillation_targets(sd.ServerDistillationConfig(
+        method=method, distill=distill, **kwargs), predictions)
+
+  # The papers': FedBE's mean probabilities, v-Distillation's p^2 / sum p^2.
+  np.testing.assert_allclose(targets("fedbe"), p, rtol=1e-6)
+  np.testing.assert_allclose(targets("vdistill"), squared, rtol=1e-6)
+  # The authors' code's T = 0.5 for FedBE; T = 1 for v-Distillation.
+  np.testing.assert_allclose(targets("fedbe", sharpen_temperature=0.5),
+                             squared, rtol=1e-6)
+  np.testing.assert_allclose(targets("vdistill", sharpen_temperature=1.0), p,
+                             rtol=1e-6)
+  # FedDF: softmax of the mean logits, whatever the temperature.
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  np.testing.assert_allclose(targets("feddf", sharpen_temperature=0.5),
+                             e / e.sum(-1, keepdims=True), rtol=1e-6)
+
+
 # ------------------------------------------------------------------ process
 
 
@@ -213,3 +270,9 @@ def test_config_rejects_unknown_values():
                                 targets="C+S")
   with pytest.raises(ValueError, match="eval_every"):
     sd.ServerDistillationConfig(method="feddf", distill=distillation.fedbe_config(25))
+  with pytest.raises(ValueError, match="sharpen_temperature must be > 0"):
+    sd.ServerDistillationConfig(method="fedbe", distill=distillation.fedbe_config(25),
+                                sharpen_temperature=0.0)
+  with pytest.raises(ValueError, match="unknown drop_worst_rule 'chance'"):
+    sd.ServerDistillationConfig(method="feddf", distill=distillation.feddf_config(20),
+                                drop_worst_rule="chance")

@@ -61,6 +61,7 @@ def test_bytes_per_round_are_the_model_size(fedavg_run):
   assert summary["bytes_up_per_client_round"] == 4 * cnn_parameters + 4 * 5
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers(fedavg_run, tmp_path):
   config, summary = fedavg_run
   again = training.run_experiment(
@@ -83,6 +84,7 @@ def test_sampling_is_a_function_of_seed_and_round():
       a, training.sample_clients(105, 10, seed=1, round_num=8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedprox", "fedavgm"])
 def test_variants_learn(algorithm, tmp_path):
   summary = training.run_experiment(dataclasses.replace(
@@ -91,6 +93,7 @@ def test_variants_learn(algorithm, tmp_path):
   assert summary["test_accuracy"] > 2 / 62
 
 
+@pytest.mark.slow
 def test_fedensemble_run_reports_ensemble_metrics(tmp_path):
   summary = training.run_experiment(dataclasses.replace(
       QUICK, algorithm="fedensemble", ensemble_size=2, rounds=2,
@@ -104,6 +107,7 @@ def test_fedensemble_run_reports_ensemble_metrics(tmp_path):
       "member_0.keras", "member_1.keras"]
 
 
+@pytest.mark.slow
 def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
   summary = training.run_experiment(dataclasses.replace(
       QUICK, algorithm="fedensemble", ensemble_size=2, rounds=2,
@@ -119,6 +123,7 @@ def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedbe", "feddf"])
 def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path):
   # A small unlabeled set (test-only writers' images) keeps the server fast.
@@ -149,6 +154,7 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
   assert all(0 <= float(r["student_validation_accuracy"]) <= 1 for r in rows)
 
 
+@pytest.mark.slow
 def test_feddf_over_two_prototypes_reports_each(tmp_path):
   from tasks import femnist  # pylint: disable=g-import-not-at-top
   unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:64]
@@ -203,11 +209,27 @@ def test_bad_flags_raise_one_line_errors(change, message, tmp_path):
   assert "\n" not in str(error.value)
 
 
+def test_a_config_saved_before_issue_24_keeps_what_its_run_did():
+  # Written before --member_average and the pooled FEMNIST split existed.
+  old = dataclasses.asdict(training.ExperimentConfig(algorithm="fedensemble"))
+  for name in ("member_average", "drop_worst_rule", "student_minibatch"):
+    del old[name]
+  old.update(partition="iid", server_unlabeled_examples=10_000,
+             server_validation_examples=1_000)
+  saved = training.saved_config(old)
+  assert saved["member_average"] == "examples"
+  assert saved["drop_worst_rule"] == "majority"
+  assert saved["partition"] is None and saved["server_unlabeled_examples"] is None
+  assert training.ExperimentConfig(**saved).partition_config() is None
+  assert training.saved_config(dataclasses.asdict(QUICK)) == dataclasses.asdict(QUICK)
+
+
 def test_output_dir_of_another_run_is_refused_and_kept(fedavg_run):
   config, _ = fedavg_run
   metrics_path = os.path.join(config.output_dir, training.METRICS_FILE)
   before = pathlib.Path(metrics_path).read_bytes()
-  with pytest.raises(training.UsageError, match="holds a different run"):
+  refused = f"holds a different run \\(it has --client_lr={config.client_lr}\\)"
+  with pytest.raises(training.UsageError, match=refused):
     training.run_experiment(dataclasses.replace(config, client_lr=0.2))
   with pytest.raises(training.UsageError, match="pass --resume"):
     training.run_experiment(config)
@@ -221,11 +243,12 @@ def test_run_from_before_a_new_flag_resumes_at_its_default(tmp_path):
   (tmp_path / training.CONFIG_FILE).write_text(json.dumps(old))
   training._Outputs(config, None).close()  # pylint: disable=protected-access
   (tmp_path / training.CONFIG_FILE).write_text(json.dumps(old))
-  with pytest.raises(training.UsageError, match="differs in active_budget"):
+  with pytest.raises(training.UsageError, match="it has --active_budget=10\\)"):
     training._Outputs(  # pylint: disable=protected-access
         dataclasses.replace(config, active_budget=3), None)
 
 
+@pytest.mark.slow
 def test_max_update_norm_rejects_larger_updates(tmp_path):
   config = dataclasses.replace(QUICK, rounds=1, eval_every=1,
                                max_update_norm=1e-6, output_dir=str(tmp_path))
@@ -248,6 +271,7 @@ CPP_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] ",
                           re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_cli_is_quiet_unless_verbosity_asks(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
   quiet = subprocess.run(
@@ -298,6 +322,7 @@ def _resume_matches(flags, output_dir, summary):
   assert [int(r["round"]) for r in read_metrics(output_dir)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
   config, summary = fedavg_run
   output_dir = tmp_path / "killed"
@@ -310,6 +335,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
   _resume_matches(flags, output_dir, summary)
 
 
+@pytest.mark.slow
 def test_feddyn_client_states_resume_from_the_checkpoint(tmp_path):
   # FedDyn's clients keep a state on disk (tff_ens.client_states). A run
   # killed after round 3 wrote states but before round 4's checkpoint must
@@ -339,6 +365,7 @@ def test_feddyn_client_states_resume_from_the_checkpoint(tmp_path):
                                atol=1e-7)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_round_and_stops(fedavg_run, tmp_path):
   config, summary = fedavg_run
   output_dir = tmp_path / "terminated"

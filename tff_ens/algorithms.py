@@ -128,6 +128,7 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                     server_momentum: float = 0.9,
                     ensemble_size: int = 5,
                     assignment: str = "permutation",
+                    member_average: str = "clients",
                     seed: int = 0,
                     server_data=None,
                     server_config: (
@@ -136,6 +137,7 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
                     clients_per_round: int = 10,
                     student_fn: Callable[[], tf.keras.Model] | None = None,
                     posterior_config: fedppd.PosteriorConfig | None = None,
+                    distill_fedppd_teachers: bool = True,
                     dp: privacy.DPConfig | None = None,
                     prototypes: Sequence[tuple[str, Callable[
                         [], tf.keras.Model]]] = (),
@@ -158,6 +160,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     server_momentum: server momentum of `fedavgm`.
     ensemble_size: K of `fedensemble`.
     assignment: "permutation" or "random" (`fedensemble`).
+    member_average: `fedensemble`'s average of a model over its clients
+      (`fed_ensemble.MEMBER_AVERAGES`).
     seed: seed of `fedensemble`'s permutations.
     server_data: the server's `server_data.ServerData` (fedbe, feddf,
       vdistill, fedppd_distill).
@@ -166,6 +170,8 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     clients_per_round: the largest cohort (the same four).
     student_fn: builds FedPPD's student (`model_fn(0)` is its teacher).
     posterior_config: FedPPD's client update.
+    distill_fedppd_teachers: `fedppd_distill` distills the clients' teachers
+      as well as their students (the authors' code); False averages them.
     dp: DP-FedAvg's clipped, noised mean of the updates (`DP_ALGORITHMS`);
       None for the plain mean.
     prototypes: `feddf` over model prototypes: `(name, model_fn)` of each
@@ -196,7 +202,7 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
     return _build_fed_ensemble(
         model_fn, element_spec, local_config, ensemble_size, assignment, seed,
         dp, feddyn_alpha if local_objective == "feddyn" else 0.0,
-        num_clients)
+        num_clients, member_average)
   if name in SERVER_DATA_ALGORITHMS and (server_data is None or
                                          server_config is None):
     raise ValueError(f"{name} needs server_data and server_config")
@@ -208,10 +214,13 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
           lambda: model_fn(0), student_fn, element_spec, posterior_config,
           aggregator_factory=dp.aggregator_factory() if dp else None)
     else:
+      server_config = dataclasses.replace(server_config, method="fedbe")
       built = fedppd.build_fedppd_distill(
           lambda: model_fn(0), student_fn, element_spec, posterior_config,
-          server_data, dataclasses.replace(server_config, method="fedbe"),
-          clients_per_round=clients_per_round)
+          server_data, server_config, clients_per_round=clients_per_round,
+          teacher_server_config=(
+              dataclasses.replace(server_config, seed=server_config.seed + 1)
+              if distill_fedppd_teachers else None))
     return _fedppd_algorithm(name, built, student_fn, server_config)
   if prototypes:
     return _build_heterogeneous_feddf(
@@ -239,11 +248,11 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
 
 def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
                         assignment, seed, dp, feddyn_alpha,
-                        num_clients) -> FederatedAlgorithm:
+                        num_clients, member_average) -> FederatedAlgorithm:
   built = fed_ensemble.build_fed_ensemble(
       model_fn, element_spec, local_config, ensemble_size=ensemble_size,
       seed=seed, assignment=assignment, dp=dp, feddyn_alpha=feddyn_alpha,
-      num_clients=num_clients)
+      num_clients=num_clients, member_average=member_average)
   spec = None
   if feddyn_alpha:
     state_type = built.process.next.type_signature.parameter[3].member

@@ -55,16 +55,23 @@ _MEMBER_FILE = re.compile(r"member_(\d+)\.keras")
 _UNSHOWN_FLAGS = ("data_dir", "output_dir", "eval_every", "checkpoint_every",
                   "max_concurrent_clients", "workers", "resume",
                   "server_device", "seed", "rounds")
-_FEDENSEMBLE_FLAGS = ("ensemble_size", "assignment", "local_objective",
-                      "feddyn_alpha", "personalization_temperature")
+_FEDENSEMBLE_FLAGS = ("ensemble_size", "assignment", "member_average",
+                      "local_objective", "feddyn_alpha",
+                      "personalization_temperature")
 _DISTILLATION_FLAGS = (
     "server_data", "distill_steps", "distill_batch_size", "swa",
     "fedbe_distribution", "fedbe_samples", "fedbe_targets", "dirichlet_alpha",
-    "drop_worst", "prototypes", "distill_patience", "distill_eval_every",
-    "distill_min_improvement")
+    "fedbe_gaussian", "fedbe_var_scale", "fedbe_var_clamp", "fedbe_dirichlet",
+    "sharpen_temperature", "swa_warmup_fraction", "drop_worst",
+    "drop_worst_rule", "prototypes", "distill_patience", "distill_eval_every",
+    "distill_min_improvement", "distill_keep_initial", "distill_clip_norm")
 _FEDPPD_FLAGS = ("student_model", "teacher_lr", "sgld_temperature",
                  "prior_precision", "student_lr", "student_momentum",
-                 "student_weight_decay")
+                 "student_weight_decay", "sgld_scaling",
+                 "teacher_weight_decay", "teacher_step_decay",
+                 "teacher_step_decay_epochs", "teacher_round_decay",
+                 "student_round_decay", "student_minibatch",
+                 "distill_fedppd_teachers")
 # Flags only some algorithms read: shown for those only.
 _ALGORITHM_FLAGS = {
     "proximal_mu": ("fedprox", "fedensemble"),
@@ -113,7 +120,7 @@ class Run:
 
   @property
   def config(self) -> dict:
-    return self.summary["config"]
+    return training.saved_config(self.summary["config"])
 
   def experiment_config(self) -> training.ExperimentConfig:
     """The run's flags; a flag unknown to this version is left out."""

@@ -9,7 +9,7 @@ Leads to Wider Optima and Better Generalization", UAI 2018).
 Lin, Kong, Stich and Jaggi, "Ensemble Distillation for Robust Model Fusion in
 Federated Learning", NeurIPS 2020 (arXiv:2006.07242), Algorithm 1: the student
 matches softmax(mean of the teachers' logits) (AVGLOGITS) with Adam and early
-stopping on server validation data; models at chance level are dropped.
+stopping on server validation data; the worst models are dropped.
 
 The pieces are plain TensorFlow, built for use inside a SERVER
 `tff.tensorflow.computation` where the Keras model is built by `model_fn()` in
@@ -25,6 +25,10 @@ the computation and its variables are assigned from tensors (as
   `tf.while_loop` over steps, stateless shuffles, functional TFF optimizers),
   so it runs as well in a TFF worker as in eager code;
 * `drop_worst_mask` (FedDF) and `choose_device`.
+
+Where the authors' released code (hongyouc/FedBE; epfml/federated-learning-
+public-code, `codes/FedDF-code`) differs from its paper, the difference is an
+option whose docstring says which default it takes.
 """
 
 import collections
@@ -40,8 +44,19 @@ ModelWeights = tff.learning.models.ModelWeights
 OPTIMIZERS = ("sgd", "adam")
 LOSSES = ("kl", "cross_entropy")
 LR_SCHEDULES = ("constant", "cyclical", "cosine")
+DROP_WORST_RULES = ("guess_or_outliers", "majority")
 # Batch size of inference (teachers, validation): no gradients, so larger.
 EVAL_BATCH_SIZE = 512
+# FedBE's SWA warm-up as a fraction of the distillation budget: the paper's
+# 250 steps of the authors' code's budget, 20 epochs of 10,000 images in
+# batches of 128 (1,580 steps); their code itself starts after 500 steps.
+FEDBE_SWA_WARMUP_FRACTION = 250 / 1_580
+# FedDF's code clips the student's gradient to this global norm.
+FEDDF_CLIP_NORM = 5.0
+# FedDF's code: a model below this many times 1/C is worse than guessing, and
+# one below mean - OUTLIER_STDS std of the others' accuracies is an outlier.
+RANDOM_GUESS_FACTOR = 1.2
+OUTLIER_STDS = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +82,23 @@ class DistillationConfig:
       recompute the batch-norm statistics (FedBE); False is "w/o SWA".
     swa_warmup_steps: steps before the first model is collected.
     eval_every: with > 0, early stopping (FedDF): the student's accuracy on
-      the server validation data is measured every `eval_every` steps (and
-      at the start); training stops after `patience` steps without a strict
-      improvement and the best student is returned.
+      the server validation data is measured every `eval_every` steps;
+      training stops after `patience` steps without a strict improvement and
+      the best student is returned.
     patience: see `eval_every`.
     min_improvement: with early stopping, a student replaces the best one
       only if its validation accuracy is higher by more than this. 0 (FedDF)
       takes any improvement, which on a small validation set often is noise:
       the best of many noisy measurements overstates the student.
+    keep_initial_student: with early stopping, whether the initial student
+      (measured at step 0) competes with the evaluated ones, so that it is
+      returned if none beats it. False (FedDF's code, `NoiseKTSolver` with
+      its default `return_best_model_on_val=False`; the paper is silent)
+      returns the best evaluated student even if it is worse than the
+      initial one; a budget shorter than `eval_every` evaluates none and
+      returns the initial student.
+    clip_norm: with > 0, each step's gradient is scaled to a global norm of
+      at most this (`tf.clip_by_global_norm`; FedDF's code clips at 5).
   """
 
   num_steps: int
@@ -91,6 +115,8 @@ class DistillationConfig:
   eval_every: int = 0
   patience: int = 0
   min_improvement: float = 0.0
+  keep_initial_student: bool = False
+  clip_norm: float = 0.0
 
   def __post_init__(self):
     for name, allowed in (("optimizer", OPTIMIZERS), ("loss", LOSSES),
@@ -102,7 +128,7 @@ class DistillationConfig:
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
     for name in ("min_learning_rate", "momentum", "swa_warmup_steps",
-                 "eval_every", "patience", "min_improvement"):
+                 "eval_every", "patience", "min_improvement", "clip_norm"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if self.swa and self.eval_every:
@@ -119,8 +145,8 @@ class DistillationConfig:
           f"{self.num_steps} collects none; raise num_steps")
 
 
-def fedbe_config(num_steps: int, *, swa: bool = True, batch_size: int = 64,
-                 swa_warmup_steps: int = 0,
+def fedbe_config(num_steps: int, *, swa: bool = True, batch_size: int = 128,
+                 swa_warmup_fraction: float = FEDBE_SWA_WARMUP_FRACTION,
                  cycle_steps: int = 25) -> DistillationConfig:
   """FedBE's distillation (Chen and Chao, Sec. 4, "distillation with SWA").
 
@@ -128,7 +154,22 @@ def fedbe_config(num_steps: int, *, swa: bool = True, batch_size: int = 64,
   to the pseudo-labels, SWA with a cyclical step size from 1e-3 down to 4e-4
   per cycle. With `swa=False` (the paper's "w/o SWA" ablation): SGD at a
   constant 1e-3, as the authors' code without SWA.
+
+  Args:
+    num_steps: the budget.
+    swa: see above.
+    batch_size: 128 is the authors' code's (`--server_bs`).
+    swa_warmup_fraction: SWA collects models after round(fraction *
+      num_steps) steps. The default is the paper's 250 steps of the authors'
+      budget of 1,580 (FEDBE_SWA_WARMUP_FRACTION); their code's 500 steps is
+      500 / 1,580. A fraction, not steps, so that shorter budgets keep the
+      paper's proportion of warm-up and still collect models.
+    cycle_steps: the SWA cycle (the paper's and the code's 25).
   """
+  if not 0 <= swa_warmup_fraction < 1:
+    raise ValueError("swa_warmup_fraction must be in [0, 1), got "
+                     f"{swa_warmup_fraction}")
+  swa_warmup_steps = round(swa_warmup_fraction * num_steps)
   return DistillationConfig(
       num_steps=num_steps, batch_size=batch_size, optimizer="sgd",
       learning_rate=1e-3, min_learning_rate=4e-4,
@@ -137,21 +178,27 @@ def fedbe_config(num_steps: int, *, swa: bool = True, batch_size: int = 64,
       swa_warmup_steps=swa_warmup_steps)
 
 
-def feddf_config(num_steps: int = 10_000, *, batch_size: int = 64,
+def feddf_config(num_steps: int = 10_000, *, batch_size: int = 128,
                  patience: int = 1_000, eval_every: int = 100,
-                 min_improvement: float = 0.0) -> DistillationConfig:
+                 min_improvement: float = 0.0,
+                 keep_initial_student: bool = False,
+                 clip_norm: float = FEDDF_CLIP_NORM) -> DistillationConfig:
   """FedDF's distillation (Lin et al., Sec. 4, experimental setup).
 
   Adam with step size 1e-3 annealed by a cosine schedule, AVGLOGITS KL, early
-  stopping on server validation accuracy (at most 1e4 steps, patience 1e3).
-  The batch size and evaluation interval are this library's defaults, and
-  `min_improvement` > 0 (`DistillationConfig`) is this library's option.
+  stopping on server validation accuracy (at most 1e4 steps, patience 1e3:
+  the paper's). Where the paper is silent, the authors' code
+  (`noise_knowledge_transfer.py`): batch 128, validation every 100 steps,
+  the best evaluated student returned (`keep_initial_student=False`),
+  gradients clipped to norm 5. `min_improvement` > 0
+  (`DistillationConfig`) is this library's option.
   """
   return DistillationConfig(
       num_steps=num_steps, batch_size=batch_size, optimizer="adam",
       learning_rate=1e-3, lr_schedule="cosine", momentum=0.0, loss="kl",
       swa=False, eval_every=eval_every, patience=patience,
-      min_improvement=min_improvement)
+      min_improvement=min_improvement,
+      keep_initial_student=keep_initial_student, clip_norm=clip_norm)
 
 
 # Targets and losses ----------------------------------------------------------
@@ -176,13 +223,15 @@ def mean_probability_targets(teacher_logits):
   return tf.reduce_mean(tf.nn.softmax(teacher_logits), axis=0)
 
 
-def sharpen(probabilities):
-  """v-Distillation's sharpened targets p^2 / sum p^2 (Chen and Chao, Sec. 5).
+def sharpen(probabilities, temperature: float = 0.5):
+  """Temperature sharpening p^(1/T) / sum_c p_c^(1/T) of each row [n, C].
 
-  Each row of `probabilities` [n, C] is squared and renormalized.
+  T = 0.5 gives p^2 / sum p^2, v-Distillation's targets (Chen and Chao,
+  Sec. 5), and the targets of both FedBE and v-Distillation in the authors'
+  code (`temp_sharpen` with `--temp` 0.5); T = 1 returns p. Computed as
+  softmax(log p / T), which does not underflow for small T.
   """
-  squared = tf.square(probabilities)
-  return squared / tf.reduce_sum(squared, axis=-1, keepdims=True)
+  return tf.nn.softmax(tf.math.log(probabilities) / temperature)
 
 
 def distillation_loss(kind: str, targets, student_logits):
@@ -353,17 +402,76 @@ def chance_accuracy(y, num_classes: int):
   return tf.maximum(majority, 1.0 / num_classes)
 
 
-def drop_worst_mask(accuracies, chance):
-  """FedDF's drop-worst: keep the models strictly above chance level.
+def outlier_mask(accuracies, members):
+  """The members that are not low outliers (FedDF's code, drop-worst).
 
-  Lin et al., Sec. 4 ("drop-worst": models evaluated as dummy on the
-  validation data are left out of averaging and distillation); `chance`
-  from `chance_accuracy`. If no model is above chance, all are kept (an
-  empty ensemble has no average to fall back on). Returns a bool mask [M].
+  As Lin et al.'s `detect_outlier_and_remain_v1`: one best member is set
+  aside, and the members whose accuracy is at least mean - 1.5 std of the
+  other members' accuracies (population std) are kept; the best always is.
+  With fewer than two members, all are kept. `members` [M] bool marks the
+  models to consider; the result is a bool mask [M] within it.
   """
-  keep = accuracies > chance
-  return tf.cond(tf.reduce_any(keep), lambda: keep,
-                 lambda: tf.ones_like(keep))
+  members = tf.cast(members, tf.bool)
+  accuracies = tf.cast(accuracies, tf.float32)
+  best = tf.argmax(tf.where(members, accuracies, -1.0), output_type=tf.int32)
+  others = tf.logical_and(members, tf.logical_not(tf.cast(
+      tf.one_hot(best, tf.size(accuracies)), tf.bool)))
+  count = tf.reduce_sum(tf.cast(others, tf.float32))
+  mean = tf.math.divide_no_nan(
+      tf.reduce_sum(tf.where(others, accuracies, 0.0)), count)
+  variance = tf.math.divide_no_nan(
+      tf.reduce_sum(tf.where(others, tf.square(accuracies - mean), 0.0)),
+      count)
+  # Accuracies are multiples of 1/n: the margin absorbs the mean's rounding.
+  lower = mean - OUTLIER_STDS * tf.sqrt(variance) - 1e-6
+  return tf.logical_and(members, accuracies >= lower)
+
+
+def drop_worst_mask(rule: str, accuracies, y, num_classes: int,
+                    members=None):
+  """FedDF's drop-worst: the models kept for averaging and distillation.
+
+  Lin et al., Sec. 4 ("drop-worst"): models that are dummy predictors on
+  the validation data are left out. The paper names no threshold; `rule`:
+
+  * "guess_or_outliers" (the authors' code, `_get_client_weights`): drop
+    the models below 1.2 / num_classes; if there is none, drop the low
+    outliers instead (`outlier_mask`);
+  * "majority" (this library's): keep the models strictly above
+    `chance_accuracy(y)`, the majority-class rate, which a model ignoring
+    its input reaches.
+
+  Args:
+    rule: one of DROP_WORST_RULES.
+    accuracies: [M] validation accuracies (`member_accuracies`).
+    y: the validation labels.
+    num_classes: C.
+    members: optional [M] bool, the models to consider (default: all);
+      the others are never kept.
+
+  Returns:
+    `(keep, informative)`: bool [M] and a bool scalar, False if no member
+    passes; `keep` is then every member (an empty ensemble has no average
+    to fall back on).
+  """
+  accuracies = tf.cast(accuracies, tf.float32)
+  if members is None:
+    members = tf.ones_like(accuracies, tf.bool)
+  members = tf.cast(members, tf.bool)
+  if rule == "majority":
+    keep = accuracies > chance_accuracy(y, num_classes)
+  elif rule == "guess_or_outliers":
+    above_guess = accuracies >= RANDOM_GUESS_FACTOR / num_classes
+    any_below = tf.reduce_any(
+        tf.logical_and(members, tf.logical_not(above_guess)))
+    keep = tf.cond(any_below, lambda: above_guess,
+                   lambda: outlier_mask(accuracies, members))
+  else:
+    raise ValueError(f"unknown drop-worst rule {rule!r}: choose one of "
+                     f"{', '.join(DROP_WORST_RULES)}")
+  keep = tf.logical_and(members, keep)
+  informative = tf.reduce_any(keep)
+  return tf.where(informative, keep, members), informative
 
 
 # Training ------------------------------------------------------------------
@@ -504,8 +612,9 @@ def distill(model: tf.keras.Model, initial_weights: ModelWeights, x, targets,
     (`swa_average`) and batch-norm statistics recomputed on `x`
     (`recompute_batch_norm`); the average is the result;
   * with `config.eval_every` (FedDF, Algorithm 1 and Sec. 4): early
-    stopping on `validation` accuracy; the best student (the initial one if
-    none improved) is the result;
+    stopping on `validation` accuracy; the best evaluated student is the
+    result (with `config.keep_initial_student`, the initial one if none
+    beat it);
   * otherwise the last student.
 
   To run in a SERVER `tff.tensorflow.computation`, build the model there:
@@ -530,7 +639,7 @@ def distill(model: tf.keras.Model, initial_weights: ModelWeights, x, targets,
     `steps` (steps run, int32), `examples` (examples seen, int32),
     `swa_models` (models averaged, int32; 0 without SWA) and
     `validation_accuracy` (the returned student's, float32; -1 without early
-    stopping).
+    stopping or without an evaluated student).
   """
   if config.eval_every and validation is None:
     raise ValueError("early stopping (eval_every > 0) needs validation data")
@@ -572,6 +681,8 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
       loss = distillation_loss(config.loss, tf.gather(targets, indices),
                                logits)
     gradients = tape.gradient(loss, trainable)
+    if config.clip_norm:
+      gradients, _ = tf.clip_by_global_norm(gradients, config.clip_norm)
     opt_state = optimizer.set_hparams(
         opt_state, {"learning_rate": learning_rate_at(step, config)})
     opt_state, new_weights = optimizer.next(
@@ -589,8 +700,11 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
   if config.swa:
     extra = (_snapshot(model_weights), tf.constant(0))  # (average, count)
   elif config.eval_every:
-    # (best weights, best accuracy, step of the best)
-    extra = (_snapshot(model_weights), validation_accuracy(), tf.constant(0))
+    # (best weights, best accuracy, step of the best); without the initial
+    # student as a candidate, any evaluated student replaces it.
+    extra = (_snapshot(model_weights),
+             validation_accuracy() if config.keep_initial_student else
+             tf.constant(-float("inf")), tf.constant(0))
   else:
     extra = ()
 
@@ -640,7 +754,8 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
     assign_weights(model, average)
     recompute_batch_norm(model, x, config.batch_size)
   elif config.eval_every:
-    best, validation_accuracy_out, _ = extra
+    best, best_accuracy, _ = extra
+    validation_accuracy_out = tf.maximum(best_accuracy, -1.0)
     assign_weights(model, best)
   stats = collections.OrderedDict(
       steps=steps, examples=steps * batch_size, swa_models=swa_models,

@@ -13,7 +13,9 @@ algorithm is FedAvg's four stages with two swapped:
 * client work: unchanged, the same `client_work.build_client_work`;
 * aggregator: each client uploads one update and its key; a
   `tff.federated_aggregate` adds it into slot `key` of K accumulators, so
-  model k is averaged over the clients that trained it;
+  model k is averaged over the clients that trained it, each client counted
+  once as in the paper's Remark 1 and the authors' code
+  (`member_average="clients"`), or weighted by its examples ("examples");
 * finalizer: model k moves by its slot's mean update; a model no client
   trained this round stays as it was.
 
@@ -48,6 +50,10 @@ from tff_ens import privacy
 ModelWeights = tff.learning.models.ModelWeights
 
 ASSIGNMENTS = ("permutation", "random")
+# How model k averages the clients that trained it: each client once (Shi et
+# al., Remark 1, and both of the authors' repositories) or by its examples
+# (FedAvg's weighting).
+MEMBER_AVERAGES = ("clients", "examples")
 
 
 def _client_seed(seed, client_index, stream: int, counter):
@@ -100,7 +106,7 @@ def scatter_add_update(accumulator, update, weight, key):
     accumulator: `(slots, weights)`: a tuple of K structures like `update`
       and the K summed weights.
     update: one client's update.
-    weight: its weight (number of examples).
+    weight: its weight (1, or its number of examples; see MEMBER_AVERAGES).
     key: the slot, an int32 scalar in [0, K).
 
   The slots are K separate structures, not one stacked tensor, and only slot
@@ -219,6 +225,7 @@ def build_fed_ensemble(
     dp: privacy.DPConfig | None = None,
     feddyn_alpha: float = 0.0,
     num_clients: int = 0,
+    member_average: str = "clients",
 ) -> FedEnsembleProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
@@ -242,7 +249,12 @@ def build_fed_ensemble(
     feddyn_alpha: > 0: FedDyn's local objective and server correction with
       this alpha; 0: the local objective of `local_config`.
     num_clients: the population m (FedDyn's h divides by it).
+    member_average: one of MEMBER_AVERAGES; DP and FedDyn count every
+      client once whatever it is.
   """
+  if member_average not in MEMBER_AVERAGES:
+    raise ValueError(f"unknown member_average {member_average!r}: choose one "
+                     f"of {', '.join(MEMBER_AVERAGES)}")
   if ensemble_size < 1:
     raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
   if assignment not in ASSIGNMENTS:
@@ -333,6 +345,11 @@ def build_fed_ensemble(
   def report(accumulator):
     return accumulator
 
+  @tff.tensorflow.computation(np.float32)
+  def count_once(weight):
+    # A rejected update (weight 0) stays uncounted.
+    return tf.minimum(weight, 1.0)
+
   if dp is not None:
     @tff.tensorflow.computation(update_type, np.float32)
     def clip(update, weight):
@@ -404,6 +421,8 @@ def build_fed_ensemble(
     update, weight = result.update, result.update_weight
     if dp is not None:
       update, weight = tff.federated_map(clip, (update, weight))
+    elif member_average == "clients":
+      weight = tff.federated_map(count_once, weight)
     slots = tff.federated_aggregate(
         tff.federated_zip((update, weight, keys)),
         zero_slots(), accumulate, merge, report)

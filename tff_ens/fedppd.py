@@ -33,9 +33,24 @@ The authors' SGLD optimizer (github.com/aishgupta/fedppd, lib/sgld_optim.py)
 steps by lr/2 on the mean loss and adds noise of standard deviation
 2 sqrt(lr) / N: with eps = lr / N that is T = 4 / N, a tempered posterior
 whose temperature falls with the client's data (about 0.03 for a FEMNIST
-writer). With five local epochs on FEMNIST, T = 0.1 kept the teacher on
-the initial plateau five rounds longer than FedAvg, T = 0.01 did not
-(benchmarks/RESULTS.md, FedPPD).
+writer). `PosteriorConfig.sgld_scaling="authors"` takes the step size and
+temperature in their units (`chain_parameters`). With five local epochs on
+FEMNIST, T = 0.1 kept the teacher on the initial plateau five rounds longer
+than FedAvg, T = 0.01 did not (benchmarks/RESULTS.md, FedPPD).
+
+Where the authors' code departs from the supplement, `PosteriorConfig` has
+an option; its defaults are the paper's where it states the setting and the
+code's (trainers/ClientServUpdate.py, train_femnist.py, README commands)
+where it does not:
+- the student's minibatch (`student_minibatch`): a fresh one after each
+  SGLD step (Algorithm 1, default), the teacher's own, or whole teacher and
+  student epochs in turn (the code);
+- weight decay of the teacher and the student (the code's 1e-4);
+- the teacher's step size times 0.85 every 3 local epochs (the code's
+  StepLR), and both step sizes times 0.99 a round (train_femnist.py);
+  `scheduled_rate`.
+FedPPD+Distill can distill the teachers too, as the code does
+(`build_fedppd_distill`'s `teacher_server_config`).
 """
 
 import collections
@@ -54,18 +69,51 @@ from tff_ens import server_distillation
 ModelWeights = tff.learning.models.ModelWeights
 
 
+# What the student learns on (`minibatch_stream`).
+STUDENT_MINIBATCHES = ("fresh", "same", "alternate_epochs")
+# The units of the teacher's step size and temperature (`chain_parameters`).
+SGLD_SCALINGS = ("posterior", "authors")
+# The role of a minibatch in `minibatch_stream`: the teacher takes an SGLD
+# step on it, the student an SGD step, or the teacher and then the student.
+TEACHER, STUDENT, BOTH = 0, 1, 2
+# The authors' noise is that of T = AUTHORS_NOISE / N (lib/sgld_optim.py).
+AUTHORS_NOISE = 4.0
+
+
 @dataclasses.dataclass(frozen=True)
 class PosteriorConfig:
   """Hyperparameters of FedPPD's client update.
 
   Attributes:
-    teacher_step_size: eps of SGLD (the noise variance at T = 1).
-    temperature: T; the SGLD noise variance is eps * T.
-    prior_precision: lambda of the teacher's N(0, 1/lambda) weight prior.
+    teacher_step_size: with sgld_scaling "posterior", eps of SGLD (the noise
+      variance at T = 1); with "authors", the step size on the minibatch's
+      mean loss (the code's `teach_lr`; eps = it / N).
+    temperature: T; the SGLD noise variance is eps * T. With sgld_scaling
+      "authors", relative to the authors' noise (1: theirs).
+    sgld_scaling: "posterior" (Welling & Teh, as the supplement's SGLD) or
+      "authors" (lib/sgld_optim.py); see `chain_parameters`.
+    prior_precision: lambda of the teacher's N(0, 1/lambda) weight prior
+      (0: none besides teacher_weight_decay, as in the authors' code).
+    teacher_weight_decay: wd added to the gradient of the teacher's mean loss
+      as wd * w, i.e. a prior precision of N * wd (the code's 1e-4; the
+      paper gives none).
+    teacher_step_decay: the teacher's step size is multiplied by it every
+      teacher_step_decay_epochs local epochs (the code's StepLR, gamma 0.85
+      in its README commands; the paper gives no schedule; 1: none).
+    teacher_step_decay_epochs: see teacher_step_decay (the code's 3).
+    teacher_round_decay: the teacher's step size is multiplied by it every
+      round (the code's FEMNIST script, 0.99; 1: none).
     student_lr: learning rate of the student's SGD.
+    student_round_decay: the student's learning rate is multiplied by it
+      every round (the code's FEMNIST script: 0.99, 0.995 with distillation
+      at the server; 1: none).
     student_momentum: heavy-ball momentum of the student's SGD (0: plain).
     student_weight_decay: the student's prior (L2) term, added to its
-      gradient as `student_weight_decay * w`.
+      gradient as `student_weight_decay * w` (the code's 1e-4).
+    student_minibatch: what the student learns on, one of
+      STUDENT_MINIBATCHES (`minibatch_stream`): "fresh" (the supplement's
+      Algorithm 1), "same" (the teacher's minibatch) or "alternate_epochs"
+      (the authors' code).
     input_noise_std: standard deviation of the Gaussian noise added to the
       minibatch the teacher labels and the student learns from.
     epochs: local epochs; the client's dataset repeats this many times, so N
@@ -77,24 +125,38 @@ class PosteriorConfig:
 
   teacher_step_size: float = 4e-4
   temperature: float = 1.0
-  prior_precision: float = 1.0
+  sgld_scaling: str = "posterior"
+  prior_precision: float = 0.0
+  teacher_weight_decay: float = 1e-4
+  teacher_step_decay: float = 0.85
+  teacher_step_decay_epochs: int = 3
+  teacher_round_decay: float = 0.99
   student_lr: float = 0.05
+  student_round_decay: float = 0.99
   student_momentum: float = 0.0
-  student_weight_decay: float = 0.0
+  student_weight_decay: float = 1e-4
+  student_minibatch: str = "fresh"
   input_noise_std: float = 0.001
   epochs: int = 1
   max_update_norm: float = 0.0
   seed: int = 0
 
   def __post_init__(self):
-    for name in ("teacher_step_size", "student_lr", "epochs"):
+    for name in ("teacher_step_size", "student_lr", "epochs",
+                 "teacher_step_decay", "teacher_step_decay_epochs",
+                 "teacher_round_decay", "student_round_decay"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-    for name in ("temperature", "prior_precision", "student_momentum",
-                 "student_weight_decay",
+    for name in ("temperature", "prior_precision", "teacher_weight_decay",
+                 "student_momentum", "student_weight_decay",
                  "input_noise_std", "max_update_norm"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    for name, allowed in (("sgld_scaling", SGLD_SCALINGS),
+                          ("student_minibatch", STUDENT_MINIBATCHES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose one "
+                         f"of {', '.join(allowed)}")
 
 
 def sgld_step(weights, gradients, step_size, temperature, seed):
@@ -117,6 +179,92 @@ def sgld_step(weights, gradients, step_size, temperature, seed):
               tf.shape(w), seed=tf.random.experimental.stateless_fold_in(
                   seed, i), dtype=w.dtype)
           for i, (w, g) in enumerate(zip(weights, gradients))]
+
+
+def chain_parameters(sgld_scaling: str, step_size, temperature, num_data):
+  """(eps, T) of `sgld_step` from the configured step size and temperature.
+
+  "posterior": they are eps and T. "authors": `step_size` is lr, the step on
+  the minibatch's mean loss, and the noise is the authors' (std 2 sqrt(lr) /
+  N, lib/sgld_optim.py) times sqrt(temperature): eps = lr / N and
+  T = temperature * 4 / N.
+  """
+  if sgld_scaling == "posterior":
+    return step_size, temperature
+  return (step_size / num_data,
+          temperature * AUTHORS_NOISE / num_data)
+
+
+def scheduled_rate(rate, round_num, epoch, round_decay, step_decay=1.0,
+                   step_epochs=1):
+  """rate * round_decay^round * step_decay^floor(epoch / step_epochs).
+
+  The authors' schedules: a per-round decay (train_femnist.py) and, within
+  the round, a step decay every `step_epochs` local epochs (StepLR in
+  trainers/ClientServUpdate.py). `round_num` and `epoch` are 0-based.
+  """
+  steps = tf.math.floordiv(tf.cast(epoch, tf.int64),
+                           tf.cast(step_epochs, tf.int64))
+  return (rate * tf.pow(round_decay, tf.cast(round_num, tf.float32)) *
+          tf.pow(step_decay, tf.cast(steps, tf.float32)))
+
+
+def batch_sizes(dataset: tf.data.Dataset):
+  """The number of examples of each batch of `dataset`, `int64[batches]`."""
+  return dataset.reduce(
+      tf.zeros([0], tf.int64),
+      lambda sizes, batch: tf.concat(
+          [sizes, tf.shape(batch[1], out_type=tf.int64)[:1]], 0))
+
+
+def batch_epochs(sizes, epochs: int):
+  """The 0-based local epoch of each batch: that of its first example.
+
+  The stream holds `epochs` passes over the client's data, so example i is
+  in epoch floor(i * epochs / examples).
+  """
+  starts = tf.cumsum(sizes, exclusive=True)
+  return starts * epochs // tf.maximum(tf.reduce_sum(sizes), 1)
+
+
+def minibatch_stream(dataset: tf.data.Dataset, sizes, student_minibatch: str,
+                     epochs: int) -> tf.data.Dataset:
+  """The client's minibatches `(x, y, role)` in the order they are learned.
+
+  `sizes` is `batch_sizes(dataset)`.
+
+  The teacher takes an SGLD step on a TEACHER batch, the student an SGD
+  step on a STUDENT one, and on a BOTH batch the teacher, then the student:
+    "same": each batch of `dataset` is BOTH.
+    "fresh" (supplement, Algorithm 1): each batch of `dataset` (TEACHER) is
+      followed by one of another pass over it (STUDENT), started one batch
+      later (its first batch last) so that the two differ also if `dataset`
+      is not reshuffled.
+    "alternate_epochs" (the authors' code): the TEACHER batches of a local
+      epoch (`batch_epochs`), then as many STUDENT batches of another pass.
+  A reshuffling `dataset` orders each pass differently.
+  """
+  def role(value):
+    return lambda x, y: (x, y, tf.constant(value))
+
+  if student_minibatch == "same":
+    return dataset.map(role(BOTH))
+  if student_minibatch == "fresh":
+    student = dataset.skip(1).concatenate(dataset.take(1))
+    choices = tf.data.Dataset.from_tensor_slices(
+        tf.constant([TEACHER, STUDENT], tf.int64)).repeat(
+            tf.size(sizes, out_type=tf.int64))
+  else:
+    student = dataset
+    per_epoch = tf.math.bincount(tf.cast(batch_epochs(sizes, epochs), tf.int32),
+                                 minlength=epochs, dtype=tf.int64)
+    choices = tf.data.Dataset.range(epochs).flat_map(
+        lambda e: tf.data.Dataset.from_tensors(
+            tf.constant(TEACHER, tf.int64)).repeat(per_epoch[e]).concatenate(
+                tf.data.Dataset.from_tensors(
+                    tf.constant(STUDENT, tf.int64)).repeat(per_epoch[e])))
+  return tf.data.Dataset.choose_from_datasets(
+      [dataset.map(role(TEACHER)), student.map(role(STUDENT))], choices)
 
 
 def distillation_loss(teacher_probabilities, student_logits):
@@ -180,60 +328,75 @@ def train_teacher_student(teacher: tf.keras.Model, student: tf.keras.Model,
                           config: PosteriorConfig):
   """FedPPD's client update (Bhatt et al., supplement, Algorithm 1).
 
-  For each minibatch: one SGLD step of the teacher on the client's data
-  (`sgld_step`, likelihood rescaled by N/n), then one SGD step of the student
-  on the cross-entropy to the updated teacher's predictive distribution on
-  the minibatch plus Gaussian input noise (`distillation_loss`).
+  Over the client's minibatches in `minibatch_stream`'s order: SGLD steps of
+  the teacher on the client's data (`sgld_step` with `chain_parameters`,
+  likelihood rescaled by N/n, step size by `scheduled_rate`), and SGD steps
+  of the student on the cross-entropy to the current teacher's predictive
+  distribution on a minibatch plus Gaussian input noise
+  (`distillation_loss`).
 
   Args:
     teacher: Keras model (logits) of the baselines' architecture.
     student: Keras model (logits), usually larger.
     initial_weights: `join(teacher weights, student weights)` to start from.
     dataset: batches `(x, y)`, repeated `config.epochs` times.
-    round_num: the 0-based round (seeds the noise with the client's data).
+    round_num: the 0-based round (seeds the noise with the client's data,
+      sets the round's step sizes).
     config: `PosteriorConfig`.
 
   Returns:
     `(ClientResult(update=initial - final joined weights, update_weight=N),
     metrics)`, metrics as sums over examples: `loss` (teacher NLL),
     `student_loss` (distillation loss), `correct` (the student's correct
-    predictions of the labels), `num_examples`, `rejected`.
+    predictions of the labels of its minibatches), `num_examples` (the
+    teacher's), `rejected`.
   """
   teacher_weights = ModelWeights.from_model(teacher)
   student_weights = ModelWeights.from_model(student)
   tf.nest.map_structure(lambda v, t: v.assign(t),
                         join(teacher_weights, student_weights),
                         initial_weights)
-  seen = dataset.reduce(tf.constant(0.0), lambda n, batch: n + tf.cast(
-      tf.shape(batch[1])[0], tf.float32))
-  num_data = seen / float(config.epochs)
+  sizes = batch_sizes(dataset)
+  seen = tf.reduce_sum(sizes)
+  num_data = tf.cast(seen, tf.float32) / float(config.epochs)
   seed = _client_seed(config.seed, round_num, dataset)
+  step_size, temperature = chain_parameters(
+      config.sgld_scaling, config.teacher_step_size, config.temperature,
+      num_data)
   student_optimizer = tff.learning.optimizers.build_sgdm(
-      learning_rate=config.student_lr,
+      learning_rate=scheduled_rate(config.student_lr, round_num, 0,
+                                   config.student_round_decay),
       momentum=config.student_momentum or None)
   student_vars = student_weights.trainable
   opt_state = student_optimizer.initialize(
       tuple(tf.TensorSpec(v.shape, v.dtype) for v in student_vars))
   nll = tf.keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=tf.keras.losses.Reduction.SUM)
+  prior_precision = (config.prior_precision +
+                     num_data * config.teacher_weight_decay)
 
-  def step(carry, batch):
-    opt_state, counter, nll_sum, student_sum, correct, count = carry
-    x, y = batch
-    n = tf.cast(tf.shape(y)[0], tf.float32)
-    step_seed = tf.random.experimental.stateless_fold_in(seed, counter)
+  def teacher_step(x, y, taught, step_seed):
+    """One SGLD step on (x, y); returns the batch's summed NLL."""
+    epoch = taught * config.epochs // tf.maximum(seen, 1)
+    eps = scheduled_rate(step_size, round_num, epoch,
+                         config.teacher_round_decay, config.teacher_step_decay,
+                         config.teacher_step_decay_epochs)
     with tf.GradientTape() as tape:
       batch_nll = nll(y, teacher(x, training=True))
-      mean_nll = batch_nll / n
+      mean_nll = batch_nll / tf.cast(tf.shape(y)[0], tf.float32)
     grads = tape.gradient(mean_nll, teacher_weights.trainable)
-    potential = [num_data * g + config.prior_precision * w
+    potential = [num_data * g + prior_precision * w
                  for g, w in zip(grads, teacher_weights.trainable)]
     new_teacher = sgld_step(
-        teacher_weights.trainable, potential, config.teacher_step_size,
-        config.temperature,
+        teacher_weights.trainable, potential, eps, temperature,
         tf.random.experimental.stateless_fold_in(step_seed, 0))
     for v, t in zip(teacher_weights.trainable, new_teacher):
       v.assign(v.constraint(t) if v.constraint is not None else t)
+    return batch_nll
+
+  def student_step(x, y, opt_state, step_seed):
+    """One SGD step towards the teacher on noisy x; returns (state, loss,
+    correct predictions of y)."""
     noisy = x + config.input_noise_std * tf.random.stateless_normal(
         tf.shape(x), seed=tf.random.experimental.stateless_fold_in(
             step_seed, 1))
@@ -251,13 +414,33 @@ def train_teacher_student(teacher: tf.keras.Model, student: tf.keras.Model,
     hits = tf.reduce_sum(tf.cast(tf.equal(
         tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)),
                                  tf.float32))
-    return (opt_state, counter + 1, nll_sum + batch_nll,
-            student_sum + loss * n, correct + hits, count + n)
+    return opt_state, loss, hits
+
+  def step(carry, batch):
+    opt_state, counter, taught, nll_sum, student_sum, correct = carry
+    x, y, role = batch
+    n = tf.shape(y, out_type=tf.int64)[0]
+    step_seed = tf.random.experimental.stateless_fold_in(seed, counter)
+    teaches = tf.not_equal(role, STUDENT)
+    batch_nll = tf.cond(
+        teaches, lambda: teacher_step(x, y, taught, step_seed),
+        lambda: tf.constant(0.0))
+    opt_state, loss, hits = tf.cond(
+        tf.not_equal(role, TEACHER),
+        lambda: student_step(x, y, opt_state, step_seed),
+        lambda: (opt_state, tf.constant(0.0), tf.constant(0.0)))
+    return (opt_state, counter + 1,
+            taught + tf.where(teaches, n, tf.constant(0, tf.int64)),
+            nll_sum + batch_nll,
+            student_sum + loss * tf.cast(n, tf.float32), correct + hits)
 
   zero = tf.constant(0.0)
-  carry = dataset.reduce(
-      (opt_state, tf.constant(0, tf.int64), zero, zero, zero, zero), step)
-  _, _, nll_sum, student_sum, correct, count = carry
+  carry = minibatch_stream(
+      dataset, sizes, config.student_minibatch, config.epochs).reduce(
+          (opt_state, tf.constant(0, tf.int64), tf.constant(0, tf.int64),
+           zero, zero, zero), step)
+  _, _, taught, nll_sum, student_sum, correct = carry
+  count = tf.cast(taught, tf.float32)
   final = tf.nest.map_structure(
       tf.identity, join(teacher_weights, student_weights))
   update, weight, rejected = client_work_lib.reject_bad_update(
@@ -363,15 +546,21 @@ def build_fedppd_distill(
     student_fn: Callable[[], tf.keras.Model], element_spec,
     config: PosteriorConfig, data: server_data_lib.ServerData,
     server_config: server_distillation.ServerDistillationConfig, *,
-    clients_per_round: int) -> FedPPD:
+    clients_per_round: int,
+    teacher_server_config: (
+        server_distillation.ServerDistillationConfig | None) = None
+) -> FedPPD:
   """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
 
   The clients' students are distilled into the global student on the
   server's unlabeled data by FedBE's server step
   (`server_distillation.server_update` with `server_config`: teachers from
   the average, the clients' students and samples around them, SWA), instead
-  of averaged; the teachers are averaged as in FedPPD. Aggregator and
-  finalizer are FedBE's, client work FedPPD's.
+  of averaged. The clients' teachers are averaged as in FedPPD or, with
+  `teacher_server_config`, distilled the same way into the global teacher
+  as the authors' code does (train_femnist.py); that step's measurements
+  are prefixed `teacher_`. Aggregator and finalizer are FedBE's, client
+  work FedPPD's.
   """
   teacher_sizes = _teacher_sizes(teacher_fn)
   weights_type = joint_weights_type(teacher_fn, student_fn)
@@ -384,16 +573,23 @@ def build_fedppd_distill(
     updates, weights = collected
     global_teacher, global_student = split(global_weights, teacher_sizes)
     teacher_updates, student_updates = split(updates, teacher_sizes)
-    clients = server_distillation.client_models(global_teacher,
-                                                teacher_updates)
-    received = tf.reduce_any(weights > 0)
-    teacher = tf.nest.map_structure(
-        lambda a, g: tf.where(received, a, g),
-        server_distillation.weighted_average(clients, weights),
-        global_teacher)
     student, measurements = server_distillation.server_update(
         student_fn, global_student, (student_updates, weights), round_num,
         data, server_config)
+    if teacher_server_config is None:
+      clients = server_distillation.client_models(global_teacher,
+                                                  teacher_updates)
+      received = tf.reduce_any(weights > 0)
+      teacher = tf.nest.map_structure(
+          lambda a, g: tf.where(received, a, g),
+          server_distillation.weighted_average(clients, weights),
+          global_teacher)
+    else:
+      teacher, teacher_measurements = server_distillation.server_update(
+          teacher_fn, global_teacher, (teacher_updates, weights), round_num,
+          data, teacher_server_config)
+      measurements.update(
+          (f"teacher_{k}", v) for k, v in teacher_measurements.items())
     return join(teacher, student), measurements
 
   return _compose(teacher_fn, student_fn, element_spec, config, weights_type,

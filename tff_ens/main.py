@@ -41,8 +41,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", cpp_log_level(sys.argv))
 # inside `main` builds broken Sequential models ("Output tensors of a
 # Sequential model must be the output of a TensorFlow `Layer`").
 from tff_ens import client_states
+from tff_ens import distillation
+from tff_ens import fed_ensemble
+from tff_ens import fedppd
 from tff_ens import runtime
 from tff_ens import training
+from tff_ens import weight_posterior
 import tasks
 
 
@@ -58,23 +62,32 @@ flags.DEFINE_string(
     "CIFAR: the directory holding cifar-10-batches-py/ or cifar-100-python/)."
     " Defaults to $TFF_ENS_DATA_DIR, then TFF's (FEMNIST) or Keras' (CIFAR) "
     "cache or download.")
-flags.DEFINE_integer("num_clients", 10, "CIFAR: clients sharing the data.")
-flags.DEFINE_enum("partition", "iid", ["iid", "dirichlet", "step", "classes"],
-                  "CIFAR: split over clients (tasks/partition.py).")
+flags.DEFINE_enum(
+    "partition", None, list(tasks.partition.PARTITIONS),
+    "How the labeled training examples are split over clients "
+    "(tasks/partition.py). Unset: the task's own clients (FEMNIST's writers; "
+    "CIFAR: iid). FEMNIST with a value pools its training writers' examples "
+    "and splits them by label, as CIFAR's are.")
+flags.DEFINE_integer("num_clients", 10,
+                     "Clients sharing a --partition split.")
 flags.DEFINE_float("partition_alpha", 1.0,
-                   "CIFAR: Dirichlet alpha of --partition=dirichlet.")
+                   "Dirichlet alpha of --partition=dirichlet (FedDF: 1 and "
+                   "0.1).")
 flags.DEFINE_integer("classes_per_client", 2,
-                     "CIFAR: labels per client of --partition=classes, major "
+                     "Labels per client of --partition=classes, major "
                      "classes of --partition=step.")
 flags.DEFINE_integer("step_minor_examples", 10,
-                     "CIFAR: --partition=step examples of every class per "
-                     "client.")
-flags.DEFINE_integer("server_unlabeled_examples", 10_000,
-                     "CIFAR: training examples set aside as the server's "
-                     "unlabeled data.")
-flags.DEFINE_integer("server_validation_examples", 1_000,
-                     "CIFAR: training examples set aside as the server's "
-                     "labeled validation set.")
+                     "--partition=step examples of every class per client.")
+flags.DEFINE_integer(
+    "server_unlabeled_examples", None,
+    "Training examples of a --partition split set aside as the server's "
+    "unlabeled data (default: CIFAR 10,000, FEMNIST 2,000). FEMNIST with "
+    "this and --server_validation_examples at 0 distills on its test-only "
+    "writers instead.")
+flags.DEFINE_integer(
+    "server_validation_examples", None,
+    "Training examples of a --partition split set aside as the server's "
+    "labeled validation set (default: CIFAR 1,000, FEMNIST 500).")
 flags.DEFINE_string(
     "algorithm", "fedavg",
     "fedavg, fedprox, fedavgm, fedensemble, fedbe, feddf, vdistill "
@@ -102,6 +115,10 @@ flags.DEFINE_integer("ensemble_size", 5, "K, the models of --algorithm="
 flags.DEFINE_enum("assignment", "permutation", ["permutation", "random"],
                   "Fed-ensemble: which model a client trains; random is the "
                   "paper's Table VII ablation.")
+flags.DEFINE_enum(
+    "member_average", "clients", list(fed_ensemble.MEMBER_AVERAGES),
+    "Fed-ensemble: each model's average over its clients, each client once "
+    "(the paper's Remark 1 and the authors' code) or by examples (FedAvg's).")
 flags.DEFINE_enum("local_objective", "sgd", ["sgd", "fedprox", "feddyn"],
                   "Fed-ensemble clients' objective (fedprox uses "
                   "--proximal_mu, feddyn --feddyn_alpha).")
@@ -128,8 +145,42 @@ flags.DEFINE_enum("fedbe_targets", "S+A+C",
                   ["A", "S", "S+A", "A+C", "S+C", "S+A+C"],
                   "FedBE: teachers (A average, C clients, S samples; Table 3).")
 flags.DEFINE_float("dirichlet_alpha", 1.0, "FedBE: Dirichlet alpha (eq. 7).")
+flags.DEFINE_enum(
+    "fedbe_gaussian", "paper", list(weight_posterior.GAUSSIANS),
+    "FedBE's Gaussian: paper (eq. 5, moments of the client models) or code "
+    "(the authors' swag.py: unit-norm updates, std x var_scale x mean norm).")
+flags.DEFINE_float("fedbe_var_scale", 0.1,
+                   "FedBE, --fedbe_gaussian=code: std scale (the authors' "
+                   "code's 0.1; not in the paper).")
+flags.DEFINE_float("fedbe_var_clamp", 1e-5,
+                   "FedBE, --fedbe_gaussian=code: least variance of the unit "
+                   "updates (the authors' code's 1e-5).")
+flags.DEFINE_enum(
+    "fedbe_dirichlet", "paper", list(weight_posterior.DIRICHLETS),
+    "FedBE's Dirichlet: paper (eq. 7, Dir(alpha) reweighted by |D_i|), code "
+    "(the authors' symmetric Dir(alpha)) or proportional (Dir(alpha N p)).")
+flags.DEFINE_float(
+    "sharpen_temperature", None,
+    "FedBE/v-Distillation: targets sharpened to p^(1/T)/sum p^(1/T); 1 keeps "
+    "them. Unset: the papers' (FedBE 1, v-Distillation 0.5); authors' code 0.5.")
+flags.DEFINE_float(
+    "swa_warmup_fraction", distillation.FEDBE_SWA_WARMUP_FRACTION,
+    "FedBE: SWA collects after this fraction of --distill_steps (default: the "
+    "paper's 250 of the authors' 1,580 steps; their code's 500 is 0.316).")
 flags.DEFINE_bool("drop_worst", True, "FedDF: leave out client models at "
                   "chance level on server validation.")
+flags.DEFINE_enum(
+    "drop_worst_rule", "guess_or_outliers", list(distillation.DROP_WORST_RULES),
+    "FedDF's drop-worst: below 1.2/C, else low outliers (mean - 1.5 std; the "
+    "authors' code), or at most the majority-class rate (majority).")
+flags.DEFINE_bool(
+    "distill_keep_initial", False,
+    "FedDF: return the initial student when no evaluated one beats it on "
+    "validation (False: the best evaluated one, as the authors' code).")
+flags.DEFINE_float(
+    "distill_clip_norm", distillation.FEDDF_CLIP_NORM,
+    "FedDF: clip the student's gradient to this global norm (0: none; 5 is "
+    "the authors' code's).")
 flags.DEFINE_string(
     "prototypes", "", "FedDF over model prototypes: comma-separated models, "
     "e.g. cnn,resnet8; client i runs the (i mod P)-th, the first is --model "
@@ -156,8 +207,39 @@ flags.DEFINE_float("sgld_temperature", 1.0,
                    "FedPPD: posterior temperature T of SGLD (1: exact; the "
                    "authors' code adds noise as T = 4/N would, about 0.03 "
                    "for a FEMNIST writer).")
-flags.DEFINE_float("prior_precision", 1.0,
-                   "FedPPD: precision of the teacher's Gaussian weight prior.")
+flags.DEFINE_float("prior_precision", 0.0,
+                   "FedPPD: precision of the teacher's Gaussian weight prior "
+                   "beyond --teacher_weight_decay (0: that only, as the "
+                   "authors' code).")
+flags.DEFINE_enum(
+    "sgld_scaling", "posterior", list(fedppd.SGLD_SCALINGS),
+    "FedPPD: units of --teacher_lr/--sgld_temperature: posterior (eps, T; the "
+    "paper) or authors (lr on the mean loss; T=1 is their noise 2 sqrt(lr)/N).")
+flags.DEFINE_float(
+    "teacher_weight_decay", 1e-4,
+    "FedPPD: wd*w added to the teacher's mean-loss gradient (prior precision "
+    "N*wd; the authors' code, the paper gives none).")
+flags.DEFINE_float(
+    "teacher_step_decay", 0.85,
+    "FedPPD: teacher step size times this every --teacher_step_decay_epochs "
+    "local epochs (the authors' StepLR; 1: off).")
+flags.DEFINE_integer("teacher_step_decay_epochs", 3,
+                     "FedPPD: local epochs between teacher step decays (the "
+                     "authors' code: 3).")
+flags.DEFINE_float("teacher_round_decay", 0.99,
+                   "FedPPD: teacher step size times this each round (the "
+                   "authors' FEMNIST script; 1: off).")
+flags.DEFINE_float("student_round_decay", 0.99,
+                   "FedPPD: student learning rate times this each round (the "
+                   "authors' code; 1: off).")
+flags.DEFINE_enum(
+    "student_minibatch", "fresh", list(fedppd.STUDENT_MINIBATCHES),
+    "FedPPD: the student's minibatch: fresh after each SGLD step (the "
+    "supplement's Alg. 1), the teacher's (same), or alternate_epochs (authors).")
+flags.DEFINE_bool(
+    "distill_fedppd_teachers", True,
+    "FedPPD+Distill: distill the clients' teachers too, as the authors' code "
+    "does (about twice the server step); False averages them.")
 flags.DEFINE_float("student_lr", 0.05, "FedPPD: student SGD learning rate.")
 flags.DEFINE_float("student_momentum", 0.0,
                    "FedPPD: student SGD momentum.")

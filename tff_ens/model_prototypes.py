@@ -98,31 +98,34 @@ def _prototype_teachers(models, global_prototypes, collected, validation,
 
   Returns `(clients, client_weights, keep, informative, received)`:
   per prototype p, `clients[p]` its clients' models (stacked `ModelWeights`),
-  their example counts and 0/1 `keep` weights; whether any client is above
-  chance (if none is, all are kept and the round is a FedAvg step per
-  prototype, as `server_distillation.teachers`); and which of the collected
-  slots hold a client.
+  their example counts and 0/1 `keep` weights (`distillation.drop_worst_mask`
+  over the whole cohort); whether any client is kept (if none is, all are
+  and the round is a FedAvg step per prototype, as
+  `server_distillation.teachers`); and which of the collected slots hold a
+  client.
   """
   (packed, keys), weights = collected
   weights = tf.cast(weights, tf.float32)
   received = weights > 0
   val_x, val_y = validation
-  chance = distillation.chance_accuracy(val_y, models[0].output_shape[-1])
-  clients, client_weights, above = [], [], []
+  clients, client_weights, accuracies = [], [], []
   for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
     mine = tf.where(tf.logical_and(received, tf.equal(keys, p)))[:, 0]
     clients.append(server_distillation.client_models(
         global_p, unpack(tf.gather(packed, mine), global_p)))
     client_weights.append(tf.gather(weights, mine))
     if config.drop_worst:
-      above.append(distillation.member_accuracies(
-          model, clients[p], val_x, val_y) > chance)
-    else:
-      above.append(tf.ones_like(client_weights[p], tf.bool))
-  # Drop-worst over the whole cohort.
-  informative = tf.reduce_any([tf.reduce_any(a) for a in above])
-  keep = [tf.cast(tf.where(informative, a, tf.ones_like(a)), tf.float32)
-          for a in above]
+      accuracies.append(distillation.member_accuracies(
+          model, clients[p], val_x, val_y))
+  if config.drop_worst:  # Over the whole cohort.
+    kept, informative = distillation.drop_worst_mask(
+        config.drop_worst_rule, tf.concat(accuracies, 0), val_y,
+        models[0].output_shape[-1])
+    sizes = tf.stack([tf.shape(w)[0] for w in client_weights])
+    keep = [tf.cast(k, tf.float32) for k in tf.split(kept, sizes)]
+  else:
+    informative = tf.reduce_any(tf.concat(client_weights, 0) > 0)
+    keep = [tf.ones_like(w) for w in client_weights]
   return clients, client_weights, keep, informative, received
 
 

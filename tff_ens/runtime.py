@@ -470,6 +470,11 @@ class ResidentState:
       self._rounds_held = 0
     return self._state
 
+  @property
+  def cut_every(self) -> int | None:
+    """N of the class doc: rounds between re-uploads once measured, else None."""
+    return self._cut_every
+
   def next(self, *args) -> Any:
     """One call of the computation on the held state.
 

@@ -19,10 +19,11 @@ FedAvg's four stages with two swapped (`compose_learning_process`):
   distills into the student, which starts from the weight average:
   - "fedbe": teachers {average, clients, M samples of a Gaussian (eq. 5) or
     Dirichlet (eq. 7) over the client models} (`weight_posterior`), targets
-    the ensemble's mean probabilities, SGD with SWA (`distillation.distill`);
-  - "feddf": teachers the clients above chance level on the server's
-    validation data (drop-worst), targets softmax(mean logits) (AVGLOGITS),
-    Adam with cosine decay and early stopping on validation accuracy;
+    the ensemble's mean probabilities (optionally sharpened), SGD with SWA
+    (`distillation.distill`);
+  - "feddf": teachers the clients drop-worst keeps on the server's
+    validation data, targets softmax(mean logits) (AVGLOGITS), Adam with
+    cosine decay and early stopping on validation accuracy;
   - "vdistill": FedBE's v-Distillation baseline, teachers the clients,
     sharpened mean probabilities, plain SGD.
 
@@ -32,7 +33,7 @@ computation (constants of its graph), never of the clients'.
 
 import collections
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -48,6 +49,8 @@ ModelWeights = tff.learning.models.ModelWeights
 
 METHODS = ("fedbe", "feddf", "vdistill")
 DISTRIBUTIONS = ("gaussian", "dirichlet")
+# The temperature of each method's targets when `sharpen_temperature` is None.
+DEFAULT_SHARPEN_TEMPERATURE = {"fedbe": 1.0, "vdistill": 0.5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,21 @@ class ServerDistillationConfig:
     num_samples: M, models sampled from it (FedBE).
     targets: FedBE's teachers, one of `weight_posterior.TARGETS`.
     dirichlet_alpha: the Dirichlet's alpha (FedBE, eq. 7).
-    drop_worst: leave clients at chance level out (FedDF).
+    gaussian: FedBE's Gaussian fit, one of `weight_posterior.GAUSSIANS`
+      ("paper": eq. 5; "code": the authors' normalized, scaled one with
+      `gaussian_var_scale` and `gaussian_var_clamp`).
+    dirichlet: FedBE's Dirichlet, one of `weight_posterior.DIRICHLETS`.
+    sharpen_temperature: T > 0 of the targets of fedbe and vdistill, the
+      ensemble's mean probabilities sharpened to p^(1/T) / sum p^(1/T)
+      (`distillation.sharpen`; 1 keeps them; unused by feddf). None: the
+      papers' (DEFAULT_SHARPEN_TEMPERATURE), 1 for fedbe (Chen and Chao,
+      Sec. 4: the mean probabilities) and 0.5 for vdistill (Sec. 5); the
+      authors' code sharpens both with 0.5.
+    drop_worst: leave the worst clients out (FedDF).
+    drop_worst_rule: which are the worst, one of
+      `distillation.DROP_WORST_RULES` (`distillation.drop_worst_mask`):
+      "guess_or_outliers" (the authors' code; the paper names no
+      threshold) or "majority" (at most the majority-class rate).
     device: where the server computation runs (`distillation.choose_device`).
     seed: seeds the samples and the distillation's shuffles (with the round).
   """
@@ -73,14 +90,24 @@ class ServerDistillationConfig:
   num_samples: int = 10
   targets: str = "S+A+C"
   dirichlet_alpha: float = 1.0
+  gaussian: str = "paper"
+  gaussian_var_scale: float = 0.1
+  gaussian_var_clamp: float = 1e-5
+  dirichlet: str = "paper"
+  sharpen_temperature: Optional[float] = None
   drop_worst: bool = False
+  drop_worst_rule: str = "guess_or_outliers"
   device: str = "/CPU:0"
   seed: int = 0
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS),
                           ("distribution", DISTRIBUTIONS),
-                          ("targets", weight_posterior.TARGETS)):
+                          ("targets", weight_posterior.TARGETS),
+                          ("gaussian", weight_posterior.GAUSSIANS),
+                          ("dirichlet", weight_posterior.DIRICHLETS),
+                          ("drop_worst_rule",
+                           distillation.DROP_WORST_RULES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose one "
                          f"of {', '.join(allowed)}")
@@ -89,6 +116,13 @@ class ServerDistillationConfig:
     if self.dirichlet_alpha <= 0:
       raise ValueError("dirichlet_alpha must be > 0, got "
                        f"{self.dirichlet_alpha}")
+    if self.gaussian_var_scale <= 0 or self.gaussian_var_clamp < 0:
+      raise ValueError("need gaussian_var_scale > 0 and gaussian_var_clamp "
+                       f">= 0, got {self.gaussian_var_scale} and "
+                       f"{self.gaussian_var_clamp}")
+    if self.sharpen_temperature is not None and self.sharpen_temperature <= 0:
+      raise ValueError("sharpen_temperature must be > 0, got "
+                       f"{self.sharpen_temperature}")
     if self.method == "feddf" and not self.distill.eval_every:
       raise ValueError("feddf stops early on validation data: its distill "
                        "config needs eval_every > 0")
@@ -207,8 +241,8 @@ def teachers(model: tf.keras.Model, global_weights, collected, seed,
   Returns `(teacher_stack, teacher_weights, average, num_dropped,
   informative)`; the teacher weights are 0 for teachers to leave out
   (rejected or dropped clients). The average is over the clients kept.
-  `informative` is False when drop-worst finds every client at chance: there
-  is then nothing to distill from, and the round's model is the average of
+  `informative` is False when drop-worst drops every client: there is then
+  nothing to distill from, and the round's model is the average of
   all received clients (a FedAvg step), as in the first rounds of training.
   """
   updates, weights = collected
@@ -220,12 +254,9 @@ def teachers(model: tf.keras.Model, global_weights, collected, seed,
   if config.drop_worst:
     val_x, val_y = validation
     accuracies = distillation.member_accuracies(model, clients, val_x, val_y)
-    above_chance = accuracies > distillation.chance_accuracy(
-        val_y, model.output_shape[-1])
-    informative = tf.reduce_any(tf.logical_and(received, above_chance))
-    # If every received client is at chance, keep them all (no empty average).
-    keep = tf.where(informative, tf.logical_and(received, above_chance),
-                    received)
+    keep, informative = distillation.drop_worst_mask(
+        config.drop_worst_rule, accuracies, val_y, model.output_shape[-1],
+        members=received)
   weights = weights * tf.cast(keep, tf.float32)
   num_dropped = (tf.reduce_sum(tf.cast(received, tf.int32)) -
                  tf.reduce_sum(tf.cast(keep, tf.int32)))
@@ -236,20 +267,18 @@ def teachers(model: tf.keras.Model, global_weights, collected, seed,
   samples = None
   if "S" in config.targets:
     if config.distribution == "gaussian":
-      # Moments of the updates (better conditioned than of the models, and
-      # the variance is the same); the mean model is then w - mean update.
-      mean_update, variance = weight_posterior.gaussian_from_moments(
-          tf.nest.map_structure(lambda t: tf.tensordot(weights, t, 1),
-                                updates),
-          tf.nest.map_structure(
-              lambda t: tf.tensordot(weights, tf.square(t), 1), updates),
-          tf.reduce_sum(weights))
+      # Fitted to the updates (better conditioned than the models, and the
+      # variance is the same); the mean model is then w - mean update.
+      mean_update, variance = weight_posterior.fit_gaussian_to_updates(
+          updates, weights, config.gaussian, config.gaussian_var_scale,
+          config.gaussian_var_clamp)
       mean = tf.nest.map_structure(tf.subtract, global_weights, mean_update)
       samples = weight_posterior.sample_gaussian(
           mean, variance, config.num_samples, seed)
     else:
       coefficients = weight_posterior.sample_dirichlet_coefficients(
-          weights, config.dirichlet_alpha, config.num_samples, seed)
+          weights, config.dirichlet_alpha, config.num_samples, seed,
+          config.dirichlet)
       samples = weight_posterior.combine_models(clients, coefficients)
   stack = weight_posterior.teacher_stack(
       config.targets, average, clients if "C" in config.targets else None,
@@ -259,13 +288,19 @@ def teachers(model: tf.keras.Model, global_weights, collected, seed,
           informative)
 
 
-def _distillation_targets(config: ServerDistillationConfig, predictions):
-  """Targets of the student from the teachers' mean predictions."""
+def distillation_targets(config: ServerDistillationConfig, predictions):
+  """The student's targets from the teachers' `ensemble_predictions`.
+
+  FedDF: AVGLOGITS (`distillation.avg_logits_targets`); FedBE and
+  v-Distillation: the mean probabilities, `distillation.sharpen`ed with
+  `config.sharpen_temperature` (or the method's default).
+  """
   if config.method == "feddf":
     return distillation.avg_logits_targets(predictions["mean_logits"])
-  if config.method == "vdistill":
-    return distillation.sharpen(predictions["mean_probabilities"])
-  return predictions["mean_probabilities"]
+  temperature = config.sharpen_temperature
+  if temperature is None:
+    temperature = DEFAULT_SHARPEN_TEMPERATURE[config.method]
+  return distillation.sharpen(predictions["mean_probabilities"], temperature)
 
 
 def distill_if(informative, model: tf.keras.Model, start, unlabeled, targets,
@@ -273,9 +308,9 @@ def distill_if(informative, model: tf.keras.Model, start, unlabeled, targets,
                validation):
   """`distillation.distill` from `start` if `informative`, else `start`.
 
-  A round whose clients are all at chance level (drop-worst) keeps their
-  average, so the server skips the distillation whose student it would
-  discard; its stats then count 0 steps.
+  A round whose clients drop-worst all drops keeps their average, so the
+  server skips the distillation whose student it would discard; its stats
+  then count 0 steps.
   """
   def skip():
     zero = tf.constant(0)
@@ -311,15 +346,15 @@ def _server_step(model, global_weights, collected, seed, unlabeled,
         model, stack, unlabeled, teacher_weights)
     student, stats = distill_if(
         informative, model, average, unlabeled,
-        _distillation_targets(config, predictions), config.distill, seed,
+        distillation_targets(config, predictions), config.distill, seed,
         validation)
     distillation.assign_weights(model, student)
     student_accuracy = distillation.accuracy(
         distillation.predict_logits(model, validation[0],
                                     distillation.EVAL_BATCH_SIZE),
         validation[1])
-  # With no client this round, the model stays as it was; with only clients
-  # at chance level (drop-worst), it is their average.
+  # With no client this round, the model stays as it was; if drop-worst
+  # drops every client, it is their average.
   received = tf.reduce_any(collected[1] > 0)
   new_weights = tf.nest.map_structure(
       lambda s, a, w: tf.where(received, tf.where(informative, s, a), w),

@@ -62,6 +62,45 @@ CHECKPOINT_PREFIX = "round_"
 # FedBE's SWA collects a model every this many distillation steps.
 SWA_CYCLE_STEPS = 25
 
+# The settings of a pooled split (`ExperimentConfig.partition_config`).
+_PARTITION_FLAGS = ("num_clients", "partition_alpha", "classes_per_client",
+                    "step_minor_examples", "server_unlabeled_examples",
+                    "server_validation_examples")
+
+
+def _given(value, default):
+  return default if value is None else value
+
+
+# Flags added on 2026-11-25 (issue 24) whose defaults changed what a run does:
+# a run saved without them did this.
+_BEFORE_ISSUE_24 = {
+    "member_average": "examples", "fedbe_dirichlet": "proportional",
+    "swa_warmup_fraction": 0.0, "distill_keep_initial": True,
+    "distill_clip_norm": 0.0, "drop_worst_rule": "majority",
+    "student_minibatch": "same", "teacher_weight_decay": 0.0,
+    "teacher_step_decay": 1.0, "teacher_round_decay": 1.0,
+    "student_round_decay": 1.0, "distill_fedppd_teachers": False}
+
+
+def saved_config(saved: dict) -> dict:
+  """A run's saved config.json as this version's flags.
+
+  A flag the run predates takes the value that reproduces what it did: the
+  older behaviour for the flags of `_BEFORE_ISSUE_24`, else the default.
+  Before them FEMNIST's writers were written as the iid partition with
+  CIFAR's server sizes, which now mean a pooled split: they become unset.
+  """
+  if "member_average" in saved:
+    return dict(saved)
+  upgraded = {**_BEFORE_ISSUE_24, **saved}
+  if upgraded.get("task", "femnist") == "femnist":
+    for name in ("partition", "server_unlabeled_examples",
+                 "server_validation_examples"):
+      upgraded[name] = None
+  return upgraded
+
+
 # Keys that may differ between an interrupted run and its `--resume`: how
 # the run executes, not what it computes.
 _RESUME_FREE_KEYS = ("resume", "max_concurrent_clients", "workers")
@@ -87,12 +126,12 @@ class ExperimentConfig:
   classes: str = "all"
   data_dir: str | None = None
   num_clients: int = 10
-  partition: str = "iid"
+  partition: str | None = None
   partition_alpha: float = 1.0
   classes_per_client: int = 2
   step_minor_examples: int = 10
-  server_unlabeled_examples: int = 10_000
-  server_validation_examples: int = 1_000
+  server_unlabeled_examples: int | None = None
+  server_validation_examples: int | None = None
   algorithm: str = "fedavg"
   model: str = "cnn"
   norm: str = "batch"
@@ -109,6 +148,7 @@ class ExperimentConfig:
   server_momentum: float = 0.9
   ensemble_size: int = 5
   assignment: str = "permutation"
+  member_average: str = "clients"
   local_objective: str = "sgd"
   feddyn_alpha: float = 0.01
   personalization_temperature: float = 0.0
@@ -120,6 +160,15 @@ class ExperimentConfig:
   fedbe_samples: int = 10
   fedbe_targets: str = "S+A+C"
   dirichlet_alpha: float = 1.0
+  fedbe_gaussian: str = "paper"
+  fedbe_var_scale: float = 0.1
+  fedbe_var_clamp: float = 1e-5
+  fedbe_dirichlet: str = "paper"
+  sharpen_temperature: float | None = None
+  swa_warmup_fraction: float = distillation.FEDBE_SWA_WARMUP_FRACTION
+  distill_keep_initial: bool = False
+  distill_clip_norm: float = distillation.FEDDF_CLIP_NORM
+  drop_worst_rule: str = "guess_or_outliers"
   drop_worst: bool = True
   prototypes: str = ""
   distill_patience: int = 100
@@ -129,10 +178,18 @@ class ExperimentConfig:
   student_model: str = ""
   teacher_lr: float = 4e-4
   sgld_temperature: float = 1.0
-  prior_precision: float = 1.0
+  prior_precision: float = 0.0
   student_lr: float = 0.05
   student_momentum: float = 0.0
   student_weight_decay: float = 1e-4
+  sgld_scaling: str = "posterior"
+  teacher_weight_decay: float = 1e-4
+  teacher_step_decay: float = 0.85
+  teacher_step_decay_epochs: int = 3
+  teacher_round_decay: float = 0.99
+  student_round_decay: float = 0.99
+  student_minibatch: str = "fresh"
+  distill_fedppd_teachers: bool = True
   active_learning_rounds: int = 0
   active_budget: int = 10
   active_initial_fraction: float = 0.1
@@ -172,6 +229,7 @@ class ExperimentConfig:
                        f"choose one of {', '.join(task.MODEL_NAMES)}")
     for name, value, choices in (
         ("assignment", self.assignment, fed_ensemble.ASSIGNMENTS),
+        ("member_average", self.member_average, fed_ensemble.MEMBER_AVERAGES),
         ("local_objective", self.local_objective,
          algorithms.LOCAL_OBJECTIVES)):
       if value not in choices:
@@ -310,31 +368,59 @@ class ExperimentConfig:
       distill = distillation.feddf_config(
           self.distill_steps, batch_size=self.distill_batch_size,
           patience=self.distill_patience, eval_every=self.distill_eval_every,
-          min_improvement=self.distill_min_improvement)
+          min_improvement=self.distill_min_improvement,
+          keep_initial_student=self.distill_keep_initial,
+          clip_norm=self.distill_clip_norm)
     else:  # FedBE (SWA or not); v-Distillation is FedBE's plain SGD.
       distill = distillation.fedbe_config(
           self.distill_steps,
           swa=self.swa and self.algorithm in _SWA_ALGORITHMS,
-          batch_size=self.distill_batch_size, cycle_steps=SWA_CYCLE_STEPS)
+          batch_size=self.distill_batch_size,
+          swa_warmup_fraction=self.swa_warmup_fraction,
+          cycle_steps=SWA_CYCLE_STEPS)
     return server_distillation.ServerDistillationConfig(
         # FedPPD+Distill distills the students with FedBE's server step.
         method=("fedbe" if self.algorithm == "fedppd_distill" else
                 self.algorithm), distill=distill,
         distribution=self.fedbe_distribution, num_samples=self.fedbe_samples,
         targets=self.fedbe_targets, dirichlet_alpha=self.dirichlet_alpha,
+        gaussian=self.fedbe_gaussian, gaussian_var_scale=self.fedbe_var_scale,
+        gaussian_var_clamp=self.fedbe_var_clamp,
+        dirichlet=self.fedbe_dirichlet,
+        sharpen_temperature=self.sharpen_temperature,
         drop_worst=self.drop_worst and self.algorithm == "feddf",
+        drop_worst_rule=self.drop_worst_rule,
         device=distillation.choose_device(self.server_device),
         seed=self.seed)
 
-  def partition_config(self) -> tasks.partition.PartitionConfig:
-    """How a task without natural clients (CIFAR) is split over clients."""
+  def partition_config(self) -> tasks.partition.PartitionConfig | None:
+    """The --partition split, or None for the task's own clients.
+
+    Unset, it is the task's DEFAULT_PARTITION (None: FEMNIST's writers). The
+    server's examples default to the task's SERVER_EXAMPLES. Raises
+    ValueError for a split flag given without a split to apply it to.
+    """
+    task = self.task_module()
+    partition = self.partition or task.DEFAULT_PARTITION
+    if partition is None:
+      defaults = {f.name: f.default for f in dataclasses.fields(self)}
+      given = [name for name in _PARTITION_FLAGS
+               if getattr(self, name) != defaults[name]]
+      if given:
+        raise ValueError(f"--{given[0]} applies to a pooled split, and "
+                         f"{self.task}'s clients are its writers: pass "
+                         "--partition too, or leave it unset")
+      return None
+    unlabeled, validation = task.SERVER_EXAMPLES
     return tasks.partition.PartitionConfig(
-        partition=self.partition, num_clients=self.num_clients,
+        partition=partition, num_clients=self.num_clients,
         alpha=self.partition_alpha,
         classes_per_client=self.classes_per_client,
         step_minor_examples=self.step_minor_examples,
-        server_unlabeled_examples=self.server_unlabeled_examples,
-        server_validation_examples=self.server_validation_examples)
+        server_unlabeled_examples=_given(self.server_unlabeled_examples,
+                                         unlabeled),
+        server_validation_examples=_given(self.server_validation_examples,
+                                          validation))
 
   def task_module(self):
     """The task of --task with --classes (see `tasks.get_task`)."""
@@ -353,6 +439,13 @@ class ExperimentConfig:
         prior_precision=self.prior_precision, student_lr=self.student_lr,
         student_momentum=self.student_momentum,
         student_weight_decay=self.student_weight_decay,
+        sgld_scaling=self.sgld_scaling,
+        teacher_weight_decay=self.teacher_weight_decay,
+        teacher_step_decay=self.teacher_step_decay,
+        teacher_step_decay_epochs=self.teacher_step_decay_epochs,
+        teacher_round_decay=self.teacher_round_decay,
+        student_round_decay=self.student_round_decay,
+        student_minibatch=self.student_minibatch,
         epochs=self.client_epochs, seed=self.seed,
         max_update_norm=self.max_update_norm)
 
@@ -589,7 +682,8 @@ class _Outputs:
         raise UsageError(
             f"{config_path} is not a run's config (a JSON object of its "
             "flags): restore it, or choose a new --output_dir")
-      saved = {k: v for k, v in saved.items() if k not in _RESUME_FREE_KEYS}
+      saved = {k: v for k, v in saved_config(saved).items()
+               if k not in _RESUME_FREE_KEYS}
       if saved:
         # A flag added after the run started takes its default there.
         defaults = {f.name: f.default
@@ -599,8 +693,9 @@ class _Outputs:
         changed = sorted(k for k in set(saved) | set(wanted)
                          if saved.get(k) != wanted.get(k))
         raise UsageError(
-            f"--output_dir={self.dir} holds a different run (differs in "
-            f"{', '.join(changed)}): choose a new --output_dir")
+            f"--output_dir={self.dir} holds a different run (it has "
+            f"{' '.join(f'--{k}={saved.get(k)}' for k in changed)}): pass "
+            "those flags to continue it, or choose a new --output_dir")
     checkpoints = os.path.join(self.dir, CHECKPOINT_DIR)
     started = os.path.isdir(checkpoints) and any(
         name.startswith(CHECKPOINT_PREFIX) for name in os.listdir(checkpoints))
@@ -878,8 +973,9 @@ def run_experiment(config: ExperimentConfig) -> dict:
         server_learning_rate=config.server_lr,
         server_momentum=config.server_momentum,
         ensemble_size=config.ensemble_size, assignment=config.assignment,
-        seed=config.seed, server_data=server_data,
-        server_config=server_config,
+        member_average=config.member_average, seed=config.seed,
+        distill_fedppd_teachers=config.distill_fedppd_teachers,
+        server_data=server_data, server_config=server_config,
         clients_per_round=config.clients_per_round,
         student_fn=lambda: task.build_model(
             config.resolved_student_model(), seed=config.seed + 7919,
@@ -1095,7 +1191,7 @@ def _write_summary(config, data, algorithm, state, outputs, evaluator,
 
 def _evaluation_splits(data) -> dict:
   """The splits the final evaluation predicts on: test, and ood and shift when
-  the task has them (see `tasks.femnist.FederatedData`)."""
+  the task has them (see `tasks.data.FederatedData`)."""
   splits = {"test": data.test, "ood": data.ood, "shift": data.shift}
   return {name: split for name, split in splits.items()
           if split is not None and split.num_examples()}

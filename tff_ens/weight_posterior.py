@@ -1,16 +1,23 @@
 """FedBE's distributions over global models, and its ensemble of teachers.
 
 Chen and Chao, "FedBE: Making Bayesian Model Ensemble Applicable to Federated
-Learning", ICLR 2021 (arXiv:2009.01974), Sec. 4 and Table 3.
+Learning", ICLR 2021 (arXiv:2009.01974), Sec. 4 and Table 3; the authors'
+code is github.com/hongyouc/FedBE (`swag.py`, `SWAG_server`).
 
 From the round's client models w_1..w_N with weights |D_i|/|D| the server fits
 a distribution over global models and samples M of them:
 
-* Gaussian (eq. 5): mean and diagonal variance of the client models. Both come
-  from weighted first and second moments, so a TFF *sum* aggregation of each
-  client's `moment_terms` is all the server needs (`gaussian_from_moments`).
-* Dirichlet (eq. 7): convex combinations sum_i gamma_i w_i of the client
-  models with gamma drawn from a Dirichlet distribution.
+* Gaussian over the clients' updates (`fit_gaussian_to_updates`), one of
+  GAUSSIANS: "paper", eq. 5's weighted mean and diagonal variance of the
+  client models (also from summed `moment_terms`, `gaussian_from_moments`);
+  "code", the authors' fit to unit-norm updates, with a clamped variance and
+  a std scaled by `var_scale` and the mean update norm
+  (`normalized_update_gaussian`).
+* Dirichlet (`sample_dirichlet_coefficients`): convex combinations
+  sum_i c_i w_i of the client models, one of DIRICHLETS: "paper", eq. 7,
+  gamma ~ Dir(alpha, ..., alpha) reweighted by |D_i|; "code", the authors'
+  symmetric Dir(alpha, ..., alpha); "proportional", Dir(alpha N p), this
+  library's variant whose mean is the weight average.
 
 The teachers are then any of {the weight average (A), the clients (C), the
 samples (S)} (`teacher_stack`). All functions are plain TensorFlow over nested
@@ -26,6 +33,15 @@ import tensorflow_federated as tff
 ModelWeights = tff.learning.models.ModelWeights
 
 TARGETS = ("A", "S", "S+A", "A+C", "S+C", "S+A+C")
+GAUSSIANS = ("paper", "code")
+DIRICHLETS = ("paper", "code", "proportional")
+
+
+def _check_choice(name: str, value: str, allowed):
+  """Raises ValueError unless `value` is one of `allowed`."""
+  if value not in allowed:
+    raise ValueError(f"unknown {name} {value!r}: choose one of "
+                     f"{', '.join(allowed)}")
 
 
 def moment_terms(weights, client_weight):
@@ -66,6 +82,86 @@ def gaussian_from_moments(weighted_sum, weighted_sum_of_squares, total_weight):
   return mean, variance
 
 
+def normalized_update_gaussian(updates, client_weights, var_scale: float,
+                               var_clamp: float):
+  """The authors' Gaussian over updates (FedBE code, `swag.py`, "gaussian").
+
+  Per tensor, over the n clients with weight > 0 and unweighted: the unit
+  updates u_i = d_i / ||d_i|| (d_i = w0 - w_i; 0 if d_i = 0), their mean m,
+  variance v = max(mean_i u_i^2 - m^2, var_clamp) and the mean norm r =
+  mean_i ||d_i||. The update distribution is N(r m, (var_scale r)^2 v):
+  samples are w0 - r (m + var_scale sqrt(v) eps). Not in the paper, whose
+  Gaussian is eq. 5 (`gaussian_from_moments`).
+
+  Args:
+    updates: a structure of tensors [N, ...], the clients' w0 - w_i.
+    client_weights: [N]; only which are > 0 matters.
+    var_scale: the std's scale (the code's `--var_scale`, 0.1).
+    var_clamp: the least variance of the unit updates (the code's 1e-5).
+
+  Returns:
+    `(mean_update, variance)`, each of the structure of one update; the mean
+    model is w0 - mean_update. With no client both are 0.
+  """
+  present = tf.cast(tf.convert_to_tensor(client_weights) > 0, tf.float32)
+  share = tf.math.divide_no_nan(present, tf.reduce_sum(present))
+
+  def fit(update):
+    update = tf.cast(update, tf.float32)
+    norms = tf.sqrt(tf.reduce_sum(tf.square(update),
+                                  axis=list(range(1, update.shape.rank))))
+    units = tf.math.divide_no_nan(
+        update, tf.reshape(norms, [-1] + [1] * (update.shape.rank - 1)))
+    mean_unit = tf.tensordot(share, units, axes=1)
+    variance_unit = tf.maximum(
+        tf.tensordot(share, tf.square(units), axes=1) - tf.square(mean_unit),
+        var_clamp)
+    mean_norm = tf.tensordot(share, norms, axes=1)
+    return (mean_norm * mean_unit,
+            tf.square(var_scale * mean_norm) * variance_unit)
+
+  fitted = [fit(update) for update in tf.nest.flatten(updates)]
+  return tuple(tf.nest.pack_sequence_as(updates, [f[part] for f in fitted])
+               for part in (0, 1))
+
+
+def fit_gaussian_to_updates(updates, client_weights, gaussian: str = "paper",
+                            var_scale: float = 0.1, var_clamp: float = 1e-5):
+  """Mean and diagonal variance of FedBE's Gaussian over the clients' updates.
+
+  `gaussian` is one of GAUSSIANS:
+  * "paper" (default; the paper states it): eq. 5 over the updates d_i = w0 -
+    w_i weighted by |D_i| (`gaussian_from_moments`; the variance is that of
+    the client models, the mean model w0 - mean_update their weight average).
+    `var_scale` and `var_clamp` are unused.
+  * "code": the authors' normalized, scaled fit (`normalized_update_gaussian`
+    with `var_scale` and `var_clamp`, defaults from their code).
+
+  Args:
+    updates: a structure of tensors [N, ...], the clients' w0 - w_i.
+    client_weights: [N] client weights |D_i| (0: left out).
+
+  Returns:
+    `(mean_update, variance)`; sample with `sample_gaussian(w0 - mean_update,
+    variance, ...)`.
+  """
+  _check_choice("gaussian", gaussian, GAUSSIANS)
+  if gaussian == "code":
+    if var_scale <= 0 or var_clamp < 0:
+      raise ValueError(f"need var_scale > 0 and var_clamp >= 0, got "
+                       f"{var_scale} and {var_clamp}")
+    return normalized_update_gaussian(updates, client_weights, var_scale,
+                                      var_clamp)
+  client_weights = tf.cast(client_weights, tf.float32)
+  return gaussian_from_moments(
+      tf.nest.map_structure(
+          lambda t: tf.tensordot(client_weights, t, axes=1), updates),
+      tf.nest.map_structure(
+          lambda t: tf.tensordot(client_weights, tf.square(t), axes=1),
+          updates),
+      tf.reduce_sum(client_weights))
+
+
 def _seed_for(seed, index: int):
   """A stateless seed per tensor `index` of a structure, from `seed` [2]."""
   return tf.random.experimental.stateless_fold_in(
@@ -75,11 +171,12 @@ def _seed_for(seed, index: int):
 def sample_gaussian(mean, variance, num_samples: int, seed):
   """`num_samples` models from N(mean, diag(variance)) (FedBE, eq. 5).
 
-  For `ModelWeights`, only the trainable weights are sampled: the
-  non-trainable ones (batch-norm moving statistics) are not parameters of the
-  posterior but running averages of activations, and a random perturbation of
-  a variance could make it negative; every sample gets the mean statistics,
-  as in FedBE's code, which recomputes them after distillation anyway. Any
+  For `ModelWeights`, only the trainable weights are sampled and every
+  sample gets the mean of the non-trainable ones (batch-norm moving
+  statistics): they are running averages of activations, not parameters, and
+  a perturbed moving variance could turn negative. This is a choice of this
+  library: the paper does not say, and the authors' code samples every entry
+  of the state dict but the batch counter, moving statistics included. Any
   other structure (e.g. a tuple of tensors) is sampled in every tensor.
 
   Args:
@@ -111,48 +208,78 @@ def sample_gaussian(mean, variance, num_samples: int, seed):
   return tf.nest.pack_sequence_as(mean, samples)
 
 
-def dirichlet_concentration(client_weights, alpha):
-  """Concentration of FedBE's Dirichlet over client coefficients (eq. 7).
+def dirichlet_concentration(client_weights, alpha, symmetric: bool = False):
+  """Concentration alpha_1..alpha_N of FedBE's Dirichlet over the clients.
 
-  alpha_i = alpha * N * p_i with p_i = |D_i| / |D| over the N clients with
-  weight > 0, so that E[gamma] = p (the mean sample is FedAvg's weight
-  average) and, for clients of equal size, the distribution is FedBE code's
-  symmetric Dir(alpha, ..., alpha) (`swag.py`, mode "dir"). Smaller alpha
-  gives coefficients farther from p (sparser combinations).
+  Over the N clients with weight > 0 (the others get 0): alpha_i = alpha if
+  `symmetric` (Dir(alpha, ..., alpha) of the paper's eq. 7 and of the
+  authors' code), else alpha_i = alpha * N * p_i with p_i = |D_i| / |D| (the
+  "proportional" variant: E[gamma] = p, the weight average). Smaller alpha
+  gives coefficients farther from their mean (sparser combinations).
   """
   client_weights = tf.cast(client_weights, tf.float32)
   present = tf.cast(client_weights > 0, tf.float32)
+  if symmetric:
+    return alpha * present
   proportions = tf.math.divide_no_nan(client_weights,
                                       tf.reduce_sum(client_weights))
   return alpha * tf.reduce_sum(present) * proportions
 
 
-def sample_dirichlet_coefficients(client_weights, alpha, num_samples: int,
-                                  seed):
-  """Coefficients gamma ~ Dir(alpha_1..alpha_N), [M, N] (FedBE, eq. 7).
+def reweight_by_size(gamma, client_weights):
+  """c_{s,i} = gamma_{s,i} |D_i| / sum_j gamma_{s,j} |D_j| (FedBE, eq. 7).
 
-  Drawn as normalized Gamma(alpha_i, 1) variables (the standard construction;
-  TensorFlow has a stateless Gamma sampler but no Dirichlet one, and
-  TensorFlow Probability is no direct dependency). Clients with weight 0 get
-  coefficient 0. If every Gamma draw of a row underflows to 0 (tiny alpha),
-  that row is p, the mean of the distribution. Each row lies on the simplex.
+  Args:
+    gamma: [S, N] rows on the simplex.
+    client_weights: [N] client weights |D_i|.
+  """
+  weighted = gamma * tf.cast(client_weights, gamma.dtype)[None]
+  return tf.math.divide_no_nan(
+      weighted, tf.reduce_sum(weighted, axis=1, keepdims=True))
+
+
+def sample_dirichlet_coefficients(client_weights, alpha, num_samples: int,
+                                  seed, dirichlet: str = "paper"):
+  """Convex-combination coefficients [M, N] of FedBE's Dirichlet (Sec. 4.2).
+
+  `dirichlet` is one of DIRICHLETS:
+  * "paper" (default; the paper states it): eq. 7, gamma ~ Dir(alpha, ...,
+    alpha) over the clients, coefficients `reweight_by_size(gamma)`.
+  * "code": the authors' `swag.py` (mode "dir"), coefficients gamma ~
+    Dir(alpha, ..., alpha), client sizes unused.
+  * "proportional": gamma ~ Dir(alpha N p) (`dirichlet_concentration`), so
+    that the mean is FedAvg's weight average; in neither paper nor code, it
+    equals "code" for clients of equal size.
+
+  gamma is drawn as normalized Gamma(alpha_i, 1) variables (TensorFlow has a
+  stateless Gamma sampler but no Dirichlet one, and TensorFlow Probability
+  is no direct dependency). Clients with weight 0 get coefficient 0. If
+  every Gamma draw of a row underflows to 0 (tiny alpha), that row of gamma
+  is its mean. Each row lies on the simplex. "paper" and "code" share the
+  draws: the same seed gives the same gamma.
 
   Args:
     client_weights: [N] client weights |D_i| (>= 0, not all 0).
     alpha: the concentration scale (> 0), see `dirichlet_concentration`.
     num_samples: M, a Python int.
     seed: a shape [2] integer tensor.
+    dirichlet: one of DIRICHLETS.
   """
-  concentration = dirichlet_concentration(client_weights, alpha)
+  _check_choice("dirichlet", dirichlet, DIRICHLETS)
+  concentration = dirichlet_concentration(
+      client_weights, alpha, symmetric=dirichlet != "proportional")
   present = tf.cast(concentration > 0, tf.float32)
   # A zero concentration is outside Gamma's domain: draw with 1, then drop.
   draws = tf.random.stateless_gamma(
       [num_samples, concentration.shape[0]], seed=tf.cast(seed, tf.int64),
       alpha=tf.where(present > 0, concentration, 1.0)) * present
   totals = tf.reduce_sum(draws, axis=1, keepdims=True)
-  proportions = concentration / tf.reduce_sum(concentration)
-  return tf.where(totals > 0, tf.math.divide_no_nan(draws, totals),
-                  proportions[None])
+  mean = concentration / tf.reduce_sum(concentration)
+  gamma = tf.where(totals > 0, tf.math.divide_no_nan(draws, totals),
+                   mean[None])
+  if dirichlet == "paper":
+    return reweight_by_size(gamma, client_weights)
+  return gamma
 
 
 def combine_models(stacked_models, coefficients):
@@ -187,9 +314,7 @@ def teacher_stack(targets: str, average, clients=None, samples=None):
   Returns:
     The structure with tensors [num_teachers, ...].
   """
-  if targets not in TARGETS:
-    raise ValueError(f"unknown targets {targets!r}: choose one of "
-                     f"{', '.join(TARGETS)}")
+  _check_choice("targets", targets, TARGETS)
   parts = [tf.nest.map_structure(lambda t: t[None], average)] if (
       "A" in targets) else []
   for letter, stacked in (("C", clients), ("S", samples)):
@@ -216,9 +341,7 @@ def teacher_weights(targets: str, client_weights, num_samples: int):
   positive, else 0: a client whose update was rejected (weight 0) is no
   teacher. For `distillation.ensemble_predictions(member_weights=...)`.
   """
-  if targets not in TARGETS:
-    raise ValueError(f"unknown targets {targets!r}: choose one of "
-                     f"{', '.join(TARGETS)}")
+  _check_choice("targets", targets, TARGETS)
   parts = [tf.ones([1])] if "A" in targets else []
   if "C" in targets:
     parts.append(tf.cast(tf.convert_to_tensor(client_weights) > 0,

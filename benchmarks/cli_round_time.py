@@ -32,8 +32,9 @@ SECTION = "## Fed-ensemble round time in the CLI (issue 3)"
 report.define_flags()
 flags.DEFINE_integer("rounds", 40, "Rounds of each run.")
 flags.DEFINE_integer("passes", 2, "Runs of each variant, in turn.")
-flags.DEFINE_list("variants", ["fedavg", "fedensemble:1", "fedensemble:5"],
-                  "ALGORITHM[:K[:OBJECTIVE]] of each run.")
+flags.DEFINE_list(
+  "variants", ["fedavg", "fedensemble:1", "fedensemble:5"], "ALGORITHM[:K[:OBJECTIVE]] of each run."
+)
 
 FLAGS = flags.FLAGS
 
@@ -54,13 +55,19 @@ def variant_flags(variant: str) -> list[str]:
 def round_seconds(variant: str, output_dir: str) -> list[float]:
   """Runs the CLI for `variant`; the `seconds` of each of its rounds."""
   command = [
-      sys.executable, "-m", "tff_ens.main", "--task=femnist",
-      f"--data_dir={FLAGS.data_dir}", f"--rounds={FLAGS.rounds}",
-      f"--eval_every={FLAGS.rounds}", f"--checkpoint_every={FLAGS.rounds}",
-      f"--output_dir={output_dir}", *variant_flags(variant)]
+    sys.executable,
+    "-m",
+    "tff_ens.main",
+    "--task=femnist",
+    f"--data_dir={FLAGS.data_dir}",
+    f"--rounds={FLAGS.rounds}",
+    f"--eval_every={FLAGS.rounds}",
+    f"--checkpoint_every={FLAGS.rounds}",
+    f"--output_dir={output_dir}",
+    *variant_flags(variant),
+  ]
   with open(output_dir + ".log", "w") as log:
-    subprocess.run(command, cwd=_REPO_ROOT, stdout=log, stderr=log,
-                   check=True)
+    subprocess.run(command, cwd=_REPO_ROOT, stdout=log, stderr=log, check=True)
   with open(os.path.join(output_dir, "metrics.csv")) as f:
     return [float(row["seconds"]) for row in csv.DictReader(f)]
 
@@ -73,32 +80,35 @@ def main(argv):
       for i, variant in enumerate(FLAGS.variants):
         times = round_seconds(variant, os.path.join(tmp, f"run{p}_{i}"))
         seconds[variant] += times
-        print(f"pass {p + 1}, {variant}: median {statistics.median(times):.2f}"
-              f" s/round", flush=True)
+        print(f"pass {p + 1}, {variant}: median {statistics.median(times):.2f} s/round", flush=True)
   baseline = statistics.median(seconds[FLAGS.variants[0]])
   baseline_mean = statistics.mean(seconds[FLAGS.variants[0]])
   lines = [
-      SECTION, "",
-      f"`python -m tff_ens.main --task=femnist --rounds={FLAGS.rounds}` "
-      "(seed 0, 10 clients a round, 1 epoch, batch 20, LEAF CNN), "
-      f"{FLAGS.passes} runs of each variant in turn; the median of the "
-      "`seconds` of every round in `metrics.csv` over the runs, and its "
-      f"ratio to {FLAGS.variants[0]}'s; the same for the mean.",
-      "",
-      *report.run_facts(run, "benchmarks/cli_round_time.py"),
-      "",
-      "| variant | flags | median s/round | ratio | median of each run | "
-      "mean s/round | ratio |",
-      "| --- | --- | ---: | ---: | --- | ---: | ---: |",
+    SECTION,
+    "",
+    f"`python -m tff_ens.main --task=femnist --rounds={FLAGS.rounds}` "
+    "(seed 0, 10 clients a round, 1 epoch, batch 20, LEAF CNN), "
+    f"{FLAGS.passes} runs of each variant in turn; the median of the "
+    "`seconds` of every round in `metrics.csv` over the runs, and its "
+    f"ratio to {FLAGS.variants[0]}'s; the same for the mean.",
+    "",
+    *report.run_facts(run, "benchmarks/cli_round_time.py"),
+    "",
+    "| variant | flags | median s/round | ratio | median of each run | mean s/round | ratio |",
+    "| --- | --- | ---: | ---: | --- | ---: | ---: |",
   ]
   for variant, times in seconds.items():
-    per_run = [statistics.median(times[r * FLAGS.rounds:(r + 1) * FLAGS.rounds])
-               for r in range(FLAGS.passes)]
+    per_run = [
+      statistics.median(times[r * FLAGS.rounds : (r + 1) * FLAGS.rounds])
+      for r in range(FLAGS.passes)
+    ]
     median, mean = statistics.median(times), statistics.mean(times)
-    lines.append(f"| {variant} | `{' '.join(variant_flags(variant))}` | "
-                 f"{median:.2f} | {median / baseline:.2f} | "
-                 f"{', '.join(f'{t:.2f}' for t in per_run)} | "
-                 f"{mean:.2f} | {mean / baseline_mean:.2f} |")
+    lines.append(
+      f"| {variant} | `{' '.join(variant_flags(variant))}` | "
+      f"{median:.2f} | {median / baseline:.2f} | "
+      f"{', '.join(f'{t:.2f}' for t in per_run)} | "
+      f"{mean:.2f} | {mean / baseline_mean:.2f} |"
+    )
   report.publish(SECTION, lines)
 
 

@@ -39,15 +39,16 @@ import time
 from absl import app
 from absl import flags
 import numpy as np
+
 # TensorFlow before absl parses flags (see tff_ens/main.py).
 import tensorflow as tf
 import tensorflow_federated as tff
 
+import report
 from tasks import femnist
 from tff_ens import client_work
 from tff_ens import distillation
 from tff_ens import runtime
-import report
 
 SECTION = "## Distillation throughput (issue 4)"
 
@@ -61,7 +62,6 @@ FLAGS = flags.FLAGS
 ModelWeights = tff.learning.models.ModelWeights
 
 
-
 def model_fn():
   return femnist.build_model("cnn", seed=0)
 
@@ -69,11 +69,9 @@ def model_fn():
 def soft_targets(x):
   """Mean probabilities of two CNNs (seeds 1 and 2) on `x`."""
   model = model_fn()
-  teachers = [ModelWeights.from_model(femnist.build_model("cnn", seed=s))
-              for s in (1, 2)]
+  teachers = [ModelWeights.from_model(femnist.build_model("cnn", seed=s)) for s in (1, 2)]
   stacked = tf.nest.map_structure(lambda *v: tf.stack(v), *teachers)
-  return distillation.ensemble_predictions(
-      model, stacked, x)["mean_probabilities"].numpy()
+  return distillation.ensemble_predictions(model, stacked, x)["mean_probabilities"].numpy()
 
 
 def fit_variant(x, targets, optimizer: str):
@@ -85,19 +83,19 @@ def fit_variant(x, targets, optimizer: str):
   """
   model = model_fn()
   if optimizer == "sgd":
-    model.compile(tf.keras.optimizers.SGD(1e-3, momentum=0.9),
-                  tf.keras.losses.CategoricalCrossentropy(from_logits=True))
+    model.compile(
+      tf.keras.optimizers.SGD(1e-3, momentum=0.9),
+      tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+    )
   else:
     model = tf.keras.Sequential([model, tf.keras.layers.Softmax()])
-    model.compile(tf.keras.optimizers.Adam(1e-3),
-                  tf.keras.losses.KLDivergence())
+    model.compile(tf.keras.optimizers.Adam(1e-3), tf.keras.losses.KLDivergence())
   batch = FLAGS.batch_size
   epochs = max(1, round(FLAGS.steps / -(-len(x) // batch)))
 
   def timed():
     start = time.perf_counter()
-    model.fit(x, targets, batch_size=batch, epochs=epochs, shuffle=True,
-              verbose=0)
+    model.fit(x, targets, batch_size=batch, epochs=epochs, shuffle=True, verbose=0)
     return epochs * len(x), time.perf_counter() - start
 
   return timed
@@ -111,8 +109,7 @@ def distill_variant(x, targets, config, validation=None):
 
   def timed():
     start = time.perf_counter()
-    _, stats = distillation.distill(model, weights, x, targets, config, 0,
-                                    validation=validation)
+    _, stats = distillation.distill(model, weights, x, targets, config, 0, validation=validation)
     return int(stats["examples"]), time.perf_counter() - start
 
   return timed
@@ -123,8 +120,8 @@ def tff_variant(x, targets, config):
   weights_type = client_work.weights_type_of(model_fn)
 
   @tff.tensorflow.computation(
-      weights_type, tff.TensorType(np.float32, x.shape),
-      tff.TensorType(np.float32, targets.shape))
+    weights_type, tff.TensorType(np.float32, x.shape), tff.TensorType(np.float32, targets.shape)
+  )
   def server_distill(weights, images, soft):
     return distillation.distill(model_fn(), weights, images, soft, config, 0)
 
@@ -150,25 +147,24 @@ def main(argv):
   train_x, train_y = data.train.concatenated()
   validation = (tf.constant(train_x[:500]), tf.constant(train_y[:500]))
   swa = distillation.fedbe_config(FLAGS.steps, batch_size=FLAGS.batch_size)
-  adam = distillation.feddf_config(FLAGS.steps, batch_size=FLAGS.batch_size,
-                                   patience=FLAGS.steps + 1, eval_every=100)
+  adam = distillation.feddf_config(
+    FLAGS.steps, batch_size=FLAGS.batch_size, patience=FLAGS.steps + 1, eval_every=100
+  )
   with runtime.execution_context():
     # The TFF computation first: Keras swaps the base class of `Sequential`
     # to its TF1 `Model` when one is built in a graph (as TFF traces
     # `model_fn()`), which breaks `fit` of models built eagerly before.
     in_tff = tff_variant(x, targets, swa)
     variants = {
-        "fit, SGD": fit_variant(x, targets, "sgd"),
-        "distill, SWA": distill_variant(x, targets, swa),
-        "fit, Adam": fit_variant(x, targets, "adam"),
-        "distill, Adam (early stopping)": distill_variant(
-            x, targets, adam, validation),
-        "distill, SWA in TFF": in_tff,
+      "fit, SGD": fit_variant(x, targets, "sgd"),
+      "distill, SWA": distill_variant(x, targets, swa),
+      "fit, Adam": fit_variant(x, targets, "adam"),
+      "distill, Adam (early stopping)": distill_variant(x, targets, adam, validation),
+      "distill, SWA in TFF": in_tff,
     }
     for name, timed in variants.items():
       examples, seconds = timed()  # Untimed.
-      print(f"{name}: untimed run {examples / seconds:.0f} examples/s",
-            flush=True)
+      print(f"{name}: untimed run {examples / seconds:.0f} examples/s", flush=True)
     best = {name: 0.0 for name in variants}
     best_cpu = {name: 0.0 for name in variants}
     for repeat in range(FLAGS.repeats):
@@ -178,37 +174,43 @@ def main(argv):
         cpu = report.cpu_seconds() - cpu_start
         best[name] = max(best[name], examples / seconds)
         best_cpu[name] = max(best_cpu[name], examples / cpu)
-        print(f"run {repeat + 1}, {name}: {examples / seconds:.0f} "
-              f"examples/s, {examples / cpu:.0f} examples/CPU-s", flush=True)
+        print(
+          f"run {repeat + 1}, {name}: {examples / seconds:.0f} "
+          f"examples/s, {examples / cpu:.0f} examples/CPU-s",
+          flush=True,
+        )
   lines = [
-      SECTION, "",
-      f"LEAF CNN on the {len(x):,} unlabeled server images of the FEMNIST "
-      f"slice (test-only writers), batch {FLAGS.batch_size}, about "
-      f"{FLAGS.steps} steps per run, soft targets of two CNNs; best of "
-      f"{FLAGS.repeats} timed runs after one untimed run, variants taking "
-      "turns; examples per CPU-second count the CPU time of this process "
-      "and of the TFF worker. `distill` runs FedBE's config (SGD momentum "
-      "0.9, cyclical step size, SWA every 25 steps) or FedDF's (Adam, "
-      "cosine, validation on 500 "
-      "images every 100 steps); each is compared with Keras `fit` with the "
-      "same optimizer and loss. \"in TFF\" is `distill` inside a "
-      "`tff.tensorflow.computation` run by the C++ worker of "
-      "`runtime.execution_context` (call time, including sending the images "
-      "and weights to the worker).",
-      "",
-      *report.run_facts(
-          run, "benchmarks/distill_throughput.py",
-          ", GPU" if tf.config.list_logical_devices("GPU") else ", no GPU"),
-      "",
-      "| variant | examples/s | ratio to `fit` | examples/CPU-second | "
-      "ratio to `fit` |",
-      "| --- | ---: | ---: | ---: | ---: |",
+    SECTION,
+    "",
+    f"LEAF CNN on the {len(x):,} unlabeled server images of the FEMNIST "
+    f"slice (test-only writers), batch {FLAGS.batch_size}, about "
+    f"{FLAGS.steps} steps per run, soft targets of two CNNs; best of "
+    f"{FLAGS.repeats} timed runs after one untimed run, variants taking "
+    "turns; examples per CPU-second count the CPU time of this process "
+    "and of the TFF worker. `distill` runs FedBE's config (SGD momentum "
+    "0.9, cyclical step size, SWA every 25 steps) or FedDF's (Adam, "
+    "cosine, validation on 500 "
+    "images every 100 steps); each is compared with Keras `fit` with the "
+    'same optimizer and loss. "in TFF" is `distill` inside a '
+    "`tff.tensorflow.computation` run by the C++ worker of "
+    "`runtime.execution_context` (call time, including sending the images "
+    "and weights to the worker).",
+    "",
+    *report.run_facts(
+      run,
+      "benchmarks/distill_throughput.py",
+      ", GPU" if tf.config.list_logical_devices("GPU") else ", no GPU",
+    ),
+    "",
+    "| variant | examples/s | ratio to `fit` | examples/CPU-second | ratio to `fit` |",
+    "| --- | ---: | ---: | ---: | ---: |",
   ]
   for name in variants:
     fit = "fit, Adam" if "Adam" in name else "fit, SGD"
     lines.append(
-        f"| {name} | {best[name]:,.0f} | {best[name] / best[fit]:.2f} | "
-        f"{best_cpu[name]:,.0f} | {best_cpu[name] / best_cpu[fit]:.2f} |")
+      f"| {name} | {best[name]:,.0f} | {best[name] / best[fit]:.2f} | "
+      f"{best_cpu[name]:,.0f} | {best_cpu[name] / best_cpu[fit]:.2f} |"
+    )
   report.publish(SECTION, lines)
 
 

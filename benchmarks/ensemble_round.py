@@ -47,12 +47,12 @@ import psutil
 import tensorflow as tf
 import tensorflow_federated as tff
 
+import report
 from tasks import femnist
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
 from tff_ens import training
-import report
 
 SECTION = "## Fed-ensemble round time (issue 3)"
 
@@ -60,8 +60,7 @@ report.define_flags()
 flags.DEFINE_integer("rounds", 5, "Timed rounds per variant and pass.")
 flags.DEFINE_integer("passes", 2, "Passes over the variants.")
 flags.DEFINE_list("sizes", ["1", "5"], "Ensemble sizes K to time.")
-flags.DEFINE_list("feddyn_sizes", ["5"],
-                  "Ensemble sizes K to time with --local_objective=feddyn.")
+flags.DEFINE_list("feddyn_sizes", ["5"], "Ensemble sizes K to time with --local_objective=feddyn.")
 
 FLAGS = flags.FLAGS
 
@@ -103,8 +102,7 @@ class Rounds:
     self._client_states = None  # FedDyn's, fed back as the CLI does.
 
   def next(self, datasets):
-    args = self._algorithm.next_args(datasets, np.arange(len(datasets)),
-                                     self._client_states)
+    args = self._algorithm.next_args(datasets, np.arange(len(datasets)), self._client_states)
     if self._state is None:
       results = self._held.next(*args)
     else:
@@ -134,8 +132,9 @@ def time_alone(build, on_worker: bool, datasets, rounds: int):
   return wall, cpu, memory.peak, algorithm.bytes_per_client_round()
 
 
-def distribution_seconds(model_fn, ensemble_size: int, clients: int,
-                         rounds: int) -> dict[str, float]:
+def distribution_seconds(
+  model_fn, ensemble_size: int, clients: int, rounds: int
+) -> dict[str, float]:
   """Median seconds to send each client one of K models, or one model to all.
 
   Each client only sums its model's first tensor, so the time is TFF's
@@ -148,26 +147,22 @@ def distribution_seconds(model_fn, ensemble_size: int, clients: int,
   def initial_members():
     return tuple(tuple(model_fn(i).trainable_weights) for i in range(k))
 
-  members_type = tff.FederatedType(
-      initial_members.type_signature.result, tff.SERVER)
+  members_type = tff.FederatedType(initial_members.type_signature.result, tff.SERVER)
   model_type = members_type.member[0]
 
   @tff.tensorflow.computation(members_type.member, np.int32)
   def select_member(members, key):
-    return tf.switch_case(key, [lambda m=m: tuple(tf.identity(t) for t in m)
-                                for m in members])
+    return tf.switch_case(key, [lambda m=m: tuple(tf.identity(t) for t in m) for m in members])
 
   @tff.tensorflow.computation(members_type.member, np.int32)
   def select_first_tensor(members, key):
-    return tf.switch_case(key, [lambda m=m: tf.identity(m[0])
-                                for m in members])
+    return tf.switch_case(key, [lambda m=m: tf.identity(m[0]) for m in members])
 
   @tff.tensorflow.computation(tff.SequenceType(model_type))
   def first_sum_of_selected(models):
     return models.reduce(0.0, lambda s, m: s + tf.reduce_sum(m[0]))
 
-  @tff.tensorflow.computation(
-      tff.SequenceType(select_first_tensor.type_signature.result))
+  @tff.tensorflow.computation(tff.SequenceType(select_first_tensor.type_signature.result))
   def sum_of_selected_tensor(tensors):
     return tensors.reduce(0.0, lambda s, t: s + tf.reduce_sum(t))
 
@@ -189,11 +184,13 @@ def distribution_seconds(model_fn, ensemble_size: int, clients: int,
     @tff.federated_computation(members_type, clients_type)
     def select(members, indices):
       selected = tff.federated_select(
-          tff.federated_map(key_of, indices),
-          tff.federated_value(np.int32(k - 1), tff.SERVER), members,
-          select_fn)
-      return members, tff.federated_sum(
-          tff.federated_map(client_sum, selected))
+        tff.federated_map(key_of, indices),
+        tff.federated_value(np.int32(k - 1), tff.SERVER),
+        members,
+        select_fn,
+      )
+      return members, tff.federated_sum(tff.federated_map(client_sum, selected))
+
     return select
 
   @tff.federated_computation(members_type, clients_type)
@@ -205,10 +202,10 @@ def distribution_seconds(model_fn, ensemble_size: int, clients: int,
   seconds = {}
   indices = [np.int32(i) for i in range(clients)]
   for name, comp in [
-      ("select", selecting(select_member, first_sum_of_selected)),
-      ("select_first_tensor",
-       selecting(select_first_tensor, sum_of_selected_tensor)),
-      ("broadcast", broadcast)]:
+    ("select", selecting(select_member, first_sum_of_selected)),
+    ("select_first_tensor", selecting(select_first_tensor, sum_of_selected_tensor)),
+    ("broadcast", broadcast),
+  ]:
     held = runtime.ResidentState(comp, initial_members())
     held.next(indices)  # Untimed: uploads the models, compiles.
     times = []
@@ -224,17 +221,19 @@ def main(argv):
   run = report.start(argv)
   data = femnist.load_data(FLAGS.data_dir)
   writers = data.train.client_ids[:10]
-  datasets = [training.client_dataset(data.train.x[c], data.train.y[c],
-                                      epochs=1, batch_size=20, seed=0)
-              for c in writers]
+  datasets = [
+    training.client_dataset(data.train.x[c], data.train.y[c], epochs=1, batch_size=20, seed=0)
+    for c in writers
+  ]
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
-  variants = [(on_worker, name, k, objective)
-              for on_worker in (True, False)
-              for name, k, objective in
-              [("fedavg", 1, "sgd")] +
-              [("fedensemble", int(k), "sgd") for k in FLAGS.sizes] +
-              [("fedensemble", int(k), "feddyn") for k in FLAGS.feddyn_sizes]]
+  variants = [
+    (on_worker, name, k, objective)
+    for on_worker in (True, False)
+    for name, k, objective in [("fedavg", 1, "sgd")]
+    + [("fedensemble", int(k), "sgd") for k in FLAGS.sizes]
+    + [("fedensemble", int(k), "feddyn") for k in FLAGS.feddyn_sizes]
+  ]
   wall = [[] for _ in variants]
   cpu = [[] for _ in variants]
   peaks = [0] * len(variants)
@@ -242,64 +241,79 @@ def main(argv):
   for _ in range(FLAGS.passes):
     for i, (on_worker, name, k, objective) in enumerate(variants):
       build = functools.partial(
-          algorithms.build_algorithm, name, model_fn,
-          training.batch_element_spec(femnist), config, ensemble_size=k,
-          local_objective=objective, num_clients=len(writers))
-      times, cpu_times, peak, transfers[i] = time_alone(
-          build, on_worker, datasets, FLAGS.rounds)
+        algorithms.build_algorithm,
+        name,
+        model_fn,
+        training.batch_element_spec(femnist),
+        config,
+        ensemble_size=k,
+        local_objective=objective,
+        num_clients=len(writers),
+      )
+      times, cpu_times, peak, transfers[i] = time_alone(build, on_worker, datasets, FLAGS.rounds)
       wall[i] += times
       cpu[i] += cpu_times
       peaks[i] = max(peaks[i], peak)
-      print(f"{variants[i]}: {', '.join(f'{t:.2f}' for t in times)} s",
-            flush=True)
+      print(f"{variants[i]}: {', '.join(f'{t:.2f}' for t in times)} s", flush=True)
   k = max(int(size) for size in FLAGS.sizes + FLAGS.feddyn_sizes)
   with runtime.execution_context():
     moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
   print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  for (on_worker, name, k, objective), times, cpu_times, peak, (down, up) in \
-      zip(variants, wall, cpu, peaks, transfers):
-    rows.append((on_worker,
-                 f"{name}" + (f", K={k}" if name == "fedensemble" else "") +
-                 (", FedDyn" if objective == "feddyn" else "") +
-                 (", state on the worker (CLI)" if on_worker else
-                  ", state through Python"),
-                 statistics.median(times), statistics.median(cpu_times), peak,
-                 down, up))
+  for (on_worker, name, k, objective), times, cpu_times, peak, (down, up) in zip(
+    variants, wall, cpu, peaks, transfers
+  ):
+    rows.append(
+      (
+        on_worker,
+        f"{name}"
+        + (f", K={k}" if name == "fedensemble" else "")
+        + (", FedDyn" if objective == "feddyn" else "")
+        + (", state on the worker (CLI)" if on_worker else ", state through Python"),
+        statistics.median(times),
+        statistics.median(cpu_times),
+        peak,
+        down,
+        up,
+      )
+    )
   # Ratios are to FedAvg run the same way (state on the worker or not): the
   # first row of each.
   baselines = {row[0]: row[2:4] for row in reversed(rows)}
   lines = [
-      SECTION, "",
-      "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05). "
-      "Each variant runs alone in a TFF worker of its own, as a CLI run "
-      f"does: one untimed round, then {FLAGS.rounds} timed ones, in "
-      f"{FLAGS.passes} passes over the variants; the median is over the "
-      f"{FLAGS.rounds * FLAGS.passes} timed rounds, the peak resident memory "
-      "is the worker's. CPU seconds (this process and the worker, user + "
-      "system) depend less on other load than wall time.",
-      "",
-      *report.run_facts(run, "benchmarks/ensemble_round.py"),
-      "",
-      "| variant | median s/round | ratio to FedAvg (same state place) | "
-      "median CPU s/round | "
-      "CPU ratio | worker peak memory | bytes down / up per client |",
-      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    SECTION,
+    "",
+    "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05). "
+    "Each variant runs alone in a TFF worker of its own, as a CLI run "
+    f"does: one untimed round, then {FLAGS.rounds} timed ones, in "
+    f"{FLAGS.passes} passes over the variants; the median is over the "
+    f"{FLAGS.rounds * FLAGS.passes} timed rounds, the peak resident memory "
+    "is the worker's. CPU seconds (this process and the worker, user + "
+    "system) depend less on other load than wall time.",
+    "",
+    *report.run_facts(run, "benchmarks/ensemble_round.py"),
+    "",
+    "| variant | median s/round | ratio to FedAvg (same state place) | "
+    "median CPU s/round | "
+    "CPU ratio | worker peak memory | bytes down / up per client |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   for place, name, median, median_cpu, peak, down, up in rows:
     baseline, baseline_cpu = baselines[place]
-    lines.append(f"| {name} | {median:.2f} | {median / baseline:.2f} | "
-                 f"{median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
-                 f"{peak / 2**30:.2f} GiB | {down:,} / {up:,} |")
+    lines.append(
+      f"| {name} | {median:.2f} | {median / baseline:.2f} | "
+      f"{median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
+      f"{peak / 2**30:.2f} GiB | {down:,} / {up:,} |"
+    )
   lines += [
-      "",
-      f"Sending the models to the {len(datasets)} clients, with the models "
-      "on the worker (median seconds a round): `federated_select` of one of "
-      f"K={k} LEAF CNNs per client {moving['select']:.2f} s, "
-      f"`federated_broadcast` of one LEAF CNN {moving['broadcast']:.2f} s; "
-      "`federated_select` of only the first tensor (800 weights) of one of "
-      f"the K per client {moving['select_first_tensor']:.2f} s (the "
-      "select's cost grows with the bytes it sends).",
+    "",
+    f"Sending the models to the {len(datasets)} clients, with the models "
+    "on the worker (median seconds a round): `federated_select` of one of "
+    f"K={k} LEAF CNNs per client {moving['select']:.2f} s, "
+    f"`federated_broadcast` of one LEAF CNN {moving['broadcast']:.2f} s; "
+    "`federated_select` of only the first tensor (800 weights) of one of "
+    f"the K per client {moving['select_first_tensor']:.2f} s (the "
+    "select's cost grows with the bytes it sends).",
   ]
   report.publish(SECTION, lines)
 

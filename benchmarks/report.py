@@ -8,10 +8,9 @@ import re
 import shlex
 import sys
 
-import psutil
-
 from absl import app
 from absl import flags
+import psutil
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,11 +18,15 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def define_flags():
   """`--data_dir` (the FEMNIST slice) and `--results` (RESULTS.md)."""
   flags.DEFINE_string(
-      "data_dir", os.path.join(_REPO_ROOT, "..", "shared", "data", "femnist"),
-      "LEAF FEMNIST directory.")
+    "data_dir",
+    os.path.join(_REPO_ROOT, "..", "shared", "data", "femnist"),
+    "LEAF FEMNIST directory.",
+  )
   flags.DEFINE_string(
-      "results", os.path.join(_REPO_ROOT, "benchmarks", "RESULTS.md"),
-      "Markdown file to write the section to; empty to only print.")
+    "results",
+    os.path.join(_REPO_ROOT, "benchmarks", "RESULTS.md"),
+    "Markdown file to write the section to; empty to only print.",
+  )
 
 
 def machine_description() -> dict[str, str]:
@@ -54,8 +57,7 @@ def write_section(path: str, section: str, text: str):
       content = f.read()
   else:
     content = "# Benchmarks\n"
-  pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)",
-                       re.MULTILINE | re.DOTALL)
+  pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
   text = text.rstrip("\n") + "\n\n"
   if pattern.search(content):
     content = pattern.sub(lambda _: text, content, count=1)
@@ -90,13 +92,11 @@ def run_facts(run: RunStart, script: str, machine_note: str = ""):
   """
   machine = machine_description()
   return [
-      f"- date: {run.started:%Y-%m-%d %H:%M %Z}",
-      f"- machine: nproc={machine['nproc']}, {machine['cpu']}, RAM "
-      f"{machine['ram']}{machine_note}",
-      "- command (from the repository root): `uv run python "
-      f"{shlex.join([script, *sys.argv[1:]])}`",
-      f"- load average at start: {', '.join(f'{x:.2f}' for x in run.load)}"
-      f"; at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+    f"- date: {run.started:%Y-%m-%d %H:%M %Z}",
+    f"- machine: nproc={machine['nproc']}, {machine['cpu']}, RAM {machine['ram']}{machine_note}",
+    f"- command (from the repository root): `uv run python {shlex.join([script, *sys.argv[1:]])}`",
+    f"- load average at start: {', '.join(f'{x:.2f}' for x in run.load)}"
+    f"; at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
   ]
 
 

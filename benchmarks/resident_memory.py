@@ -24,92 +24,104 @@ from absl import flags
 import numpy as np
 import psutil
 
+import report
 from tasks import femnist
 from tff_ens import algorithms
 from tff_ens import runtime
 from tff_ens import server_data as server_data_lib
 from tff_ens import training
-import report
 
 SECTION = "## State on the worker and worker memory (issue 7)"
-PLACES = (("python", "through Python every round"),
-          ("uncut", "held on the worker, no cut"),
-          ("cli", "held on the worker, cut as the CLI does"))
+PLACES = (
+  ("python", "through Python every round"),
+  ("uncut", "held on the worker, no cut"),
+  ("cli", "held on the worker, cut as the CLI does"),
+)
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 16, "Rounds per algorithm and state place.")
-flags.DEFINE_list("algorithms", ["fedensemble", "vdistill"],
-                  "Algorithms to run.")
-flags.DEFINE_integer("distill_steps", 20,
-                     "Server distillation steps a round (vdistill, fedbe, "
-                     "feddf).")
+flags.DEFINE_list("algorithms", ["fedensemble", "vdistill"], "Algorithms to run.")
+flags.DEFINE_integer(
+  "distill_steps", 20, "Server distillation steps a round (vdistill, fedbe, feddf)."
+)
 FLAGS = flags.FLAGS
 
 
 def run_rounds(name: str, place: str, data, datasets):
   """(worker RSS bytes after each round, seconds of each round)."""
-  config = training.ExperimentConfig(task="femnist", algorithm=name,
-                                     distill_steps=FLAGS.distill_steps)
+  config = training.ExperimentConfig(
+    task="femnist", algorithm=name, distill_steps=FLAGS.distill_steps
+  )
   server_data = server_config = None
   if name in algorithms.SERVER_DATA_ALGORITHMS:
     server_data = server_data_lib.server_split(data, femnist, seed=0)
     server_config = config.server_distillation_config()
   with runtime.execution_context():
-    (worker,) = [c for c in psutil.Process().children()
-                 if "worker_binary" in " ".join(c.cmdline())]
+    (worker,) = [c for c in psutil.Process().children() if "worker_binary" in " ".join(c.cmdline())]
     algorithm = algorithms.build_algorithm(
-        name, lambda k=0: femnist.build_model("cnn", seed=k),
-        training.batch_element_spec(femnist), config.local_training_config(),
-        ensemble_size=5, server_data=server_data, server_config=server_config)
+      name,
+      lambda k=0: femnist.build_model("cnn", seed=k),
+      training.batch_element_spec(femnist),
+      config.local_training_config(),
+      ensemble_size=5,
+      server_data=server_data,
+      server_config=server_config,
+    )
     state = algorithm.process.initialize()
     if place != "python":
       held = runtime.ResidentState(
-          algorithm.process.next, state,
-          **({"max_growth_bytes": 2**60} if place == "uncut" else {}))
+        algorithm.process.next, state, **({"max_growth_bytes": 2**60} if place == "uncut" else {})
+      )
     args = algorithm.next_args(datasets, np.arange(len(datasets)))
     rss, seconds = [], []
     for _ in range(FLAGS.rounds):
       start = time.perf_counter()
       if place == "python":
-        state, _ = runtime.state_and_metrics(
-            algorithm.process.next(state, *args))
+        state, _ = runtime.state_and_metrics(algorithm.process.next(state, *args))
       else:
         held.next(*args)
       seconds.append(time.perf_counter() - start)
       rss.append(worker.memory_info().rss)
-      print(f"{name}, {place}: round {len(rss)} worker "
-            f"{rss[-1] / 2**30:.2f} GiB, {seconds[-1]:.2f} s", flush=True)
+      print(
+        f"{name}, {place}: round {len(rss)} worker {rss[-1] / 2**30:.2f} GiB, {seconds[-1]:.2f} s",
+        flush=True,
+      )
     return rss, seconds
 
 
 def main(argv):
   run = report.start(argv)
   data = femnist.load_data(FLAGS.data_dir)
-  datasets = [training.client_dataset(data.train.x[c], data.train.y[c],
-                                      epochs=1, batch_size=20, seed=0)
-              for c in data.train.client_ids[:10]]
+  datasets = [
+    training.client_dataset(data.train.x[c], data.train.y[c], epochs=1, batch_size=20, seed=0)
+    for c in data.train.client_ids[:10]
+  ]
   marks = sorted({r for r in (1, 5, 10, FLAGS.rounds) if r <= FLAGS.rounds})
   rows = []
   for name in FLAGS.algorithms:
     for place, description in PLACES:
       rss, seconds = run_rounds(name, place, data, datasets)
       rows.append(
-          f"| {name} | {description} | " +
-          " | ".join(f"{rss[r - 1] / 2**30:.2f}" for r in marks) +
-          f" | {max(rss) / 2**30:.2f} | {statistics.median(seconds):.2f} |")
+        f"| {name} | {description} | "
+        + " | ".join(f"{rss[r - 1] / 2**30:.2f}" for r in marks)
+        + f" | {max(rss) / 2**30:.2f} | {statistics.median(seconds):.2f} |"
+      )
   lines = [
-      SECTION, "",
-      f"Ten fixed FEMNIST writers, LEAF CNN, {FLAGS.rounds} rounds per row, "
-      "each row in a fresh TFF worker; resident memory of the worker after "
-      "the rounds shown, its peak over the rounds, and the median seconds "
-      f"of a round. Fed-ensemble has K = 5; server distillation runs "
-      f"{FLAGS.distill_steps} steps a round.", "",
-      *report.run_facts(run, "benchmarks/resident_memory.py"), "",
-      "| algorithm | state | " + " | ".join(
-          f"worker GiB after round {r}" for r in marks) +
-      " | peak GiB | median s/round |",
-      "| --- | --- |" + " ---: |" * (len(marks) + 2),
-      *rows,
+    SECTION,
+    "",
+    f"Ten fixed FEMNIST writers, LEAF CNN, {FLAGS.rounds} rounds per row, "
+    "each row in a fresh TFF worker; resident memory of the worker after "
+    "the rounds shown, its peak over the rounds, and the median seconds "
+    f"of a round. Fed-ensemble has K = 5; server distillation runs "
+    f"{FLAGS.distill_steps} steps a round.",
+    "",
+    *report.run_facts(run, "benchmarks/resident_memory.py"),
+    "",
+    "| algorithm | state | "
+    + " | ".join(f"worker GiB after round {r}" for r in marks)
+    + " | peak GiB | median s/round |",
+    "| --- | --- |" + " ---: |" * (len(marks) + 2),
+    *rows,
   ]
   report.publish(SECTION, lines)
 

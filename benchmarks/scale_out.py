@@ -33,21 +33,24 @@ import numpy as np
 import portpicker
 import tensorflow as tf
 
+import report
 from tasks import femnist
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
 from tff_ens import training
-import report
 
 SECTION = "## Scale-out on TFF workers (issue 7)"
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 2, "Timed rounds per setup and cohort size.")
 flags.DEFINE_list("cohorts", ["20", "100"], "Clients per round to time.")
-flags.DEFINE_integer("concurrent_clients", 4,
-                     "Clients trained at once on the machine: by the local "
-                     "worker, or half by each of the two (even, >= 2).")
+flags.DEFINE_integer(
+  "concurrent_clients",
+  4,
+  "Clients trained at once on the machine: by the local "
+  "worker, or half by each of the two (even, >= 2).",
+)
 
 FLAGS = flags.FLAGS
 
@@ -65,8 +68,9 @@ def two_local_workers(concurrent_clients: int):
     addresses = []
     for _ in range(2):
       port = portpicker.pick_unused_port()
-      processes.append(runtime.start_worker(
-          port, max_concurrent_computation_calls=concurrent_clients))
+      processes.append(
+        runtime.start_worker(port, max_concurrent_computation_calls=concurrent_clients)
+      )
       addresses.append(f"127.0.0.1:{port}")
     yield addresses
   finally:
@@ -74,31 +78,33 @@ def two_local_workers(concurrent_clients: int):
       runtime.stop_worker(process)
 
 
-def cohort_datasets(data, cohort_size: int,
-                    round_num: int) -> tuple[list, np.ndarray]:
+def cohort_datasets(data, cohort_size: int, round_num: int) -> tuple[list, np.ndarray]:
   """Round `round_num`'s datasets and client indices, as the CLI makes them."""
   ids = data.train.client_ids
   cohort = training.sample_clients(len(ids), cohort_size, SEED, round_num)
-  return [training.client_dataset(data.train.x[ids[i]], data.train.y[ids[i]],
-                                  epochs=1, batch_size=20, seed=int(i))
-          for i in cohort], cohort
+  return [
+    training.client_dataset(
+      data.train.x[ids[i]], data.train.y[ids[i]], epochs=1, batch_size=20, seed=int(i)
+    )
+    for i in cohort
+  ], cohort
 
 
 @contextlib.contextmanager
 def setup_context(setup: str, concurrent_clients: int):
   """The TFF context of `setup` (one of SETUPS), its workers started here."""
   if setup == "local":
-    with runtime.execution_context(
-        max_concurrent_computation_calls=concurrent_clients):
+    with runtime.execution_context(max_concurrent_computation_calls=concurrent_clients):
       yield
   else:
-    with two_local_workers(concurrent_clients // 2) as addresses, \
-        runtime.execution_context(workers=addresses):
+    with (
+      two_local_workers(concurrent_clients // 2) as addresses,
+      runtime.execution_context(workers=addresses),
+    ):
       yield
 
 
-def time_setups(algorithm, data, cohorts: list[int], rounds: int,
-                concurrent_clients: int):
+def time_setups(algorithm, data, cohorts: list[int], rounds: int, concurrent_clients: int):
   """Times `rounds` rounds of each cohort size in each setup.
 
   The setups run in turns, in blocks of one round per cohort size, ordered
@@ -119,16 +125,15 @@ def time_setups(algorithm, data, cohorts: list[int], rounds: int,
         if setup not in states:
           states[setup] = algorithm.process.initialize()
         states[setup], _ = algorithm.next_fn(
-            states[setup], *cohort_datasets(data, WARM_UP_CLIENTS, 0))
+          states[setup], *cohort_datasets(data, WARM_UP_CLIENTS, 0)
+        )
         for size in cohorts:
           datasets, cohort = cohort_datasets(data, size, block + 1)
           start, start_cpu = time.perf_counter(), report.cpu_seconds()
-          states[setup], _ = algorithm.next_fn(states[setup], datasets,
-                                               cohort)
+          states[setup], _ = algorithm.next_fn(states[setup], datasets, cohort)
           times[setup][size][0].append(time.perf_counter() - start)
           times[setup][size][1].append(report.cpu_seconds() - start_cpu)
-          print(f"{setup}, {size} clients: "
-                f"{times[setup][size][0][-1]:.1f} s", flush=True)
+          print(f"{setup}, {size} clients: {times[setup][size][0][-1]:.1f} s", flush=True)
         weights[setup] = algorithm.models_fn(states[setup])[0]
   return times, weights
 
@@ -138,42 +143,44 @@ def main(argv):
   data = femnist.load_data(FLAGS.data_dir)
   cohorts = [int(c) for c in FLAGS.cohorts]
   if max(cohorts) > len(data.train.client_ids):
-    raise app.UsageError(
-        f"--cohorts: at most {len(data.train.client_ids)} training writers")
+    raise app.UsageError(f"--cohorts: at most {len(data.train.client_ids)} training writers")
   if FLAGS.concurrent_clients < 2 or FLAGS.concurrent_clients % 2:
     raise app.UsageError("--concurrent_clients must be even and >= 2")
   algorithm = algorithms.build_algorithm(
-      "fedavg", lambda k=0: femnist.build_model("cnn", seed=SEED),
-      training.batch_element_spec(femnist),
-      client_work.LocalTrainingConfig(learning_rate=0.05))
-  results, weights = time_setups(algorithm, data, cohorts, FLAGS.rounds,
-                                 FLAGS.concurrent_clients)
+    "fedavg",
+    lambda k=0: femnist.build_model("cnn", seed=SEED),
+    training.batch_element_spec(femnist),
+    client_work.LocalTrainingConfig(learning_rate=0.05),
+  )
+  results, weights = time_setups(algorithm, data, cohorts, FLAGS.rounds, FLAGS.concurrent_clients)
   difference = max(
-      float(np.max(np.abs(a - b))) for a, b in zip(
-          *(tf.nest.flatten(weights[setup]) for setup in SETUPS)))
+    float(np.max(np.abs(a - b)))
+    for a, b in zip(*(tf.nest.flatten(weights[setup]) for setup in SETUPS))
+  )
   lines = [
-      SECTION, "",
-      "FedAvg, LEAF CNN, 1 epoch, batch 20, SGD 0.05 on the FEMNIST slice; "
-      "per round a cohort sampled as the CLI samples it (105 training "
-      "writers, so 100 are drawn without replacement). \"local\" is one "
-      "local TFF worker (the CLI without `--workers`), \"2 workers\" two "
-      "worker services on 127.0.0.1 given to `execution_context(workers="
-      "...)` as `--workers` does: each round's clients are split in halves "
-      "and the partial aggregates merged. At most "
-      f"{FLAGS.concurrent_clients} clients train at once in either setup "
-      "(`max_concurrent_computation_calls` of the local worker, half of it "
-      "on each of the two; unlimited, a worker training 100 clients at once "
-      "went past 10 GiB and was killed for memory). The setups take turns "
-      f"in {FLAGS.rounds} blocks (ABBA order), each a fresh context, an "
-      f"untimed round of {WARM_UP_CLIENTS} clients, then one timed round "
-      "per cohort size; medians over the blocks. CPU seconds are this "
-      "process and its workers (user + system).",
-      "",
-      *report.run_facts(run, "benchmarks/scale_out.py", ", no GPU"),
-      "",
-      "| clients per round | runtime | median s/round | rounds per minute | "
-      "median CPU s/round | rounds per minute vs local |",
-      "| ---: | --- | ---: | ---: | ---: | ---: |",
+    SECTION,
+    "",
+    "FedAvg, LEAF CNN, 1 epoch, batch 20, SGD 0.05 on the FEMNIST slice; "
+    "per round a cohort sampled as the CLI samples it (105 training "
+    'writers, so 100 are drawn without replacement). "local" is one '
+    'local TFF worker (the CLI without `--workers`), "2 workers" two '
+    "worker services on 127.0.0.1 given to `execution_context(workers="
+    "...)` as `--workers` does: each round's clients are split in halves "
+    "and the partial aggregates merged. At most "
+    f"{FLAGS.concurrent_clients} clients train at once in either setup "
+    "(`max_concurrent_computation_calls` of the local worker, half of it "
+    "on each of the two; unlimited, a worker training 100 clients at once "
+    "went past 10 GiB and was killed for memory). The setups take turns "
+    f"in {FLAGS.rounds} blocks (ABBA order), each a fresh context, an "
+    f"untimed round of {WARM_UP_CLIENTS} clients, then one timed round "
+    "per cohort size; medians over the blocks. CPU seconds are this "
+    "process and its workers (user + system).",
+    "",
+    *report.run_facts(run, "benchmarks/scale_out.py", ", no GPU"),
+    "",
+    "| clients per round | runtime | median s/round | rounds per minute | "
+    "median CPU s/round | rounds per minute vs local |",
+    "| ---: | --- | ---: | ---: | ---: | ---: |",
   ]
   for size in cohorts:
     local_median = statistics.median(results["local"][size][0])
@@ -181,29 +188,34 @@ def main(argv):
       wall, cpu = results[setup][size]
       median = statistics.median(wall)
       lines.append(
-          f"| {size} | {setup} | {median:.1f} | {60 / median:.2f} | "
-          f"{statistics.median(cpu):.1f} | {local_median / median:.2f} |")
-  medians = {setup: {size: [statistics.median(t) for t in results[setup][size]]
-                     for size in cohorts} for setup in SETUPS}
+        f"| {size} | {setup} | {median:.1f} | {60 / median:.2f} | "
+        f"{statistics.median(cpu):.1f} | {local_median / median:.2f} |"
+      )
+  medians = {
+    setup: {size: [statistics.median(t) for t in results[setup][size]] for size in cohorts}
+    for setup in SETUPS
+  }
   ratios = ", ".join(
-      f"{medians['local'][size][0] / medians['2 workers'][size][0]:.2f}x "
-      f"the local rounds per minute with "
-      f"{medians['2 workers'][size][1] / medians['local'][size][1]:.2f}x "
-      f"its CPU seconds at {size} clients" for size in cohorts)
+    f"{medians['local'][size][0] / medians['2 workers'][size][0]:.2f}x "
+    f"the local rounds per minute with "
+    f"{medians['2 workers'][size][1] / medians['local'][size][1]:.2f}x "
+    f"its CPU seconds at {size} clients"
+    for size in cohorts
+  )
   lines += [
-      "",
-      "Reading: both setups share this machine's 2 cores, so two workers "
-      "cannot be faster here; the table measures what splitting a round "
-      f"costs. Two workers ran {ratios}. Each worker receives the model "
-      "state and its half of the clients, the two partial sums are merged, "
-      "and TFF 0.87 runs the after-merge step on one worker with the first "
-      "half's arguments (state and datasets) sent once more. A speed-up "
-      "needs workers on separate machines, whose cores add up; this machine "
-      "cannot show one. After the same rounds the two setups' models differ "
-      f"by at most {difference:.1e} (largest absolute weight difference; "
-      "one round on two workers matches the local round within 1e-5 in "
-      "tests/test_scale_out.py, so this is float rounding of the sums in "
-      "another order, carried through the rounds).",
+    "",
+    "Reading: both setups share this machine's 2 cores, so two workers "
+    "cannot be faster here; the table measures what splitting a round "
+    f"costs. Two workers ran {ratios}. Each worker receives the model "
+    "state and its half of the clients, the two partial sums are merged, "
+    "and TFF 0.87 runs the after-merge step on one worker with the first "
+    "half's arguments (state and datasets) sent once more. A speed-up "
+    "needs workers on separate machines, whose cores add up; this machine "
+    "cannot show one. After the same rounds the two setups' models differ "
+    f"by at most {difference:.1e} (largest absolute weight difference; "
+    "one round on two workers matches the local round within 1e-5 in "
+    "tests/test_scale_out.py, so this is float rounding of the sums in "
+    "another order, carried through the rounds).",
   ]
   report.publish(SECTION, lines)
 

@@ -23,27 +23,28 @@ import numpy as np
 import psutil
 import tensorflow_federated as tff
 
+import report
 from tasks import femnist
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
 from tff_ens import training
-import report
 
 SECTION = "## Worker memory with changing cohort sizes (issue 7)"
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 12, "Rounds per variant.")
 flags.DEFINE_string("algorithm", "fedensemble", "Algorithm to run (K = 5).")
-flags.DEFINE_list("cohorts", ["2", "3", "4", "5", "6"],
-                  "Cohort sizes, cycled over the rounds.")
+flags.DEFINE_list("cohorts", ["2", "3", "4", "5", "6"], "Cohort sizes, cycled over the rounds.")
 FLAGS = flags.FLAGS
 
 
 def _worker(process: psutil.Process) -> psutil.Process:
-  return next(c for c in process.children()
-              if c.name() == "worker_binary" or
-              "worker_binary" in " ".join(c.cmdline()))
+  return next(
+    c
+    for c in process.children()
+    if c.name() == "worker_binary" or "worker_binary" in " ".join(c.cmdline())
+  )
 
 
 def measure(data, factory: str) -> list[int | str]:
@@ -57,28 +58,29 @@ def measure(data, factory: str) -> list[int | str]:
   try:
     with runtime.execution_context():
       algorithm = algorithms.build_algorithm(
-          FLAGS.algorithm,
-          lambda k=0: femnist.build_model("cnn", seed=k),
-          training.batch_element_spec(femnist),
-          client_work.LocalTrainingConfig(learning_rate=0.05),
-          ensemble_size=5)
+        FLAGS.algorithm,
+        lambda k=0: femnist.build_model("cnn", seed=k),
+        training.batch_element_spec(femnist),
+        client_work.LocalTrainingConfig(learning_rate=0.05),
+        ensemble_size=5,
+      )
       state = algorithm.process.initialize()
       worker = _worker(psutil.Process())
       writers = data.train.client_ids
       rss = []
       for round_num in range(FLAGS.rounds):
         n = int(FLAGS.cohorts[round_num % len(FLAGS.cohorts)])
-        datasets = [training.client_dataset(
-            data.train.x[w], data.train.y[w], epochs=1, batch_size=20,
-            seed=i) for i, w in enumerate(writers[:n])]
+        datasets = [
+          training.client_dataset(data.train.x[w], data.train.y[w], epochs=1, batch_size=20, seed=i)
+          for i, w in enumerate(writers[:n])
+        ]
         try:
           state, _ = algorithm.next_fn(state, datasets, np.arange(n))
         except runtime.WorkerError as e:  # E.g. killed for lack of memory.
           print(f"{factory}: round {round_num + 1}: {e}", flush=True)
           return rss + ["worker died"] * (FLAGS.rounds - round_num)
         rss.append(worker.memory_info().rss // 2**20)
-        print(f"{factory}: round {round_num + 1} cohort {n} worker "
-              f"{rss[-1]} MiB", flush=True)
+        print(f"{factory}: round {round_num + 1} cohort {n} worker {rss[-1]} MiB", flush=True)
       return rss
   finally:
     runtime._LatestExecutorFactory = stock  # pylint: disable=protected-access
@@ -88,24 +90,29 @@ def main(argv):
   del argv
   data = femnist.load_data(FLAGS.data_dir)
   results = {factory: measure(data, factory) for factory in ("latest", "tff")}
-  cohorts = [int(FLAGS.cohorts[r % len(FLAGS.cohorts)])
-             for r in range(FLAGS.rounds)]
-  lines = ["| round | cohort | worker MiB, one executor (ours) | "
-           "worker MiB, one per cohort size (TFF's factory) |",
-           "|---:|---:|---:|---:|"]
-  lines += [f"| {r + 1} | {c} | {a} | {b} |" for r, (c, a, b) in enumerate(
-      zip(cohorts, results["latest"], results["tff"]))]
+  cohorts = [int(FLAGS.cohorts[r % len(FLAGS.cohorts)]) for r in range(FLAGS.rounds)]
+  lines = [
+    "| round | cohort | worker MiB, one executor (ours) | "
+    "worker MiB, one per cohort size (TFF's factory) |",
+    "|---:|---:|---:|---:|",
+  ]
+  lines += [
+    f"| {r + 1} | {c} | {a} | {b} |"
+    for r, (c, a, b) in enumerate(zip(cohorts, results["latest"], results["tff"]))
+  ]
   table = "\n".join(lines)
   print(table)
   machine = report.machine_description()
-  text = (f"{SECTION}\n\n"
-          f"{datetime.date.today()}, {machine['nproc']} cores "
-          f"({machine['cpu']}), {machine['ram']}; command: `uv run python "
-          f"{' '.join(['benchmarks/worker_memory.py'] + sys.argv[1:])}`.\n"
-          f"`--algorithm={FLAGS.algorithm}` (K = 5 LEAF CNNs), the first "
-          "writers of the FEMNIST slice, cohort sizes cycling as shown; "
-          "resident memory of the TFF worker after each round.\n\n"
-          f"{table}\n")
+  text = (
+    f"{SECTION}\n\n"
+    f"{datetime.date.today()}, {machine['nproc']} cores "
+    f"({machine['cpu']}), {machine['ram']}; command: `uv run python "
+    f"{' '.join(['benchmarks/worker_memory.py'] + sys.argv[1:])}`.\n"
+    f"`--algorithm={FLAGS.algorithm}` (K = 5 LEAF CNNs), the first "
+    "writers of the FEMNIST slice, cohort sizes cycling as shown; "
+    "resident memory of the TFF worker after each round.\n\n"
+    f"{table}\n"
+  )
   if FLAGS.results:
     report.write_section(FLAGS.results, SECTION, text)
 

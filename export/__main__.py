@@ -1,11 +1,14 @@
 r"""Command line: export a trained run to a TFLite file.
 
-  python -m export --run_dir=RUN --format=float|dynamic|int8|qat|lce|binary|ensemble \
-      --output=FILE.tflite
+  python -m export --run_dir=RUN \
+      --format=float|dynamic|int8|qat|lce|binary|trainable|ensemble \
+      [--quantization=float|dynamic|int8] --output=FILE.tflite
 
-RUN is a `python -m tff_ens.main` output directory; `ensemble` needs a Fed-ensemble run,
-`lce` and `binary` a run of a binarized model. `int8` and `qat` read the run's training
-writers (`--data_dir`, default the run's). See `export.convert`.
+RUN is a `python -m tff_ens.main` output directory; `ensemble` needs a Fed-ensemble run
+(`--quantization` quantizes its members), `lce` and `binary` a run of a binarized model,
+`trainable` a run of a model `export.trainable` supports (the LEAF CNN).
+`int8`, `qat` and the int8 ensemble read the run's training writers (`--data_dir`, default
+the run's). See `export.convert`.
 """
 
 import logging as std_logging
@@ -21,9 +24,10 @@ from export import ExportError
 from export import convert
 from export import runs
 import tasks
+
 # Replaces the default TFF context that importing TFF (through tasks) installs, whose
 # clean-up at interpreter exit fails once tensorflow-datasets is imported too.
-from tff_ens import runtime  # pylint: disable=unused-import
+from tff_ens import runtime  # noqa: F401  # pylint: disable=unused-import
 
 FLAGS = flags.FLAGS
 
@@ -32,17 +36,35 @@ def define_flags():
   """The command's flags, defined only when it runs: importing this module (tests, the
   benchmark) defines none, so they cannot clash with other modules' flags of one name."""
   flags.DEFINE_string("run_dir", None, "A tff_ens.main output directory (required).")
-  flags.DEFINE_enum("format", "float", list(convert.FORMATS), "What to export (see "
-                    "export/convert.py).")
+  flags.DEFINE_enum(
+    "format", "float", list(convert.FORMATS), "What to export (see export/convert.py)."
+  )
+  flags.DEFINE_enum(
+    "quantization",
+    "float",
+    list(convert.QUANTIZATIONS),
+    "--format=ensemble: float32, dynamic-range (int8 weights) or int8 "
+    "members (weights and activations; the ensemble math stays float32). "
+    "Single models are quantized by --format.",
+  )
   flags.DEFINE_string("output", None, "The .tflite file to write (required).")
-  flags.DEFINE_string("data_dir", None, "FEMNIST (LEAF) directory for int8 calibration and QAT "
-                      "fine-tuning; defaults to the run's --data_dir.")
-  flags.DEFINE_integer("representative_examples", convert.Options.representative_examples,
-                       "int8: training images calibrating the activation ranges.")
-  flags.DEFINE_integer("qat_steps", convert.Options.qat_steps,
-                       "qat: SGD steps of quantization-aware fine-tuning.")
-  flags.DEFINE_float("qat_learning_rate", convert.Options.qat_learning_rate,
-                     "qat: learning rate of the fine-tuning.")
+  flags.DEFINE_string(
+    "data_dir",
+    None,
+    "FEMNIST (LEAF) directory for int8 calibration and QAT "
+    "fine-tuning; defaults to the run's --data_dir.",
+  )
+  flags.DEFINE_integer(
+    "representative_examples",
+    convert.Options.representative_examples,
+    "int8 and the int8 ensemble: training images calibrating the activation ranges.",
+  )
+  flags.DEFINE_integer(
+    "qat_steps", convert.Options.qat_steps, "qat: SGD steps of quantization-aware fine-tuning."
+  )
+  flags.DEFINE_float(
+    "qat_learning_rate", convert.Options.qat_learning_rate, "qat: learning rate of the fine-tuning."
+  )
   flags.DEFINE_integer("seed", 0, "Seeds the draws of training examples.")
 
 
@@ -52,26 +74,32 @@ def main(argv):
   std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
   logging.set_verbosity(logging.WARNING)
   options = convert.Options(
-      representative_examples=FLAGS.representative_examples, qat_steps=FLAGS.qat_steps,
-      qat_learning_rate=FLAGS.qat_learning_rate, seed=FLAGS.seed)
+    representative_examples=FLAGS.representative_examples,
+    qat_steps=FLAGS.qat_steps,
+    qat_learning_rate=FLAGS.qat_learning_rate,
+    seed=FLAGS.seed,
+  )
   try:
     for name in ("run_dir", "output"):
       if not FLAGS[name].value:
         raise ExportError(f"--{name} is required (see --help)")
     if options.representative_examples <= 0 or options.qat_steps <= 0:
       raise ExportError("--representative_examples and --qat_steps must be positive")
-    flatbuffer = convert.export_run(runs.load_run(FLAGS.run_dir), FLAGS.format,
-                                    FLAGS.data_dir, options)
+    flatbuffer = convert.export_run(
+      runs.load_run(FLAGS.run_dir), FLAGS.format, FLAGS.data_dir, options, FLAGS.quantization
+    )
     try:
       with open(FLAGS.output, "wb") as f:
         f.write(flatbuffer)
     except OSError as e:
-      raise ExportError(f"cannot write --output={FLAGS.output} ({e.strerror}): choose a "
-                        "writable path") from None
+      raise ExportError(
+        f"cannot write --output={FLAGS.output} ({e.strerror}): choose a writable path"
+      ) from None
   except (ExportError, tasks.DataError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"wrote {FLAGS.output} ({len(flatbuffer):,} bytes, --format={FLAGS.format})")
+  quantized = f" --quantization={FLAGS.quantization}" if FLAGS.format == "ensemble" else ""
+  print(f"wrote {FLAGS.output} ({len(flatbuffer):,} bytes, --format={FLAGS.format}{quantized})")
   return 0
 
 

@@ -13,14 +13,20 @@
   ops for LCE's interpreter).
 - binary: a binarized model through the stock converter: larq's sign quantizers become
   TFLite SIGN ops and +-1 float kernels, which every TFLite runtime runs.
-- ensemble: the K members of a Fed-ensemble run in one file (`ensemble_module`).
+- trainable: a single model that trains on the device (`trainable`): signatures `train`,
+  `infer`, `get_weights`, `set_weights`, builtin ops only, SGD with the run's client
+  learning rate and momentum.
+- ensemble: the K members of a Fed-ensemble run in one file (`ensemble_module`), float32 or
+  with its members quantized (`--quantization=dynamic|int8`, `ensemble_module.QUANTIZATIONS`).
 
 Every file carries its description (`metadata`): class labels, preprocessing, outputs.
 Tensor names are dropped (2.3 kB of a 330 kB ResNet-8): inputs and outputs are found by
-position or by signature, whose names stay.
+position or by signature, whose names stay. Buffers of equal bytes are stored once (the
+selective quantizer gives each signature its own copy of the members' weights).
 """
 
 import dataclasses
+import hashlib
 
 import larq_compute_engine as lce
 import numpy as np
@@ -32,8 +38,10 @@ from export import ExportError
 from export import ensemble_module
 from export import metadata
 from export import runs
+from export import trainable
 
-FORMATS = ("float", "dynamic", "int8", "qat", "lce", "binary", "ensemble")
+FORMATS = ("float", "dynamic", "int8", "qat", "lce", "binary", "trainable", "ensemble")
+QUANTIZATIONS = ensemble_module.QUANTIZATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +52,7 @@ class CalibrationData:
     x: float32 images [n, *input_shape] of the run's training writers.
     y: int32 labels [n].
   """
+
   x: np.ndarray
   y: np.ndarray
 
@@ -60,6 +69,7 @@ class Options:
     qat_batch_size: their batch size.
     seed: seeds the draws and the fine-tuning order.
   """
+
   representative_examples: int = 500
   qat_steps: int = 200
   qat_learning_rate: float = 0.005
@@ -67,58 +77,95 @@ class Options:
   seed: int = 0
 
 
-def check_format(run: runs.Run, output_format: str):
-  """ExportError unless `run` can be exported as `output_format`."""
+def check_format(run: runs.Run, output_format: str, quantization: str = "float"):
+  """ExportError unless `run` can be exported as `output_format` with `quantization`."""
   if output_format not in FORMATS:
     raise ExportError(f"unknown --format={output_format}: choose one of {', '.join(FORMATS)}")
+  if quantization not in QUANTIZATIONS:
+    raise ExportError(
+      f"unknown --quantization={quantization}: choose one of {', '.join(QUANTIZATIONS)}"
+    )
+  if quantization != "float" and output_format != "ensemble":
+    raise ExportError(
+      f"--quantization={quantization} applies to --format=ensemble; a single "
+      f"model is quantized by its format: use --format={quantization}"
+    )
   if output_format == "ensemble" and not run.is_ensemble:
-    raise ExportError(f"--format=ensemble needs an ensemble run (members/member_k.keras); "
-                      f"{run.run_dir} holds one model: use a single-model format")
+    raise ExportError(
+      f"--format=ensemble needs an ensemble run (members/member_k.keras); "
+      f"{run.run_dir} holds one model: use a single-model format"
+    )
   if output_format != "ensemble" and run.is_ensemble:
-    raise ExportError(f"{run.run_dir} holds an ensemble of {len(run.model_paths)} models: "
-                      "use --format=ensemble")
+    raise ExportError(
+      f"{run.run_dir} holds an ensemble of {len(run.model_paths)} models: use --format=ensemble"
+    )
   if output_format in ("lce", "binary") and not run.is_binary:
     raise ExportError(
-        f"--format={output_format} needs a run of a binarized model (--model="
-        f"{' or '.join(run.task.BINARY_MODEL_NAMES)}); {run.run_dir} trained "
-        f"--model={run.config.get('model')}")
+      f"--format={output_format} needs a run of a binarized model (--model="
+      f"{' or '.join(run.task.BINARY_MODEL_NAMES)}); {run.run_dir} trained "
+      f"--model={run.config.get('model')}"
+    )
 
 
-def describe(run: runs.Run, output_format: str, *, quantized_io: bool = False) -> dict:
+def describe(
+  run: runs.Run, output_format: str, *, quantized_io: bool = False, quantization: str = "float"
+) -> dict:
   """The metadata of `run` exported as `output_format` (see `metadata`)."""
   task = run.task
   description = {
-      "format": output_format,
-      "runtime": (metadata.RUNTIME_LCE if output_format == "lce"
-                  else metadata.RUNTIME_TFLITE),
-      "task": run.config.get("task", "femnist"),
-      "model": run.config.get("model"),
-      "algorithm": run.config.get("algorithm"),
-      "class_labels": list(task.CLASS_LABELS),
-      "input": {"shape": [None, *task.INPUT_SHAPE],
-                "dtype": "int8" if quantized_io else "float32",
-                "value_range": [0.0, 1.0], "background": 1.0,
-                "preprocessing": metadata.FEMNIST_PREPROCESSING},
+    "format": output_format,
+    "runtime": (metadata.RUNTIME_LCE if output_format == "lce" else metadata.RUNTIME_TFLITE),
+    "task": run.config.get("task", "femnist"),
+    "model": run.config.get("model"),
+    "algorithm": run.config.get("algorithm"),
+    "class_labels": list(task.CLASS_LABELS),
+    "input": {
+      "shape": [None, *task.INPUT_SHAPE],
+      "dtype": "int8" if quantized_io else "float32",
+      "value_range": [0.0, 1.0],
+      "background": 1.0,
+      "preprocessing": metadata.FEMNIST_PREPROCESSING,
+    },
   }
   if output_format == "ensemble":
     description.update(
-        ensemble_size=len(run.model_paths),
-        # JSON has no infinity; null means the uniform ensemble (an infinite temperature).
-        personalization_temperature=_finite_or_none(
-            run.summary.get("personalization_temperature")),
-        signatures={
-            "predict": "image [n, 28, 28, 1] float32, alpha [K] float32 (weights on the "
-                       "simplex; 1/K each is the uniform ensemble) -> probabilities [n, "
-                       "classes], member_probabilities [n, K, classes], entropy [n], "
-                       "mutual_information [n] (nats)",
-            "personalize": "images [n, 28, 28, 1] float32, labels [n] int32 (n >= 1, the "
-                           "phone's own labeled examples), temperature [] float32 > 0 -> "
-                           "alpha [K] = softmax(-mean cross-entropy of each member / "
-                           "temperature)"})
+      ensemble_size=len(run.model_paths),
+      quantization=quantization,
+      # JSON has no infinity; null means the uniform ensemble (an infinite temperature).
+      personalization_temperature=_finite_or_none(run.summary.get("personalization_temperature")),
+      signatures={
+        "predict": "image [n, 28, 28, 1] float32, alpha [K] float32 (weights on the "
+        "simplex; 1/K each is the uniform ensemble) -> probabilities [n, "
+        "classes], member_probabilities [n, K, classes], entropy [n], "
+        "mutual_information [n] (nats)",
+        "personalize": "images [n, 28, 28, 1] float32, labels [n] int32 (n >= 1, the "
+        "phone's own labeled examples), temperature [] float32 > 0 -> "
+        "alpha [K] = softmax(-mean cross-entropy of each member / "
+        "temperature)",
+      },
+    )
+  elif output_format == "trainable":
+    description.update(
+      learning_rate=run.config.get("client_lr"),
+      momentum=run.config.get("client_momentum", 0.0),
+      signatures={
+        "train": "x [n, 28, 28, 1] float32, y [n] int32 -> loss [], correct [] (one SGD step "
+        "on the batch's mean cross-entropy; its loss and correct predictions before it)",
+        "infer": "x [n, 28, 28, 1] float32 -> logits [n, classes]",
+        "get_weights": "-> w0, w1, ... (the trainable weights, Keras order)",
+        "set_weights": "w0, w1, ... -> num_weights [] (also restarts the momentum)",
+      },
+    )
   else:
-    description["output"] = ("logits [n, classes] (" + ("int8, dequantize with the output "
-                             "tensor's scale and zero point, then " if quantized_io else "")
-                             + "softmax for probabilities; argmax indexes class_labels)")
+    description["output"] = (
+      "logits [n, classes] ("
+      + (
+        "int8, dequantize with the output tensor's scale and zero point, then "
+        if quantized_io
+        else ""
+      )
+      + "softmax for probabilities; argmax indexes class_labels)"
+    )
   return description
 
 
@@ -126,8 +173,9 @@ def _finite_or_none(value):
   return None if value is None or not np.isfinite(value) else float(value)
 
 
-def calibration_data(task, data_dir: str | None, examples: int | None,
-                     seed: int) -> CalibrationData:
+def calibration_data(
+  task, data_dir: str | None, examples: int | None, seed: int
+) -> CalibrationData:
   """`examples` images (all if None or fewer) drawn without replacement from all training
   writers, in random (seeded) order."""
   train = task.load_data(data_dir).train
@@ -138,14 +186,17 @@ def calibration_data(task, data_dir: str | None, examples: int | None,
 
 def _representative_dataset(data: CalibrationData):
   """TFLite's representative dataset: one single-image batch at a time."""
+
   def generate():
     for image in data.x:
       yield [image[None]]
+
   return generate
 
 
-def fine_tune_quantization_aware(model: tf.keras.Model, data: CalibrationData,
-                                 options: Options) -> tf.keras.Model:
+def fine_tune_quantization_aware(
+  model: tf.keras.Model, data: CalibrationData, options: Options
+) -> tf.keras.Model:
   """tfmot's `quantize_model(model)` after `options.qat_steps` SGD steps on `data`.
 
   Fake-quantization of weights and activations during training (Jacob et al., CVPR 2018,
@@ -154,20 +205,30 @@ def fine_tune_quantization_aware(model: tf.keras.Model, data: CalibrationData,
   try:
     qat_model = tfmot.quantization.keras.quantize_model(model)
   except (ValueError, RuntimeError) as e:
-    raise ExportError(f"--format=qat: tensorflow-model-optimization cannot quantize this "
-                      f"model ({' '.join(str(e).split())[:200]}); use --format=int8") from None
+    raise ExportError(
+      f"--format=qat: tensorflow-model-optimization cannot quantize this "
+      f"model ({' '.join(str(e).split())[:200]}); use --format=int8"
+    ) from None
   qat_model.compile(
-      optimizer=tf.keras.optimizers.SGD(options.qat_learning_rate),
-      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  dataset = (tf.data.Dataset.from_tensor_slices((data.x, data.y))
-             .shuffle(len(data.y), seed=options.seed).repeat()
-             .batch(options.qat_batch_size))
+    optimizer=tf.keras.optimizers.SGD(options.qat_learning_rate),
+    loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
+  dataset = (
+    tf.data.Dataset.from_tensor_slices((data.x, data.y))
+    .shuffle(len(data.y), seed=options.seed)
+    .repeat()
+    .batch(options.qat_batch_size)
+  )
   qat_model.fit(dataset, steps_per_epoch=options.qat_steps, epochs=1, verbose=0)
   return qat_model
 
 
-def convert_model(model: tf.keras.Model, output_format: str,
-                  data: CalibrationData | None = None, options: Options = Options()) -> bytes:
+def convert_model(
+  model: tf.keras.Model,
+  output_format: str,
+  data: CalibrationData | None = None,
+  options: Options = Options(),
+) -> bytes:
   """A single Keras model as a TFLite flatbuffer in `output_format` (without metadata).
 
   `data` (training-writer examples) is needed by int8 and qat.
@@ -179,7 +240,8 @@ def convert_model(model: tf.keras.Model, output_format: str,
   # One image per call, as LCE's converter does: group normalization's reshapes do not run
   # in TFLite with an unknown batch size.
   single_image = tf.function(lambda image: model(image, training=False)).get_concrete_function(
-      tf.TensorSpec([1, *model.input_shape[1:]], tf.float32))
+    tf.TensorSpec([1, *model.input_shape[1:]], tf.float32)
+  )
   converter = tf.lite.TFLiteConverter.from_concrete_functions([single_image], model)
   if output_format in ("dynamic", "int8", "qat"):
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -191,37 +253,79 @@ def convert_model(model: tf.keras.Model, output_format: str,
   return converter.convert()
 
 
-def export_run(run: runs.Run, output_format: str, data_dir: str | None = None,
-               options: Options = Options()) -> bytes:
+def export_run(
+  run: runs.Run,
+  output_format: str,
+  data_dir: str | None = None,
+  options: Options = Options(),
+  quantization: str = "float",
+) -> bytes:
   """`run` as a TFLite flatbuffer in `output_format`, with its metadata attached.
 
-  `data_dir` (default: the run's) is read for int8 and qat only. Raises ExportError if the
-  format does not fit the run.
+  `data_dir` (default: the run's) is read for int8, qat and the int8 ensemble only. Raises
+  ExportError if the format or `quantization` does not fit the run.
   """
-  check_format(run, output_format)
+  check_format(run, output_format, quantization)
   models = run.load_models()
-  if output_format == "ensemble":
-    flatbuffer = ensemble_module.convert_ensemble(models, run.task.INPUT_SHAPE)
+  data = None
+  if "int8" in (output_format, quantization) or output_format == "qat":
+    data = calibration_data(
+      run.task,
+      data_dir or run.config.get("data_dir"),
+      None if output_format == "qat" else options.representative_examples,
+      options.seed,
+    )
+  if output_format == "trainable":
+    if run.config.get("client_lr") is None:
+      raise ExportError(
+        f"{run.run_dir}'s config.json has no client_lr: --format=trainable "
+        "trains at the run's client learning rate; export a tff_ens.main run"
+      )
+    try:
+      flatbuffer = trainable.convert_trainable(
+        models[0],
+        learning_rate=run.config["client_lr"],
+        momentum=run.config.get("client_momentum", 0.0),
+      )
+    except ValueError as e:
+      raise ExportError(f"--format=trainable: {e}") from None
+  elif output_format == "ensemble":
+    flatbuffer = ensemble_module.convert_ensemble(
+      models,
+      run.task.INPUT_SHAPE,
+      quantization,
+      *((data.x, data.y) if data else ()),
+      seed=options.seed,
+    )
   else:
-    data = None
-    if output_format in ("int8", "qat"):
-      data = calibration_data(run.task, data_dir or run.config.get("data_dir"),
-                              options.representative_examples
-                              if output_format == "int8" else None, options.seed)
     flatbuffer = convert_model(models[0], output_format, data, options)
-  return finalize(flatbuffer, describe(run, output_format,
-                                       quantized_io=output_format == "int8"))
+  return finalize(
+    flatbuffer,
+    describe(run, output_format, quantization=quantization, quantized_io=output_format == "int8"),
+  )
 
 
 def finalize(flatbuffer: bytes, description: dict) -> bytes:
-  """`flatbuffer` without tensor names and with `description` attached (`metadata`).
+  """`flatbuffer` without tensor names, with each distinct buffer stored once and with
+  `description` attached (`metadata`).
 
   By hand rather than with `flatbuffer_utils.strip_strings`, which also deletes the
   signature definitions (the ensemble's `predict` and `personalize`).
   """
   model = flatbuffer_utils.convert_bytearray_to_object(bytearray(flatbuffer))
+  # Variable tensors' buffers (their initial values) stay their own.
+  variables = {t.buffer for g in model.subgraphs for t in g.tensors if t.isVariable}
+  first_of_bytes, same_as = {}, {}
+  for i, buffer in enumerate(model.buffers):
+    if buffer.data is not None and len(buffer.data) and i not in variables:
+      digest = hashlib.sha256(buffer.data.tobytes()).digest()
+      same_as[i] = first_of_bytes.setdefault(digest, i)
   for subgraph in model.subgraphs:
     for tensor in subgraph.tensors:
       tensor.name = None
+      tensor.buffer = same_as.get(tensor.buffer, tensor.buffer)
+  for i, first in same_as.items():
+    if first != i:
+      model.buffers[i].data = None
   metadata.add(model, description)
   return flatbuffer_utils.convert_object_to_bytearray(model)

@@ -5,20 +5,37 @@ models in one file and
 
 - `predict(image, alpha)` returns the alpha-weighted mixture of the members' softmax
   outputs, the members' outputs, and the mixture's uncertainty (the same quantities as
-  `tff_ens.evaluation.ensemble_uncertainty`);
+  `tff_ens.metrics.ensemble_uncertainty`);
 - `personalize(images, labels, temperature)` returns alpha = softmax(-loss / temperature)
   from the phone's own labeled examples, loss_k being member k's mean cross-entropy on them
   (Sec. IV-C, eq. 3-4; `tff_ens.personalization`). alpha = 1/K is the uniform ensemble.
 
 The math is plain TensorFlow on probabilities in float32, clipped at 1e-12 before every log
 as the NumPy evaluation does, so the two agree to float32 rounding.
+
+`quantization` (`QUANTIZATIONS`) shrinks the members, which hold all the weights:
+
+- float: float32 everywhere.
+- dynamic: TFLite's dynamic-range quantization (int8 weights, float activations).
+- int8: the members' ops with int8 weights and activations, calibrated on labeled images
+  through both signatures; the mixture and personalization math keeps float32, as do the
+  inputs and outputs. TFLite's selective quantization (`QuantizationDebugger` with the math's
+  op types denylisted), without the quantize-dequantize pairs it leaves after each member's
+  softmax: fully quantized, alpha would come out of an int8 softmax, 1/256 steps that do not
+  sum to one.
 """
 
-import tensorflow as tf
+import collections
 
-# Probabilities are clipped to [EPSILON, 1] before a log, as in tff_ens.evaluation.
+import numpy as np
+import tensorflow as tf
+from tensorflow.lite.python import schema_py_generated as schema
+from tensorflow.lite.tools import flatbuffer_utils
+
+# Probabilities are clipped to [EPSILON, 1] before a log, as in tff_ens.metrics.
 EPSILON = 1e-12
 SIGNATURES = ("predict", "personalize")
+QUANTIZATIONS = ("float", "dynamic", "int8")
 
 
 def _log(p):
@@ -75,32 +92,150 @@ class EnsembleModule(tf.Module):
     def predict(image, alpha):
       member_probs = self.member_probabilities(image)
       probabilities, predictive_entropy, mutual_information = mixture_and_uncertainty(
-          member_probs, alpha)
-      return {"probabilities": probabilities, "member_probabilities": member_probs,
-              "entropy": predictive_entropy, "mutual_information": mutual_information}
+        member_probs, alpha
+      )
+      return {
+        "probabilities": probabilities,
+        "member_probabilities": member_probs,
+        "entropy": predictive_entropy,
+        "mutual_information": mutual_information,
+      }
 
     def personalize(images, labels, temperature):
-      return {"alpha": personalization_weights(
-          self.member_probabilities(images), labels, temperature)}
+      return {
+        "alpha": personalization_weights(self.member_probabilities(images), labels, temperature)
+      }
 
-    self.predict = tf.function(predict, input_signature=[
+    self.predict = tf.function(
+      predict,
+      input_signature=[
         tf.TensorSpec.from_spec(image, name="image"),
-        tf.TensorSpec([len(members)], tf.float32, name="alpha")])
-    self.personalize = tf.function(personalize, input_signature=[
+        tf.TensorSpec([len(members)], tf.float32, name="alpha"),
+      ],
+    )
+    self.personalize = tf.function(
+      personalize,
+      input_signature=[
         tf.TensorSpec.from_spec(image, name="images"),
         tf.TensorSpec([None], tf.int32, name="labels"),
-        tf.TensorSpec([], tf.float32, name="temperature")])
+        tf.TensorSpec([], tf.float32, name="temperature"),
+      ],
+    )
 
   def member_probabilities(self, images):
     """[n, K, classes] softmax outputs of the members (inference mode)."""
-    return tf.stack([tf.nn.softmax(m(images, training=False)) for m in self.members],
-                    axis=1)
+    return tf.stack([tf.nn.softmax(m(images, training=False)) for m in self.members], axis=1)
 
 
-def convert_ensemble(members: list[tf.keras.Model], input_shape: tuple[int, ...]) -> bytes:
-  """One float32 TFLite flatbuffer with the `predict` and `personalize` signatures."""
-  module = EnsembleModule(members, input_shape)
-  converter = tf.lite.TFLiteConverter.from_concrete_functions(
-      [module.predict.get_concrete_function(), module.personalize.get_concrete_function()],
-      module)
-  return converter.convert()
+def _converter(module: EnsembleModule) -> tf.lite.TFLiteConverter:
+  return tf.lite.TFLiteConverter.from_concrete_functions(
+    [module.predict.get_concrete_function(), module.personalize.get_concrete_function()], module
+  )
+
+
+def operator_types(flatbuffer: bytes) -> set[str]:
+  """The builtin operator names ("CONV_2D", ...) a TFLite flatbuffer uses."""
+  names = {
+    code: name for name, code in vars(schema.BuiltinOperator).items() if not name.startswith("_")
+  }
+  model = flatbuffer_utils.convert_bytearray_to_object(bytearray(flatbuffer))
+  return {names[max(c.builtinCode, c.deprecatedBuiltinCode)] for c in model.operatorCodes}
+
+
+def _calibration_inputs(
+  images: np.ndarray, labels: np.ndarray, ensemble_size: int, seed: int, batch_size: int = 10
+):
+  """TFLite's representative dataset for both signatures: full batches of `images` with
+  alpha drawn from Dir(1) for `predict`, their `labels` for `personalize` (TFLite's
+  calibrator resizes the images but not the labels to a last, smaller batch)."""
+
+  def generate():
+    rng = np.random.default_rng(seed)
+    for start in range(0, len(labels) - batch_size + 1, batch_size):
+      batch = slice(start, start + batch_size)
+      alpha = rng.dirichlet(np.ones(ensemble_size)).astype(np.float32)
+      yield "predict", {"image": images[batch], "alpha": alpha}
+      yield (
+        "personalize",
+        {
+          "images": images[batch],
+          "labels": labels[batch].astype(np.int32),
+          "temperature": np.float32(1.0),
+        },
+      )
+
+  return generate
+
+
+def convert_ensemble(
+  members: list[tf.keras.Model],
+  input_shape: tuple[int, ...],
+  quantization: str = "float",
+  images: np.ndarray | None = None,
+  labels: np.ndarray | None = None,
+  seed: int = 0,
+) -> bytes:
+  """One TFLite flatbuffer with the `predict` and `personalize` signatures.
+
+  `quantization` is one of `QUANTIZATIONS` (module docstring); int8 calibrates on labeled
+  `images` (float32 [n, *input_shape]) and `labels` [n].
+  """
+  converter = _converter(EnsembleModule(members, input_shape))
+  if quantization == "float":
+    return converter.convert()
+  converter.optimizations = [tf.lite.Optimize.DEFAULT]
+  if quantization == "dynamic":
+    return converter.convert()
+  # The math's op types: those of a two-member ensemble (one member folds the mixture's
+  # stack and sum away) that a member alone does not use, and RESHAPE, which the math
+  # shares with the members' flatten: alpha[:, None] quantized would not sum to one.
+  math_ops = {"RESHAPE"} | (
+    operator_types(_converter(EnsembleModule(members[:2], input_shape)).convert())
+    - operator_types(tf.lite.TFLiteConverter.from_keras_model(members[0]).convert())
+  )
+  converter.representative_dataset = _calibration_inputs(images, labels, len(members), seed)
+  debugger = tf.lite.experimental.QuantizationDebugger(
+    converter=converter,
+    debug_dataset=converter.representative_dataset,
+    debug_options=tf.lite.experimental.QuantizationDebugOptions(denylisted_ops=sorted(math_ops)),
+  )
+  return _drop_fake_quantization(debugger.get_nondebug_quantized_model())
+
+
+def _drop_fake_quantization(flatbuffer: bytes) -> bytes:
+  """`flatbuffer` without QUANTIZE -> DEQUANTIZE pairs from float32 to float32.
+
+  The selective quantizer leaves such a pair after each member's float softmax (an op with a
+  fixed output range): the probabilities would be rounded to steps of 1/256, and a rounded
+  zero would cost a personalization loss of -log(1e-12).
+  """
+  model = flatbuffer_utils.convert_bytearray_to_object(bytearray(flatbuffer))
+  code = [max(c.builtinCode, c.deprecatedBuiltinCode) for c in model.operatorCodes]
+  replaced = []  # Per subgraph: the pair's float output -> its float input.
+  for subgraph in model.subgraphs:
+    producer = {out: op for op in subgraph.operators for out in op.outputs}
+    consumers = collections.Counter(i for op in subgraph.operators for i in op.inputs)
+    replace, dropped = {}, set()
+    for op in subgraph.operators:
+      if code[op.opcodeIndex] != schema.BuiltinOperator.DEQUANTIZE:
+        continue
+      quantize = producer.get(op.inputs[0])
+      if (
+        quantize is not None
+        and code[quantize.opcodeIndex] == schema.BuiltinOperator.QUANTIZE
+        and subgraph.tensors[quantize.inputs[0]].type == schema.TensorType.FLOAT32
+        and consumers[op.inputs[0]] == 1
+      ):
+        replace[op.outputs[0]] = quantize.inputs[0]
+        dropped.update((id(op), id(quantize)))
+    subgraph.operators = [op for op in subgraph.operators if id(op) not in dropped]
+    for op in subgraph.operators:
+      op.inputs = [replace.get(i, i) for i in op.inputs]
+    subgraph.outputs = [replace.get(i, i) for i in subgraph.outputs]
+    replaced.append(replace)
+  for signature in model.signatureDefs:
+    for output in signature.outputs:
+      output.tensorIndex = replaced[signature.subgraphIndex].get(
+        output.tensorIndex, output.tensorIndex
+      )
+  return bytes(flatbuffer_utils.convert_object_to_bytearray(model))

@@ -46,8 +46,9 @@ from tasks.data import DataError
 from tff_ens import metrics
 
 # The Keras comparison needs TensorFlow: the main environment has it, the device one not.
-reference = (importlib.import_module("export.reference")
-             if importlib.util.find_spec("tensorflow") else None)
+reference = (
+  importlib.import_module("export.reference") if importlib.util.find_spec("tensorflow") else None
+)
 
 FLAGS = flags.FLAGS
 
@@ -62,27 +63,27 @@ def _agreement(a: dict, b: dict) -> float:
   return float(np.concatenate([a[c] == b[c] for c in a]).mean())
 
 
-def evaluate_classifier(exported: on_device.Classifier, models, data,
-                        latency_repeats: int) -> dict:
+def evaluate_classifier(exported: on_device.Classifier, models, data, latency_repeats: int) -> dict:
   """The file's accuracies and latency; with Keras `models`, theirs and the agreement."""
   test = data.test
   x, _ = test.concatenated()
   counts = [test.num_examples(c) for c in test.client_ids]
-  tflite = dict(zip(test.client_ids,
-                    metrics.split_by_client(exported.predict_classes(x), counts)))
+  tflite = dict(zip(test.client_ids, metrics.split_by_client(exported.predict_classes(x), counts)))
   accuracy, per_client = _mean_accuracy(tflite, test.y)
-  report = {"accuracy": accuracy, "per_client_accuracy": per_client,
-            "latency_ms_median": on_device.latency_ms(
-                lambda: exported.logits(x[:1]), latency_repeats)}
+  report = {
+    "accuracy": accuracy,
+    "per_client_accuracy": per_client,
+    "latency_ms_median": on_device.latency_ms(lambda: exported.logits(x[:1]), latency_repeats),
+  }
   if models is not None:
     keras = reference.classes(models, test)
-    report.update(keras_accuracy=_mean_accuracy(keras, test.y)[0],
-                  agreement=_agreement(tflite, keras))
+    report.update(
+      keras_accuracy=_mean_accuracy(keras, test.y)[0], agreement=_agreement(tflite, keras)
+    )
   return report
 
 
-def evaluate_ensemble(exported: on_device.Ensemble, models, data,
-                      latency_repeats: int) -> dict:
+def evaluate_ensemble(exported: on_device.Ensemble, models, data, latency_repeats: int) -> dict:
   """The file's uniform and personalized accuracies and latency; with Keras `models`,
   theirs and the agreements."""
   train, test = data.train, data.test
@@ -95,18 +96,23 @@ def evaluate_ensemble(exported: on_device.Ensemble, models, data,
   labels = {c: test.y[c] for c in writers}
   accuracy, per_client = _mean_accuracy(tflite_uniform, labels)
   one_image = test.x[writers[0]][:1]
-  report = {"accuracy": accuracy, "per_client_accuracy": per_client,
-            "personalized_accuracy": _mean_accuracy(tflite, labels)[1],
-            "personalization_temperature": exported.temperature,
-            "latency_ms_median": on_device.latency_ms(
-                lambda: exported.predict(one_image), latency_repeats)}
+  report = {
+    "accuracy": accuracy,
+    "per_client_accuracy": per_client,
+    "personalized_accuracy": _mean_accuracy(tflite, labels)[1],
+    "personalization_temperature": exported.temperature,
+    "latency_ms_median": on_device.latency_ms(lambda: exported.predict(one_image), latency_repeats),
+  }
   if models is not None:
-    keras, keras_uniform = reference.ensemble_classes(models, train, test, writers,
-                                                      exported.temperature)
-    report.update(keras_accuracy=_mean_accuracy(keras_uniform, labels)[0],
-                  keras_personalized_accuracy=_mean_accuracy(keras, labels)[1],
-                  agreement=_agreement(tflite, keras),
-                  uniform_agreement=_agreement(tflite_uniform, keras_uniform))
+    keras, keras_uniform = reference.ensemble_classes(
+      models, train, test, writers, exported.temperature
+    )
+    report.update(
+      keras_accuracy=_mean_accuracy(keras_uniform, labels)[0],
+      keras_personalized_accuracy=_mean_accuracy(keras, labels)[1],
+      agreement=_agreement(tflite, keras),
+      uniform_agreement=_agreement(tflite_uniform, keras_uniform),
+    )
   return report
 
 
@@ -118,13 +124,12 @@ def evaluate_ood(exported, models, data) -> dict:
   out-of-distribution ones (the ensemble's uniform `entropy` and
   `mutual_information` outputs; a single model's predictive entropy), and with Keras
   `models` theirs as the run's summary computes them (`keras_` keys)."""
+
   def file_predictions(x):
     if isinstance(exported, on_device.Ensemble):
       return exported.predict(x)
-    probabilities = scipy.special.softmax(
-        exported.logits(x).astype(np.float64), axis=-1)
-    return {"probabilities": probabilities,
-            "entropy": metrics.entropy(probabilities)}
+    probabilities = scipy.special.softmax(exported.logits(x).astype(np.float64), axis=-1)
+    return {"probabilities": probabilities, "entropy": metrics.entropy(probabilities)}
 
   predictions = {"": file_predictions}
   if models is not None:
@@ -143,48 +148,60 @@ def load_data(run: runs.Run, data_dir: str | None):
     return reference.load_data(run, data_dir)
   task = run.config.get("task", "femnist")
   if task != "femnist":
-    raise ExportError(f"{run.run_dir} is a {task} run: the device environment reads "
-                      "FEMNIST's LEAF files only; evaluate it in the main environment "
-                      "(uv run python -m export.evaluate ...)")
+    raise ExportError(
+      f"{run.run_dir} is a {task} run: the device environment reads "
+      "FEMNIST's LEAF files only; evaluate it in the main environment "
+      "(uv run python -m export.evaluate ...)"
+    )
   try:
-    data = leaf.load_leaf(data_dir or run.config.get("data_dir")
-                          or os.environ.get(leaf.DATA_DIR_ENV, ""))
+    data = leaf.load_leaf(
+      data_dir or run.config.get("data_dir") or os.environ.get(leaf.DATA_DIR_ENV, "")
+    )
   except DataError as e:
     raise ExportError(str(e)) from None
   return leaf.digits_only(data) if run.config.get("classes") == "digits" else data
 
 
-def build_report(run: runs.Run, tflite_path: str, data, num_threads: int = 1,
-                 latency_repeats: int = 50) -> dict:
+def build_report(
+  run: runs.Run, tflite_path: str, data, num_threads: int = 1, latency_repeats: int = 50
+) -> dict:
   """The report (see the module docstring) of the file at `tflite_path` exported from `run`."""
   exported = on_device.load(tflite_path, num_threads)
   if isinstance(exported, on_device.Ensemble):
     if len(run.model_paths) != exported.ensemble_size:
-      raise ExportError(f"{tflite_path} holds K={exported.ensemble_size} models but "
-                        f"{run.run_dir} has {len(run.model_paths)}: pass the run it was "
-                        "exported from")
+      raise ExportError(
+        f"{tflite_path} holds K={exported.ensemble_size} models but "
+        f"{run.run_dir} has {len(run.model_paths)}: pass the run it was "
+        "exported from"
+      )
   elif run.is_ensemble:
-    raise ExportError(f"{tflite_path} holds one model but {run.run_dir} is an ensemble "
-                      "run: pass the run it was exported from")
+    raise ExportError(
+      f"{tflite_path} holds one model but {run.run_dir} is an ensemble "
+      "run: pass the run it was exported from"
+    )
   models = run.load_models() if reference is not None else None
-  evaluate = (evaluate_ensemble if isinstance(exported, on_device.Ensemble)
-              else evaluate_classifier)
+  evaluate = evaluate_ensemble if isinstance(exported, on_device.Ensemble) else evaluate_classifier
   measured = evaluate(exported, models, data, latency_repeats)
   if data.ood is not None and data.ood.num_examples():
     measured.update(evaluate_ood(exported, models, data))
     measured.update({f"reference_{k}": run.summary.get(k) for k in OOD_KEYS})
   summary = run.summary
   return {
-      "tflite": os.path.abspath(tflite_path), "run_dir": os.path.abspath(run.run_dir),
-      "format": exported.metadata["format"], "model": exported.metadata.get("model"),
-      "size_bytes": exported.size_bytes, "runtime": exported.runtime,
-      "num_threads": num_threads,
-      "num_test_examples": data.test.num_examples(),
-      "num_writers": len(data.test.client_ids),
-      "reference_accuracy": summary.get("test_accuracy"),
-      "reference_per_client_accuracy": summary.get("per_client_accuracy"),
-      "reference_personalized_accuracy": summary.get("personalized_accuracy"),
-      **measured}
+    "tflite": os.path.abspath(tflite_path),
+    "run_dir": os.path.abspath(run.run_dir),
+    "format": exported.metadata["format"],
+    "model": exported.metadata.get("model"),
+    "quantization": exported.metadata.get("quantization"),
+    "size_bytes": exported.size_bytes,
+    "runtime": exported.runtime,
+    "num_threads": num_threads,
+    "num_test_examples": data.test.num_examples(),
+    "num_writers": len(data.test.client_ids),
+    "reference_accuracy": summary.get("test_accuracy"),
+    "reference_per_client_accuracy": summary.get("per_client_accuracy"),
+    "reference_personalized_accuracy": summary.get("personalized_accuracy"),
+    **measured,
+  }
 
 
 def define_flags():
@@ -214,15 +231,25 @@ def main(argv):
       with open(FLAGS.output, "w") as f:
         json.dump(report, f, indent=2, sort_keys=True)
     except OSError as e:
-      raise ExportError(f"cannot write --output={FLAGS.output} ({e.strerror}): choose a "
-                        "writable path") from None
+      raise ExportError(
+        f"cannot write --output={FLAGS.output} ({e.strerror}): choose a writable path"
+      ) from None
   except ExportError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  keys = ("accuracy", "reference_accuracy", "personalized_accuracy",
-          "reference_personalized_accuracy", "agreement", "latency_ms_median", "size_bytes")
-  print(" ".join(f"{k}={report[k]:.4g}" for k in keys if report.get(k) is not None) +
-        f" report={FLAGS.output}")
+  keys = (
+    "accuracy",
+    "reference_accuracy",
+    "personalized_accuracy",
+    "reference_personalized_accuracy",
+    "agreement",
+    "latency_ms_median",
+    "size_bytes",
+  )
+  print(
+    " ".join(f"{k}={report[k]:.4g}" for k in keys if report.get(k) is not None)
+    + f" report={FLAGS.output}"
+  )
   return 0
 
 

@@ -31,35 +31,39 @@ RUNTIME_TFLITE = "tflite"
 RUNTIME_LCE = "larq_compute_engine"
 # How FEMNIST images reach every model (tasks/femnist.py, LEAF's format).
 FEMNIST_PREPROCESSING = (
-    "28x28 grayscale image, row-major (LEAF's 784 values), as float32 in [0, 1] with "
-    "1.0 = white background and darker ink towards 0.0 (LEAF and TFF's FEMNIST); shape "
-    "[batch, 28, 28, 1]. int8 inputs take round(x / scale + zero_point) with the input "
-    "tensor's quantization parameters.")
+  "28x28 grayscale image, row-major (LEAF's 784 values), as float32 in [0, 1] with "
+  "1.0 = white background and darker ink towards 0.0 (LEAF and TFF's FEMNIST); shape "
+  "[batch, 28, 28, 1]. int8 inputs take round(x / scale + zero_point) with the input "
+  "tensor's quantization parameters."
+)
 
 
 def add(model: schema.ModelT, description: dict):
   """Adds (or replaces) the `METADATA_NAME` entry of a TFLite model object, in place."""
   buffer = schema.BufferT()
-  buffer.data = np.frombuffer(
-      json.dumps(description, sort_keys=True).encode(), np.uint8)
+  buffer.data = np.frombuffer(json.dumps(description, sort_keys=True).encode(), np.uint8)
   model.buffers.append(buffer)
   entry = schema.MetadataT()
   entry.name = METADATA_NAME
   entry.buffer = len(model.buffers) - 1
   # Names read from a flatbuffer are bytes.
-  model.metadata = [m for m in (model.metadata or [])
-                    if m.name not in (METADATA_NAME, METADATA_NAME.encode())] + [entry]
+  model.metadata = [
+    m for m in (model.metadata or []) if m.name not in (METADATA_NAME, METADATA_NAME.encode())
+  ] + [entry]
 
 
 def read(flatbuffer: bytes, where: str = "the file") -> dict:
   """The description added by `add`; ExportError if `flatbuffer` has none."""
   if len(flatbuffer) < 8 or flatbuffer[4:8] != b"TFL3":
-    raise ExportError(f"{where} is not a TFLite flatbuffer: pass a .tflite file written by "
-                      "`python -m export`")
+    raise ExportError(
+      f"{where} is not a TFLite flatbuffer: pass a .tflite file written by `python -m export`"
+    )
   model = schema.Model.GetRootAs(flatbuffer, 0)
   for i in range(model.MetadataLength()):
     entry = model.Metadata(i)
     if entry.Name().decode() == METADATA_NAME:
       return json.loads(model.Buffers(entry.Buffer()).DataAsNumpy().tobytes())
-  raise ExportError(f"{where} has no {METADATA_NAME!r} metadata: it was not written by "
-                    "`python -m export`; export the run again")
+  raise ExportError(
+    f"{where} has no {METADATA_NAME!r} metadata: it was not written by "
+    "`python -m export`; export the run again"
+  )

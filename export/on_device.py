@@ -19,9 +19,11 @@ import numpy as np
 
 try:
   from ai_edge_litert import interpreter as tflite
+
   RUNTIME = f"ai_edge_litert {importlib.metadata.version('ai-edge-litert')}"
 except ImportError:
   from tflite_runtime import interpreter as tflite
+
   RUNTIME = f"tflite_runtime {importlib.metadata.version('tflite-runtime')}"
 
 from export import ExportError
@@ -39,14 +41,16 @@ def lce_interpreter() -> type:
   registered unexecuted, so that only the interpreter's modules load.
   """
   if importlib.util.find_spec("larq_compute_engine") is None:
-    raise ExportError("lce files need larq-compute-engine, which has no wheel for this "
-                      "platform: run the file where it installs (x86-64, macOS)")
-  if (importlib.util.find_spec("tensorflow") is None and
-      "larq_compute_engine" not in sys.modules):
+    raise ExportError(
+      "lce files need larq-compute-engine, which has no wheel for this "
+      "platform: run the file where it installs (x86-64, macOS)"
+    )
+  if importlib.util.find_spec("tensorflow") is None and "larq_compute_engine" not in sys.modules:
     spec = importlib.util.find_spec("larq_compute_engine")
     sys.modules["larq_compute_engine"] = importlib.util.module_from_spec(spec)
   # pylint: disable-next=import-outside-toplevel
   from larq_compute_engine.tflite.python import interpreter
+
   return interpreter.Interpreter
 
 
@@ -56,13 +60,15 @@ def load(path: str, num_threads: int = 1) -> "Classifier | Ensemble":
     with open(path, "rb") as f:
       flatbuffer = f.read()
   except OSError as e:
-    raise ExportError(f"cannot read {path} ({e.strerror}): pass a .tflite file written by "
-                      "`python -m export`") from None
+    raise ExportError(
+      f"cannot read {path} ({e.strerror}): pass a .tflite file written by `python -m export`"
+    ) from None
   return load_bytes(flatbuffer, num_threads, path)
 
 
-def load_bytes(flatbuffer: bytes, num_threads: int = 1,
-               where: str = "the file") -> "Classifier | Ensemble":
+def load_bytes(
+  flatbuffer: bytes, num_threads: int = 1, where: str = "the file"
+) -> "Classifier | Ensemble":
   """An exported flatbuffer, as `load` returns it."""
   description = metadata.read(flatbuffer, where)
   kind = Ensemble if description["format"] == "ensemble" else Classifier
@@ -85,38 +91,53 @@ class _Exported:
 
   def check_images(self, images, name: str = "image") -> np.ndarray:
     """`images` if they are float32 [n >= 1, *input_shape] in the value range."""
-    expected = (f"float32 [n, {', '.join(map(str, self.input_shape))}] with values in "
-                f"[{self.value_range[0]:g}, {self.value_range[1]:g}]")
+    expected = (
+      f"float32 [n, {', '.join(map(str, self.input_shape))}] with values in "
+      f"[{self.value_range[0]:g}, {self.value_range[1]:g}]"
+    )
     if not isinstance(images, np.ndarray):
-      raise ExportError(f"{name} must be a NumPy array ({expected}), got "
-                        f"{type(images).__name__}")
-    if images.dtype != np.float32 or images.ndim != len(self.input_shape) + 1 or (
-        images.shape[1:] != self.input_shape):
-      raise ExportError(f"{name} must be {expected}, got {images.dtype} "
-                        f"{list(images.shape)}")
+      raise ExportError(f"{name} must be a NumPy array ({expected}), got {type(images).__name__}")
+    if (
+      images.dtype != np.float32
+      or images.ndim != len(self.input_shape) + 1
+      or (images.shape[1:] != self.input_shape)
+    ):
+      raise ExportError(f"{name} must be {expected}, got {images.dtype} {list(images.shape)}")
     if not len(images):
       raise ExportError(f"{name} is empty: pass at least one image ({expected})")
-    if not (np.all(np.isfinite(images)) and images.min() >= self.value_range[0] and
-            images.max() <= self.value_range[1]):
-      raise ExportError(f"{name} values must be in [{self.value_range[0]:g}, "
-                        f"{self.value_range[1]:g}] ({self.metadata['input']['preprocessing']}"
-                        f"), got {np.nanmin(images):g}..{np.nanmax(images):g}")
+    if not (
+      np.all(np.isfinite(images))
+      and images.min() >= self.value_range[0]
+      and images.max() <= self.value_range[1]
+    ):
+      raise ExportError(
+        f"{name} values must be in [{self.value_range[0]:g}, "
+        f"{self.value_range[1]:g}] ({self.metadata['input']['preprocessing']}"
+        f"), got {np.nanmin(images):g}..{np.nanmax(images):g}"
+      )
     return images
 
 
 class Classifier(_Exported):
-  """A single exported model (any format but `ensemble`)."""
+  """A single exported model (any format but `ensemble`; a `trainable` file predicts
+  through its `infer` signature, and trains through `export.device_training`)."""
 
   def __init__(self, flatbuffer: bytes, description: dict, num_threads: int = 1):
     super().__init__(flatbuffer, description)
+    self._infer = None
     if description["runtime"] == metadata.RUNTIME_LCE:
       self._lce = lce_interpreter()(flatbuffer, num_threads=num_threads)
       version = importlib.metadata.version("larq-compute-engine")
       self.runtime = f"larq_compute_engine {version} (lce.testing.Interpreter)"
+    elif description["format"] == "trainable":  # Its `infer` signature predicts.
+      self._lce = None
+      self._infer = tflite.Interpreter(
+        model_content=flatbuffer, num_threads=num_threads
+      ).get_signature_runner("infer")
+      self.runtime = f"{RUNTIME} (Interpreter, infer signature)"
     else:
       self._lce = None
-      self._interpreter = tflite.Interpreter(model_content=flatbuffer,
-                                             num_threads=num_threads)
+      self._interpreter = tflite.Interpreter(model_content=flatbuffer, num_threads=num_threads)
       self._input = self._interpreter.get_input_details()[0]
       self._output = self._interpreter.get_output_details()[0]
       self._interpreter.allocate_tensors()
@@ -131,12 +152,13 @@ class Classifier(_Exported):
     images = self.check_images(images)
     if self._lce is not None:
       return np.asarray(self._lce.predict(images), np.float32)
+    if self._infer is not None:
+      return self._infer(x=images)["logits"]
     outputs = []
     for image in images:
       self._interpreter.set_tensor(self._input["index"], _quantize(image[None], self._input))
       self._interpreter.invoke()
-      outputs.append(_dequantize(self._interpreter.get_tensor(self._output["index"]),
-                                 self._output))
+      outputs.append(_dequantize(self._interpreter.get_tensor(self._output["index"]), self._output))
     return np.concatenate(outputs)
 
   def predict_classes(self, images: np.ndarray) -> np.ndarray:
@@ -167,37 +189,51 @@ class Ensemble(_Exported):
     alpha = self.uniform_alpha() if alpha is None else self._check_alpha(alpha)
     return self._predict(image=image, alpha=alpha)
 
-  def personalize(self, images: np.ndarray, labels: np.ndarray,
-                  temperature: float | None = None) -> np.ndarray:
+  def personalize(
+    self, images: np.ndarray, labels: np.ndarray, temperature: float | None = None
+  ) -> np.ndarray:
     """The `personalize` signature: alpha [K] from labeled images (the run's temperature
     if None)."""
     if isinstance(images, np.ndarray) and images.ndim >= 1 and not len(images):
-      raise ExportError("the personalization set is empty: personalize needs at least one "
-                        "labeled example (else use the uniform alpha = 1/K)")
+      raise ExportError(
+        "the personalization set is empty: personalize needs at least one "
+        "labeled example (else use the uniform alpha = 1/K)"
+      )
     images = self.check_images(images, "images")
     labels = np.asarray(labels)
     if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer):
-      raise ExportError(f"labels must be {len(images)} integers (one per image), got "
-                        f"{labels.dtype} {list(labels.shape)}")
+      raise ExportError(
+        f"labels must be {len(images)} integers (one per image), got "
+        f"{labels.dtype} {list(labels.shape)}"
+      )
     if labels.min() < 0 or labels.max() >= len(self.class_labels):
-      raise ExportError(f"labels must be class indices in 0..{len(self.class_labels) - 1}, "
-                        f"got {labels.min()}..{labels.max()}")
+      raise ExportError(
+        f"labels must be class indices in 0..{len(self.class_labels) - 1}, "
+        f"got {labels.min()}..{labels.max()}"
+      )
     temperature = self.temperature if temperature is None else temperature
     if not temperature > 0:
       raise ExportError(f"temperature must be > 0 (inf: uniform), got {temperature}")
-    return self._personalize(images=images, labels=labels.astype(np.int32),
-                             temperature=np.float32(temperature))["alpha"]
+    return self._personalize(
+      images=images, labels=labels.astype(np.int32), temperature=np.float32(temperature)
+    )["alpha"]
 
   def _check_alpha(self, alpha) -> np.ndarray:
     alpha = np.asarray(alpha, np.float32)
     k = self.ensemble_size
     if alpha.shape != (k,):
-      raise ExportError(f"alpha must hold one weight per member, K={k}, got shape "
-                        f"{list(alpha.shape)}")
-    if not (np.all(np.isfinite(alpha)) and alpha.min() >= 0 and
-            abs(alpha.sum() - 1) <= ALPHA_SUM_TOLERANCE):
-      raise ExportError(f"alpha must be K={k} non-negative weights summing to 1 (1/K each "
-                        f"for the uniform ensemble), got {np.round(alpha, 4).tolist()}")
+      raise ExportError(
+        f"alpha must hold one weight per member, K={k}, got shape {list(alpha.shape)}"
+      )
+    if not (
+      np.all(np.isfinite(alpha))
+      and alpha.min() >= 0
+      and abs(alpha.sum() - 1) <= ALPHA_SUM_TOLERANCE
+    ):
+      raise ExportError(
+        f"alpha must be K={k} non-negative weights summing to 1 (1/K each "
+        f"for the uniform ensemble), got {np.round(alpha, 4).tolist()}"
+      )
     return alpha
 
 

@@ -8,10 +8,12 @@ import numpy as np
 from export import ExportError
 import tasks
 from tff_ens import evaluation
+from tff_ens import metrics
 from tff_ens import personalization
+
 # Replaces the default TFF context that importing TFF (through tasks) installs, whose
 # clean-up at interpreter exit fails once tensorflow-datasets is imported too.
-from tff_ens import runtime  # pylint: disable=unused-import
+from tff_ens import runtime  # noqa: F401  # pylint: disable=unused-import
 
 
 def load_data(run, data_dir: str | None):
@@ -27,8 +29,10 @@ def _member_probabilities(models, split) -> dict[str, np.ndarray]:
   x, _ = split.concatenated()
   stacked = np.stack([evaluation.predict_probabilities(m, x) for m in models], axis=1)
   counts = [split.num_examples(c) for c in split.client_ids]
-  return {c: np.moveaxis(p, 1, 0) for c, p in zip(
-      split.client_ids, evaluation.split_by_client(stacked, counts))}
+  return {
+    c: np.moveaxis(p, 1, 0)
+    for c, p in zip(split.client_ids, metrics.split_by_client(stacked, counts))
+  }
 
 
 def classes(models, test) -> dict[str, np.ndarray]:
@@ -36,8 +40,7 @@ def classes(models, test) -> dict[str, np.ndarray]:
   return {c: p[0].argmax(-1) for c, p in _member_probabilities(models, test).items()}
 
 
-def ensemble_classes(models, train, test, writers,
-                     temperature: float) -> tuple[dict, dict]:
+def ensemble_classes(models, train, test, writers, temperature: float) -> tuple[dict, dict]:
   """(personalized, uniform) writer -> predicted classes of the ensemble on the test images
   of `writers`, alpha from each writer's training examples at `temperature`."""
   member_train = _member_probabilities(models, train)
@@ -45,7 +48,8 @@ def ensemble_classes(models, train, test, writers,
   personalized, uniform = {}, {}
   for c in writers:
     alpha = personalization.personalization_weights(
-        personalization.member_losses(member_train[c], train.y[c]), temperature)
+      personalization.member_losses(member_train[c], train.y[c]), temperature
+    )
     personalized[c] = personalization.weighted_probabilities(member_test[c], alpha).argmax(-1)
     uniform[c] = member_test[c].mean(0).argmax(-1)
   return personalized, uniform
@@ -53,5 +57,6 @@ def ensemble_classes(models, train, test, writers,
 
 def uncertainty(models, x: np.ndarray) -> dict[str, np.ndarray]:
   """The models' `predictive_uncertainty` on `x`, as the run's summary computes it."""
-  return evaluation.predictive_uncertainty(np.stack(
-      [evaluation.predict_probabilities(m, x) for m in models]))
+  return metrics.predictive_uncertainty(
+    np.stack([evaluation.predict_probabilities(m, x) for m in models])
+  )

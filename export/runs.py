@@ -29,6 +29,7 @@ class Run:
     summary: summary.json (its final metrics).
     model_paths: `model.keras`, or the K ensemble members in order.
   """
+
   run_dir: str
   config: dict
   summary: dict
@@ -41,8 +42,8 @@ class Run:
   @property
   def task(self):
     import tasks  # pylint: disable=import-outside-toplevel
-    return tasks.get_task(self.config.get("task", "femnist"),
-                          self.config.get("classes", "all"))
+
+    return tasks.get_task(self.config.get("task", "femnist"), self.config.get("classes", "all"))
 
   @property
   def is_binary(self) -> bool:
@@ -50,8 +51,10 @@ class Run:
 
   def load_models(self) -> list:
     """The Keras model(s), un-compiled (larq's layers are registered by importing tasks)."""
-    import tasks  # pylint: disable=import-outside-toplevel,unused-import
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    import tasks  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+
     return [tf.keras.models.load_model(p, compile=False) for p in self.model_paths]
 
 
@@ -60,25 +63,32 @@ def _read_json(path: str) -> dict:
     with open(path) as f:
       return json.load(f)
   except (OSError, json.JSONDecodeError) as e:
-    raise ExportError(f"{path} cannot be read ({type(e).__name__}: {e}); is the run "
-                      "complete?") from None
+    raise ExportError(
+      f"{path} cannot be read ({type(e).__name__}: {e}); is the run complete?"
+    ) from None
 
 
 def load_run(run_dir: str) -> Run:
   """Reads `run_dir`; ExportError (one line) if it is not a finished `tff_ens.main` run."""
   if not os.path.isdir(run_dir):
-    raise ExportError(f"--run_dir={run_dir} is not a directory: pass the --output_dir of a "
-                      "finished `python -m tff_ens.main` run")
+    raise ExportError(
+      f"--run_dir={run_dir} is not a directory: pass the --output_dir of a "
+      "finished `python -m tff_ens.main` run"
+    )
   members_dir = os.path.join(run_dir, MEMBERS_DIR)
-  numbered = [(int(m.group(1)), os.path.join(members_dir, m.group(0)))
-              for name in (os.listdir(members_dir) if os.path.isdir(members_dir) else ())
-              if (m := _MEMBER_FILE.fullmatch(name))]
+  numbered = [
+    (int(m.group(1)), os.path.join(members_dir, m.group(0)))
+    for name in (os.listdir(members_dir) if os.path.isdir(members_dir) else ())
+    if (m := _MEMBER_FILE.fullmatch(name))
+  ]
   members = [path for _, path in sorted(numbered)]
   single = os.path.join(run_dir, MODEL_FILE)
   if not members and not os.path.isfile(single):
-    raise ExportError(f"--run_dir={run_dir} has no model ({MODEL_FILE} or "
-                      f"{MEMBERS_DIR}/member_k.keras): pass a finished `python -m "
-                      "tff_ens.main` run (models are saved after the last round)")
+    raise ExportError(
+      f"--run_dir={run_dir} has no model ({MODEL_FILE} or "
+      f"{MEMBERS_DIR}/member_k.keras): pass a finished `python -m "
+      "tff_ens.main` run (models are saved after the last round)"
+    )
   config = _read_json(os.path.join(run_dir, CONFIG_FILE))
   summary = _read_json(os.path.join(run_dir, SUMMARY_FILE))
   return Run(run_dir, config, summary, tuple(members) if members else (single,))

@@ -24,14 +24,17 @@ build_model:
 import importlib
 
 from tasks import data
-from tasks import partition  # pylint: disable=unused-import
+from tasks import partition  # noqa: F401  # pylint: disable=unused-import
 
 # Task name -> (module, attribute or None for the module itself). The modules
 # build Keras models, so they are imported on first use: `tasks.data`,
 # `tasks.partition` and `tasks.leaf` run without TensorFlow (the device
 # environment, device/).
-TASKS = {"femnist": ("femnist", None), "cifar10": ("cifar", "CIFAR10"),
-         "cifar100": ("cifar", "CIFAR100")}
+TASKS = {
+  "femnist": ("femnist", None),
+  "cifar10": ("cifar", "CIFAR10"),
+  "cifar100": ("cifar", "CIFAR100"),
+}
 
 # The error every task raises for missing or malformed data.
 DataError = data.DataError
@@ -52,15 +55,12 @@ def __getattr__(name: str):
 def get_task(name: str, classes: str = "all"):
   """The task called `name`, with `classes`; ValueError if there is none."""
   if name not in TASKS:
-    raise ValueError(f"unknown task {name!r}: choose one of "
-                     f"{', '.join(TASKS)}")
+    raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
   if classes not in CLASSES:
-    raise ValueError(f"unknown classes {classes!r}: choose one of "
-                     f"{', '.join(CLASSES)}")
+    raise ValueError(f"unknown classes {classes!r}: choose one of {', '.join(CLASSES)}")
   if classes == "digits":
     if name != "femnist":
-      raise ValueError(f"classes 'digits' applies to femnist, not {name}: "
-                       "leave it at 'all'")
+      raise ValueError(f"classes 'digits' applies to femnist, not {name}: leave it at 'all'")
     return importlib.import_module("tasks.femnist").DIGITS
   module, attribute = TASKS[name]
   module = importlib.import_module(f"tasks.{module}")

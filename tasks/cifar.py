@@ -76,8 +76,9 @@ TFDS_DEFAULT_DATA_DIR = os.path.join("~", "tensorflow_datasets")
 # CIFAR-10's covariate shift: tfds' `cifar10_corrupted/<corruption>_<severity>`
 # (severity 1..5); by default Gaussian noise at the middle severity, 3.
 SHIFT_DATASET = "cifar10_corrupted"
-SHIFT_CORRUPTIONS = tuple(sorted(
-    {c.corruption for c in tfds.builder_cls(SHIFT_DATASET).BUILDER_CONFIGS}))
+SHIFT_CORRUPTIONS = tuple(
+  sorted({c.corruption for c in tfds.builder_cls(SHIFT_DATASET).BUILDER_CONFIGS})
+)
 SHIFT_SEVERITIES = (1, 2, 3, 4, 5)
 SHIFT_CORRUPTION = "gaussian_noise"
 SHIFT_SEVERITY = 3
@@ -91,24 +92,120 @@ _PIXELS = 32 * 32 * 3
 # Examples per batch read from tfds.
 _TFDS_BATCH_SIZE = 10_000
 
-CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog",
-                  "frog", "horse", "ship", "truck")
+CIFAR10_LABELS = (
+  "airplane",
+  "automobile",
+  "bird",
+  "cat",
+  "deer",
+  "dog",
+  "frog",
+  "horse",
+  "ship",
+  "truck",
+)
 CIFAR100_LABELS = (
-    "apple", "aquarium_fish", "baby", "bear", "beaver", "bed", "bee",
-    "beetle", "bicycle", "bottle", "bowl", "boy", "bridge", "bus",
-    "butterfly", "camel", "can", "castle", "caterpillar", "cattle", "chair",
-    "chimpanzee", "clock", "cloud", "cockroach", "couch", "crab", "crocodile",
-    "cup", "dinosaur", "dolphin", "elephant", "flatfish", "forest", "fox",
-    "girl", "hamster", "house", "kangaroo", "keyboard", "lamp", "lawn_mower",
-    "leopard", "lion", "lizard", "lobster", "man", "maple_tree", "motorcycle",
-    "mountain", "mouse", "mushroom", "oak_tree", "orange", "orchid", "otter",
-    "palm_tree", "pear", "pickup_truck", "pine_tree", "plain", "plate",
-    "poppy", "porcupine", "possum", "rabbit", "raccoon", "ray", "road",
-    "rocket", "rose", "sea", "seal", "shark", "shrew", "skunk", "skyscraper",
-    "snail", "snake", "spider", "squirrel", "streetcar", "sunflower",
-    "sweet_pepper", "table", "tank", "telephone", "television", "tiger",
-    "tractor", "train", "trout", "tulip", "turtle", "wardrobe", "whale",
-    "willow_tree", "wolf", "woman", "worm")
+  "apple",
+  "aquarium_fish",
+  "baby",
+  "bear",
+  "beaver",
+  "bed",
+  "bee",
+  "beetle",
+  "bicycle",
+  "bottle",
+  "bowl",
+  "boy",
+  "bridge",
+  "bus",
+  "butterfly",
+  "camel",
+  "can",
+  "castle",
+  "caterpillar",
+  "cattle",
+  "chair",
+  "chimpanzee",
+  "clock",
+  "cloud",
+  "cockroach",
+  "couch",
+  "crab",
+  "crocodile",
+  "cup",
+  "dinosaur",
+  "dolphin",
+  "elephant",
+  "flatfish",
+  "forest",
+  "fox",
+  "girl",
+  "hamster",
+  "house",
+  "kangaroo",
+  "keyboard",
+  "lamp",
+  "lawn_mower",
+  "leopard",
+  "lion",
+  "lizard",
+  "lobster",
+  "man",
+  "maple_tree",
+  "motorcycle",
+  "mountain",
+  "mouse",
+  "mushroom",
+  "oak_tree",
+  "orange",
+  "orchid",
+  "otter",
+  "palm_tree",
+  "pear",
+  "pickup_truck",
+  "pine_tree",
+  "plain",
+  "plate",
+  "poppy",
+  "porcupine",
+  "possum",
+  "rabbit",
+  "raccoon",
+  "ray",
+  "road",
+  "rocket",
+  "rose",
+  "sea",
+  "seal",
+  "shark",
+  "shrew",
+  "skunk",
+  "skyscraper",
+  "snail",
+  "snake",
+  "spider",
+  "squirrel",
+  "streetcar",
+  "sunflower",
+  "sweet_pepper",
+  "table",
+  "tank",
+  "telephone",
+  "television",
+  "tiger",
+  "tractor",
+  "train",
+  "trout",
+  "tulip",
+  "turtle",
+  "wardrobe",
+  "whale",
+  "willow_tree",
+  "wolf",
+  "woman",
+  "worm",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,20 +240,31 @@ class Archive:
 
 
 CIFAR10_ARCHIVE = Archive(
-    directory="cifar-10-batches-py", tarball="cifar-10-python.tar.gz",
-    url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
-    sha256="6d958be074577803d12ecdefd02955f39262c83c16fe9348329d7fe0b5c001ce",
-    train_files=tuple(f"data_batch_{i}" for i in range(1, 6)),
-    test_file="test_batch", meta_file="batches.meta", label_key="labels",
-    names_key="label_names", mean=(0.4914, 0.4822, 0.4465),
-    std=(0.2470, 0.2435, 0.2616))
+  directory="cifar-10-batches-py",
+  tarball="cifar-10-python.tar.gz",
+  url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+  sha256="6d958be074577803d12ecdefd02955f39262c83c16fe9348329d7fe0b5c001ce",
+  train_files=tuple(f"data_batch_{i}" for i in range(1, 6)),
+  test_file="test_batch",
+  meta_file="batches.meta",
+  label_key="labels",
+  names_key="label_names",
+  mean=(0.4914, 0.4822, 0.4465),
+  std=(0.2470, 0.2435, 0.2616),
+)
 CIFAR100_ARCHIVE = Archive(
-    directory="cifar-100-python", tarball="cifar-100-python.tar.gz",
-    url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
-    sha256="85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7",
-    train_files=("train",), test_file="test", meta_file="meta",
-    label_key="fine_labels", names_key="fine_label_names",
-    mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762))
+  directory="cifar-100-python",
+  tarball="cifar-100-python.tar.gz",
+  url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+  sha256="85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7",
+  train_files=("train",),
+  test_file="test",
+  meta_file="meta",
+  label_key="fine_labels",
+  names_key="fine_label_names",
+  mean=(0.5071, 0.4865, 0.4409),
+  std=(0.2673, 0.2564, 0.2762),
+)
 
 
 class _RefusedObject(pickle.UnpicklingError):
@@ -170,9 +278,14 @@ class _BatchUnpickler(pickle.Unpickler):
   tampered file from running code when it is read.
   """
 
-  _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
-              ("numpy", "dtype"), ("numpy.core.numeric", "_frombuffer"),
-              ("numpy.core.multiarray", "scalar"), ("_codecs", "encode")}
+  _ALLOWED = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.numeric", "_frombuffer"),
+    ("numpy.core.multiarray", "scalar"),
+    ("_codecs", "encode"),
+  }
 
   def find_class(self, module, name):
     if (module, name) not in self._ALLOWED:
@@ -187,61 +300,77 @@ def _unpickle(path: str, archive: Archive) -> dict[str, object]:
     with open(path, "rb") as f:
       content = _BatchUnpickler(f, encoding="bytes").load()
   except FileNotFoundError:
-    raise DataError(f"{path} is missing: {archive.directory}/ must hold "
-                    f"{', '.join(archive.train_files)}, {archive.test_file} "
-                    f"and {archive.meta_file}; {fix}") from None
+    raise DataError(
+      f"{path} is missing: {archive.directory}/ must hold "
+      f"{', '.join(archive.train_files)}, {archive.test_file} "
+      f"and {archive.meta_file}; {fix}"
+    ) from None
   except OSError as e:
-    raise DataError(f"{path}: cannot be read ({e.strerror}); check the "
-                    "file") from None
+    raise DataError(f"{path}: cannot be read ({e.strerror}); check the file") from None
   except _RefusedObject as e:
-    raise DataError(f"{path}: asks to load {e}, which a CIFAR batch never "
-                    f"holds (not read, for safety); {fix}") from None
+    raise DataError(
+      f"{path}: asks to load {e}, which a CIFAR batch never holds (not read, for safety); {fix}"
+    ) from None
   except Exception as e:  # pylint: disable=broad-except
-    raise DataError(f"{path}: not a CIFAR pickle ({type(e).__name__}: "
-                    f"{' '.join(str(e).split())}); the file may be truncated: "
-                    f"{fix}") from None
+    raise DataError(
+      f"{path}: not a CIFAR pickle ({type(e).__name__}: "
+      f"{' '.join(str(e).split())}); the file may be truncated: "
+      f"{fix}"
+    ) from None
   if not isinstance(content, dict):
-    raise DataError(f"{path}: holds a {type(content).__name__}, not the dict "
-                    f"of a CIFAR batch; {fix}")
-  return {k.decode("latin1") if isinstance(k, bytes) else str(k): v
-          for k, v in content.items()}
+    raise DataError(
+      f"{path}: holds a {type(content).__name__}, not the dict of a CIFAR batch; {fix}"
+    )
+  return {k.decode("latin1") if isinstance(k, bytes) else str(k): v for k, v in content.items()}
 
 
-def _read_batch(path: str, archive: Archive,
-                num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def _read_batch(path: str, archive: Archive, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
   """(uint8 images [n, 32, 32, 3], int32 labels [n]) of one batch file."""
   fix = f"extract {archive.tarball} again"
   batch = _unpickle(path, archive)
   missing = [k for k in ("data", archive.label_key) if k not in batch]
   if missing:
-    raise DataError(f"{path}: no {' or '.join(missing)} entry (it has "
-                    f"{', '.join(sorted(batch)) or 'none'}): is it a "
-                    f"{archive.directory} file? {fix}")
+    raise DataError(
+      f"{path}: no {' or '.join(missing)} entry (it has "
+      f"{', '.join(sorted(batch)) or 'none'}): is it a "
+      f"{archive.directory} file? {fix}"
+    )
   data = batch["data"]
-  if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or
-      data.ndim != 2 or data.shape[1] != _PIXELS):
-    found = (f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray)
-             else type(data).__name__)
-    raise DataError(f"{path}: data must be uint8 rows of {_PIXELS} values "
-                    f"(32x32 RGB), found {found}; {fix}")
+  if (
+    not isinstance(data, np.ndarray)
+    or data.dtype != np.uint8
+    or data.ndim != 2
+    or data.shape[1] != _PIXELS
+  ):
+    found = (
+      f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
+    )
+    raise DataError(
+      f"{path}: data must be uint8 rows of {_PIXELS} values (32x32 RGB), found {found}; {fix}"
+    )
   try:
     labels = np.asarray(batch[archive.label_key], np.int64)
   except (TypeError, ValueError):
     labels = None
   if labels is None or labels.ndim != 1 or len(labels) != len(data):
-    raise DataError(f"{path}: {len(data)} images but {archive.label_key} is "
-                    f"not a list of {len(data)} integers; {fix}")
+    raise DataError(
+      f"{path}: {len(data)} images but {archive.label_key} is "
+      f"not a list of {len(data)} integers; {fix}"
+    )
   bad = labels[(labels < 0) | (labels >= num_classes)]
   if bad.size:
-    raise DataError(f"{path}: labels must be in 0..{num_classes - 1}, found "
-                    f"{bad[:3].tolist()}; is it a {archive.directory} file? "
-                    f"{fix}")
+    raise DataError(
+      f"{path}: labels must be in 0..{num_classes - 1}, found "
+      f"{bad[:3].tolist()}; is it a {archive.directory} file? "
+      f"{fix}"
+    )
   images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
   return images, labels.astype(np.int32)
 
 
-def load_archive(directory: str, archive: Archive, class_labels) -> tuple[
-    tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+def load_archive(
+  directory: str, archive: Archive, class_labels
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
   """((train images, labels), (test images, labels)) of an archive directory.
 
   Images are uint8 [n, 32, 32, 3] as stored; labels int32. Raises DataError,
@@ -250,18 +379,22 @@ def load_archive(directory: str, archive: Archive, class_labels) -> tuple[
   """
   meta_path = os.path.join(directory, archive.meta_file)
   names = _unpickle(meta_path, archive).get(archive.names_key)
-  names = [n.decode("latin1") if isinstance(n, bytes) else n
-           for n in (names if isinstance(names, list) else [])]
+  names = [
+    n.decode("latin1") if isinstance(n, bytes) else n
+    for n in (names if isinstance(names, list) else [])
+  ]
   if tuple(names) != tuple(class_labels):
-    raise DataError(f"{meta_path}: {archive.names_key} are not the "
-                    f"{len(class_labels)} classes of {archive.directory} "
-                    f"(found {len(names)}: {', '.join(map(str, names[:3]))}"
-                    f"{', ...' if len(names) > 3 else ''}); pass the directory "
-                    f"extracted from {archive.tarball}")
-  train = [_read_batch(os.path.join(directory, f), archive, len(class_labels))
-           for f in archive.train_files]
-  test = _read_batch(os.path.join(directory, archive.test_file), archive,
-                     len(class_labels))
+    raise DataError(
+      f"{meta_path}: {archive.names_key} are not the "
+      f"{len(class_labels)} classes of {archive.directory} "
+      f"(found {len(names)}: {', '.join(map(str, names[:3]))}"
+      f"{', ...' if len(names) > 3 else ''}); pass the directory "
+      f"extracted from {archive.tarball}"
+    )
+  train = [
+    _read_batch(os.path.join(directory, f), archive, len(class_labels)) for f in archive.train_files
+  ]
+  test = _read_batch(os.path.join(directory, archive.test_file), archive, len(class_labels))
   return tuple(map(np.concatenate, zip(*train))), test
 
 
@@ -269,9 +402,10 @@ def _check_shift(corruption: str, severity: int) -> None:
   """ValueError unless SHIFT_DATASET has `corruption` at `severity`."""
   if corruption not in SHIFT_CORRUPTIONS or severity not in SHIFT_SEVERITIES:
     raise ValueError(
-        f"unknown shift corruption {corruption!r} at severity {severity!r}: "
-        f"choose one of {', '.join(SHIFT_CORRUPTIONS)} and a severity in "
-        f"1..{SHIFT_SEVERITIES[-1]}")
+      f"unknown shift corruption {corruption!r} at severity {severity!r}: "
+      f"choose one of {', '.join(SHIFT_CORRUPTIONS)} and a severity in "
+      f"1..{SHIFT_SEVERITIES[-1]}"
+    )
 
 
 def _given_dir(data_dir: str | None) -> str | None:
@@ -282,8 +416,9 @@ def _given_dir(data_dir: str | None) -> str | None:
 
 def tfds_default_data_dir() -> str:
   """tfds' default data directory, absolute (as TFDS_DATA_DIR_ENV says)."""
-  return os.path.abspath(os.path.expanduser(
-      os.environ.get(TFDS_DATA_DIR_ENV) or TFDS_DEFAULT_DATA_DIR))
+  return os.path.abspath(
+    os.path.expanduser(os.environ.get(TFDS_DATA_DIR_ENV) or TFDS_DEFAULT_DATA_DIR)
+  )
 
 
 def tfds_version_dir(name: str) -> str:
@@ -310,8 +445,7 @@ def find_tfds(name: str, data_dirs) -> str | None:
   return None
 
 
-def read_tfds(name: str, data_dir: str,
-              split: str) -> tuple[np.ndarray, np.ndarray]:
+def read_tfds(name: str, data_dir: str, split: str) -> tuple[np.ndarray, np.ndarray]:
   """(uint8 images [n, 32, 32, 3], int32 labels [n]) of a prepared tfds split.
 
   `name` is prepared in `data_dir` (see `find_tfds`); nothing is downloaded.
@@ -324,26 +458,29 @@ def read_tfds(name: str, data_dir: str,
   fix = f"prepare it again: tfds build {name} --data_dir={data_dir}"
   try:
     builder = tfds.builder(name, data_dir=data_dir)
-    batches = list(tfds.as_numpy(
-        builder.as_dataset(split=split).batch(_TFDS_BATCH_SIZE)))
+    batches = list(tfds.as_numpy(builder.as_dataset(split=split).batch(_TFDS_BATCH_SIZE)))
   except Exception as e:  # pylint: disable=broad-except
-    raise DataError(f"{where}: cannot read its {split} split ("
-                    f"{type(e).__name__}: {' '.join(str(e).split())}); "
-                    f"{fix}") from None
+    raise DataError(
+      f"{where}: cannot read its {split} split ("
+      f"{type(e).__name__}: {' '.join(str(e).split())}); "
+      f"{fix}"
+    ) from None
   if not batches:
     raise DataError(f"{where}: its {split} split is empty; {fix}")
   examples = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
   images = examples["image"]
   if images.dtype != np.uint8 or images.shape[1:] != INPUT_SHAPE:
-    raise DataError(f"{where}: {split} images are {images.dtype} "
-                    f"{list(images.shape[1:])}, not uint8 32x32 RGB; {fix}")
-  order = (np.argsort(examples["id"], kind="stable") if "id" in examples
-           else np.arange(len(images)))
+    raise DataError(
+      f"{where}: {split} images are {images.dtype} "
+      f"{list(images.shape[1:])}, not uint8 32x32 RGB; {fix}"
+    )
+  order = np.argsort(examples["id"], kind="stable") if "id" in examples else np.arange(len(images))
   return images[order], examples["label"][order].astype(np.int32)
 
 
-def augment_training_example(x: tf.Tensor, y: tf.Tensor,
-                             seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def augment_training_example(
+  x: tf.Tensor, y: tf.Tensor, seed: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
   """A random horizontal flip and a random crop of the zero-padded image.
 
   The augmentation of He et al., "Deep Residual Learning for Image
@@ -352,8 +489,7 @@ def augment_training_example(x: tf.Tensor, y: tf.Tensor,
   Padding with 0 after standardization is padding with the mean color.
   Stateless: a function of `seed` (int64 [2]); `y` passes through.
   """
-  flip_seed, crop_seed = tf.unstack(
-      tf.random.experimental.stateless_split(seed, num=2))
+  flip_seed, crop_seed = tf.unstack(tf.random.experimental.stateless_split(seed, num=2))
   x = tf.image.stateless_random_flip_left_right(x, flip_seed)
   pad = [[CROP_PADDING, CROP_PADDING], [CROP_PADDING, CROP_PADDING], [0, 0]]
   x = tf.image.stateless_random_crop(tf.pad(x, pad), tf.shape(x), crop_seed)
@@ -371,7 +507,8 @@ def _build_convnet(num_classes: int, seed: int) -> tf.keras.Model:
   seeds = resnet.seed_stream(seed)
   init = lambda: tf.keras.initializers.GlorotUniform(seed=next(seeds))
   layers = tf.keras.layers
-  return tf.keras.Sequential([
+  return tf.keras.Sequential(
+    [
       tf.keras.Input(shape=INPUT_SHAPE),
       layers.Conv2D(32, 3, activation="relu", kernel_initializer=init()),
       layers.MaxPool2D(2),
@@ -381,7 +518,9 @@ def _build_convnet(num_classes: int, seed: int) -> tf.keras.Model:
       layers.Flatten(),
       layers.Dense(64, activation="relu", kernel_initializer=init()),
       layers.Dense(num_classes, kernel_initializer=init()),
-  ], name="cifar_convnet")
+    ],
+    name="cifar_convnet",
+  )
 
 
 class CifarTask:
@@ -403,8 +542,13 @@ class CifarTask:
   # The server's (unlabeled, validation) examples: FedBE's 10,000 of the 50,000.
   SERVER_EXAMPLES = (10_000, 1_000)
 
-  def __init__(self, name: str, class_labels: tuple[str, ...],
-               archive: Archive, shift_dataset: str | None = None):
+  def __init__(
+    self,
+    name: str,
+    class_labels: tuple[str, ...],
+    archive: Archive,
+    shift_dataset: str | None = None,
+  ):
     self.name = name
     self.NUM_CLASSES = len(class_labels)  # pylint: disable=invalid-name
     self.CLASS_LABELS = class_labels  # pylint: disable=invalid-name
@@ -437,10 +581,12 @@ class CifarTask:
       if any(os.path.exists(os.path.join(given, f)) for f in files):
         return "archive", given
       flag = "--data_dir" if data_dir else f"${DATA_DIR_ENV}"
-      raise DataError(f"{flag}={given} holds no {archive.directory}/ and "
-                      f"no tfds {tfds_version_dir(self.name)}/: pass the "
-                      f"directory where {archive.tarball} was extracted or a "
-                      f"tfds data directory with {self.name} prepared")
+      raise DataError(
+        f"{flag}={given} holds no {archive.directory}/ and "
+        f"no tfds {tfds_version_dir(self.name)}/: pass the "
+        f"directory where {archive.tarball} was extracted or a "
+        f"tfds data directory with {self.name} prepared"
+      )
     cache = os.path.expanduser(KERAS_CACHE_DIR)
     cached = os.path.join(cache, "datasets", archive.directory)
     if os.path.isdir(cached):
@@ -449,24 +595,27 @@ class CifarTask:
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)
     try:
       return "archive", tf.keras.utils.get_file(
-          archive.directory, origin=archive.url, untar=True,
-          file_hash=archive.sha256, cache_dir=cache)
+        archive.directory, origin=archive.url, untar=True, file_hash=archive.sha256, cache_dir=cache
+      )
     except Exception as e:  # pylint: disable=broad-except
       raise DataError(
-          f"no {self.name} data found: pass --data_dir=DIR (the directory "
-          f"where {archive.tarball} was extracted, or a tfds data directory "
-          f"with {self.name} prepared), set {DATA_DIR_ENV}, prepare it in "
-          f"{tfds_dir} with tfds, or allow network access so Keras can "
-          f"download it into {cached} ({type(e).__name__}: "
-          f"{' '.join(str(e).split())})") from e
+        f"no {self.name} data found: pass --data_dir=DIR (the directory "
+        f"where {archive.tarball} was extracted, or a tfds data directory "
+        f"with {self.name} prepared), set {DATA_DIR_ENV}, prepare it in "
+        f"{tfds_dir} with tfds, or allow network access so Keras can "
+        f"download it into {cached} ({type(e).__name__}: "
+        f"{' '.join(str(e).split())})"
+      ) from e
     finally:
       socket.setdefaulttimeout(timeout)
 
   def evaluation_sets(
-      self, data_dir: str | None = None, *,
-      shift_corruption: str = SHIFT_CORRUPTION,
-      shift_severity: int = SHIFT_SEVERITY) -> tuple[
-          data_lib.ClientArrays | None, data_lib.ClientArrays | None]:
+    self,
+    data_dir: str | None = None,
+    *,
+    shift_corruption: str = SHIFT_CORRUPTION,
+    shift_severity: int = SHIFT_SEVERITY,
+  ) -> tuple[data_lib.ClientArrays | None, data_lib.ClientArrays | None]:
     """(shift, ood): standardized pseudo-clients, each None if not prepared.
 
     Read with tfds from the given directory (as `find_data`), else tfds'
@@ -477,33 +626,39 @@ class CifarTask:
     logged (info); ValueError for an unknown corruption or severity.
     """
     _check_shift(shift_corruption, shift_severity)
-    data_dirs = list(dict.fromkeys(
-        d for d in (_given_dir(data_dir), tfds_default_data_dir()) if d))
+    data_dirs = list(dict.fromkeys(d for d in (_given_dir(data_dir), tfds_default_data_dir()) if d))
     names = {"ood": OOD_DATASET}
     if self.shift_dataset:
-      names = {"shift": f"{self.shift_dataset}/{shift_corruption}_"
-                        f"{shift_severity}", **names}
+      names = {"shift": f"{self.shift_dataset}/{shift_corruption}_{shift_severity}", **names}
     sets, missing = {}, []
     for field, name in names.items():
       found = find_tfds(name, data_dirs)
       if found:
         x, y = read_tfds(name, found, "test")
         client = name.split("/")[0]
-        sets[field] = data_lib.ClientArrays(
-            (client,), {client: self.standardize(x)}, {client: y})
+        sets[field] = data_lib.ClientArrays((client,), {client: self.standardize(x)}, {client: y})
       else:
         missing.append((field, name))
     if missing:
-      logging.info("%s: no %s set: tfds has not prepared %s in %s (tfds "
-                   "build NAME --data_dir=DIR prepares it)", self.name,
-                   " or ".join(f for f, _ in missing),
-                   " or ".join(n for _, n in missing), " or ".join(data_dirs))
+      logging.info(
+        "%s: no %s set: tfds has not prepared %s in %s (tfds "
+        "build NAME --data_dir=DIR prepares it)",
+        self.name,
+        " or ".join(f for f, _ in missing),
+        " or ".join(n for _, n in missing),
+        " or ".join(data_dirs),
+      )
     return sets.get("shift"), sets.get("ood")
 
-  def load_data(self, data_dir: str | None = None, *,
-                partition: partition_lib.PartitionConfig | None = None,
-                seed: int = 0, shift_corruption: str = SHIFT_CORRUPTION,
-                shift_severity: int = SHIFT_SEVERITY) -> data_lib.FederatedData:
+  def load_data(
+    self,
+    data_dir: str | None = None,
+    *,
+    partition: partition_lib.PartitionConfig | None = None,
+    seed: int = 0,
+    shift_corruption: str = SHIFT_CORRUPTION,
+    shift_severity: int = SHIFT_SEVERITY,
+  ) -> data_lib.FederatedData:
     """The federated split of the dataset (see the module docstring).
 
     Args:
@@ -522,23 +677,34 @@ class CifarTask:
     kind, where = self.find_data(data_dir)
     if kind == "tfds":
       (train_x, train_y), (test_x, test_y) = (
-          read_tfds(self.name, where, split) for split in ("train", "test"))
+        read_tfds(self.name, where, split) for split in ("train", "test")
+      )
       where = os.path.join(where, tfds_version_dir(self.name))
       source = f"tfds:{where}"
     else:
-      (train_x, train_y), (test_x, test_y) = load_archive(
-          where, self.archive, self.CLASS_LABELS)
+      (train_x, train_y), (test_x, test_y) = load_archive(where, self.archive, self.CLASS_LABELS)
       source = f"{self.name}:{where}"
     train, test, server = data_lib.split_pool(
-        (train_x, train_y), (test_x, test_y), config, seed, where=source,
-        num_classes=self.NUM_CLASSES, preprocess=self.standardize)
-    shift, ood = self.evaluation_sets(data_dir,
-                                      shift_corruption=shift_corruption,
-                                      shift_severity=shift_severity)
+      (train_x, train_y),
+      (test_x, test_y),
+      config,
+      seed,
+      where=source,
+      num_classes=self.NUM_CLASSES,
+      preprocess=self.standardize,
+    )
+    shift, ood = self.evaluation_sets(
+      data_dir, shift_corruption=shift_corruption, shift_severity=shift_severity
+    )
     return data_lib.FederatedData(
-        train=train, test=test,
-        new_clients=data_lib.ClientArrays((), {}, {}, INPUT_SHAPE),
-        source=source, server=server, shift=shift, ood=ood)
+      train=train,
+      test=test,
+      new_clients=data_lib.ClientArrays((), {}, {}, INPUT_SHAPE),
+      source=source,
+      server=server,
+      shift=shift,
+      ood=ood,
+    )
 
   def standardize(self, images: np.ndarray) -> np.ndarray:
     """uint8 [n, 32, 32, 3] -> float32 (images / 255 - mean) / std."""
@@ -546,8 +712,7 @@ class CifarTask:
     std = np.asarray(self.archive.std, np.float32)
     return (images.astype(np.float32) / 255 - mean) / std
 
-  def build_model(self, name: str, *, seed: int = 0,
-                  norm: str = "batch") -> tf.keras.Model:
+  def build_model(self, name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Model:
     """An un-compiled model from 32x32x3 images to NUM_CLASSES logits.
 
     Args:
@@ -561,22 +726,28 @@ class CifarTask:
     """
     if name == "cnn":
       if norm != "batch":
-        raise ValueError(f"model 'cnn' has no normalization layers: "
-                         f"norm={norm!r} applies only to the ResNets")
+        raise ValueError(
+          f"model 'cnn' has no normalization layers: norm={norm!r} applies only to the ResNets"
+        )
       return _build_convnet(self.NUM_CLASSES, seed)
     if name in ("resnet8", "resnet20", "resnet32"):
-      return resnet.build_resnet(int(name[len("resnet"):]),
-                                 input_shape=INPUT_SHAPE,
-                                 num_classes=self.NUM_CLASSES, norm=norm,
-                                 seed=seed)
+      return resnet.build_resnet(
+        int(name[len("resnet") :]),
+        input_shape=INPUT_SHAPE,
+        num_classes=self.NUM_CLASSES,
+        norm=norm,
+        seed=seed,
+      )
     if name in BINARY_MODEL_NAMES:
       return resnet.build_binary_resnet(
-          int(name[len("resnet"):-len("_binary")]), input_shape=INPUT_SHAPE,
-          num_classes=self.NUM_CLASSES, norm=norm, seed=seed)
-    raise ValueError(f"unknown model {name!r}: choose one of "
-                     f"{', '.join(MODEL_NAMES)}")
+        int(name[len("resnet") : -len("_binary")]),
+        input_shape=INPUT_SHAPE,
+        num_classes=self.NUM_CLASSES,
+        norm=norm,
+        seed=seed,
+      )
+    raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")
 
 
-CIFAR10 = CifarTask("cifar10", CIFAR10_LABELS, CIFAR10_ARCHIVE,
-                    shift_dataset=SHIFT_DATASET)
+CIFAR10 = CifarTask("cifar10", CIFAR10_LABELS, CIFAR10_ARCHIVE, shift_dataset=SHIFT_DATASET)
 CIFAR100 = CifarTask("cifar100", CIFAR100_LABELS, CIFAR100_ARCHIVE)

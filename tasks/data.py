@@ -9,10 +9,10 @@ FedDF, Lin et al., NeurIPS 2020, Sec. 4), then the rest is split by
 """
 
 import collections
+from collections.abc import Callable, Iterable
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -33,6 +33,7 @@ class ClientArrays:
     y: client id -> int32 labels [n], in 0..num_classes - 1.
     input_shape: the shape of one image, for `concatenated` of no clients.
   """
+
   client_ids: tuple[str, ...]
   x: dict[str, np.ndarray]
   y: dict[str, np.ndarray]
@@ -47,12 +48,13 @@ class ClientArrays:
   def concatenated(self) -> tuple[np.ndarray, np.ndarray]:
     """All clients' images and labels, in `client_ids` order."""
     if not self.client_ids:
-      return (np.zeros((0, *self.input_shape), np.float32),
-              np.zeros((0,), np.int32))
-    return (np.concatenate([self.x[c] for c in self.client_ids]),
-            np.concatenate([self.y[c] for c in self.client_ids]))
+      return (np.zeros((0, *self.input_shape), np.float32), np.zeros((0,), np.int32))
+    return (
+      np.concatenate([self.x[c] for c in self.client_ids]),
+      np.concatenate([self.y[c] for c in self.client_ids]),
+    )
 
-  def to_client_data(self) -> "tff.simulation.datasets.ClientData":
+  def to_client_data(self) -> "tff.simulation.datasets.ClientData":  # noqa: F821
     """A TFF ClientData whose elements are OrderedDict(x=float32 image, y=int32[]).
 
     TFF's in-memory ClientData copies the arrays; its `serializable_dataset_fn` (used by
@@ -61,10 +63,12 @@ class ClientArrays:
     rest of this module and `tasks.leaf` run where TensorFlow is not installed.)
     """
     import tensorflow_federated as tff  # pylint: disable=import-outside-toplevel
+
     if not self.client_ids:
       raise ValueError("no clients: a TFF ClientData needs at least one")
-    return tff.simulation.datasets.TestClientData({
-        c: collections.OrderedDict(x=self.x[c], y=self.y[c]) for c in self.client_ids})
+    return tff.simulation.datasets.TestClientData(
+      {c: collections.OrderedDict(x=self.x[c], y=self.y[c]) for c in self.client_ids}
+    )
 
   def subset(self, client_ids: Iterable[str]) -> "ClientArrays":
     """The clients `client_ids` (each must be one of this set's clients)."""
@@ -72,8 +76,9 @@ class ClientArrays:
     unknown = [c for c in ids if c not in self.x]
     if unknown:
       raise KeyError(f"unknown client ids: {', '.join(unknown[:5])}")
-    return ClientArrays(ids, {c: self.x[c] for c in ids},
-                        {c: self.y[c] for c in ids}, self.input_shape)
+    return ClientArrays(
+      ids, {c: self.x[c] for c in ids}, {c: self.y[c] for c in ids}, self.input_shape
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +94,7 @@ class ServerExamples:
     validation_x: float32 images [m, *input_shape].
     validation_y: int32 labels [m].
   """
+
   unlabeled: np.ndarray
   validation_x: np.ndarray
   validation_y: np.ndarray
@@ -111,6 +117,7 @@ class FederatedData:
     ood: out-of-distribution inputs, or None (FEMNIST with digits only: the letters of
       the test writers; CIFAR: SVHN). Their labels are not the task's and never scored.
   """
+
   train: ClientArrays
   test: ClientArrays
   new_clients: ClientArrays
@@ -121,13 +128,16 @@ class FederatedData:
 
 
 def _row_digests(images: np.ndarray) -> list[bytes]:
-  return [hashlib.blake2b(row.tobytes(), digest_size=16).digest()
-          for row in images]
+  return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in images]
 
 
-def _server_indices(train_x: np.ndarray, test_x: np.ndarray,
-                    config: partition_lib.PartitionConfig, seed: int,
-                    source: str) -> tuple[np.ndarray, np.ndarray]:
+def _server_indices(
+  train_x: np.ndarray,
+  test_x: np.ndarray,
+  config: partition_lib.PartitionConfig,
+  seed: int,
+  source: str,
+) -> tuple[np.ndarray, np.ndarray]:
   """(unlabeled, validation) training indices drawn for the server, seeded.
 
   Training images byte-identical to a test image are never drawn, so the
@@ -136,28 +146,37 @@ def _server_indices(train_x: np.ndarray, test_x: np.ndarray,
   wanted = config.server_unlabeled_examples + config.server_validation_examples
   if wanted >= len(train_x):
     raise DataError(
-        f"{source}: --server_unlabeled_examples="
-        f"{config.server_unlabeled_examples} and --server_validation_examples="
-        f"{config.server_validation_examples} leave none of its "
-        f"{len(train_x)} training examples to the clients: lower them")
+      f"{source}: --server_unlabeled_examples="
+      f"{config.server_unlabeled_examples} and --server_validation_examples="
+      f"{config.server_validation_examples} leave none of its "
+      f"{len(train_x)} training examples to the clients: lower them"
+    )
   in_test = set(_row_digests(test_x))
   allowed = np.array([d not in in_test for d in _row_digests(train_x)])
   order = np.random.default_rng([seed, 3]).permutation(len(train_x))
   drawn = order[allowed[order]][:wanted]
   if len(drawn) < wanted:
-    raise DataError(f"{source}: only {len(drawn)} training images differ from "
-                    f"every test image, the server needs {wanted}: lower "
-                    "--server_unlabeled_examples")
-  return (np.sort(drawn[:config.server_unlabeled_examples]),
-          np.sort(drawn[config.server_unlabeled_examples:]))
+    raise DataError(
+      f"{source}: only {len(drawn)} training images differ from "
+      f"every test image, the server needs {wanted}: lower "
+      "--server_unlabeled_examples"
+    )
+  return (
+    np.sort(drawn[: config.server_unlabeled_examples]),
+    np.sort(drawn[config.server_unlabeled_examples :]),
+  )
 
 
-def split_pool(train: tuple[np.ndarray, np.ndarray],
-               test: tuple[np.ndarray, np.ndarray],
-               config: partition_lib.PartitionConfig, seed: int, *,
-               where: str, num_classes: int,
-               preprocess: Callable[[np.ndarray], np.ndarray] = lambda x: x
-               ) -> tuple[ClientArrays, ClientArrays, ServerExamples | None]:
+def split_pool(
+  train: tuple[np.ndarray, np.ndarray],
+  test: tuple[np.ndarray, np.ndarray],
+  config: partition_lib.PartitionConfig,
+  seed: int,
+  *,
+  where: str,
+  num_classes: int,
+  preprocess: Callable[[np.ndarray], np.ndarray] = lambda x: x,
+) -> tuple[ClientArrays, ClientArrays, ServerExamples | None]:
   """(clients' training data, their test data, the server's examples).
 
   The server's `config.server_unlabeled_examples` and
@@ -170,31 +189,40 @@ def split_pool(train: tuple[np.ndarray, np.ndarray],
   """
   (train_x, train_y), (test_x, test_y) = train, test
   unlabeled, validation = _server_indices(train_x, test_x, config, seed, where)
-  pool = np.setdiff1d(np.arange(len(train_y)),
-                      np.concatenate([unlabeled, validation]))
+  pool = np.setdiff1d(np.arange(len(train_y)), np.concatenate([unlabeled, validation]))
   try:
-    parts = [pool[p] for p in partition_lib.partition(train_y[pool], config,
-                                                       seed)]
+    parts = [pool[p] for p in partition_lib.partition(train_y[pool], config, seed)]
   except partition_lib.PartitionError as e:
     raise DataError(f"{where}: {e}") from None
-  test_parts = partition_lib.split_like([train_y[p] for p in parts], test_y,
-                                        seed)
+  test_parts = partition_lib.split_like([train_y[p] for p in parts], test_y, seed)
   digits = len(str(config.num_clients - 1))
   ids = tuple(f"client_{k:0{digits}d}" for k in range(config.num_clients))
   shape = tuple(train_x.shape[1:])
-  clients = ClientArrays(ids, {c: preprocess(train_x[p]) for c, p in zip(ids, parts)},
-                         {c: train_y[p] for c, p in zip(ids, parts)}, shape)
+  clients = ClientArrays(
+    ids,
+    {c: preprocess(train_x[p]) for c, p in zip(ids, parts)},
+    {c: train_y[p] for c, p in zip(ids, parts)},
+    shape,
+  )
   tested = [(c, p) for c, p in zip(ids, test_parts) if len(p)]
-  clients_test = ClientArrays(tuple(c for c, _ in tested),
-                              {c: preprocess(test_x[p]) for c, p in tested},
-                              {c: test_y[p] for c, p in tested}, shape)
-  logging.info("%s, %s split over %d clients (examples per class):\n%s", where,
-               config.partition, config.num_clients,
-               partition_lib.partition_report(ids, [clients.y[c] for c in ids],
-                                              num_classes))
+  clients_test = ClientArrays(
+    tuple(c for c, _ in tested),
+    {c: preprocess(test_x[p]) for c, p in tested},
+    {c: test_y[p] for c, p in tested},
+    shape,
+  )
+  logging.info(
+    "%s, %s split over %d clients (examples per class):\n%s",
+    where,
+    config.partition,
+    config.num_clients,
+    partition_lib.partition_report(ids, [clients.y[c] for c in ids], num_classes),
+  )
   server = None
   if len(unlabeled) or len(validation):
-    server = ServerExamples(unlabeled=preprocess(train_x[unlabeled]),
-                            validation_x=preprocess(train_x[validation]),
-                            validation_y=train_y[validation])
+    server = ServerExamples(
+      unlabeled=preprocess(train_x[unlabeled]),
+      validation_x=preprocess(train_x[validation]),
+      validation_y=train_y[validation],
+    )
   return clients, clients_test, server

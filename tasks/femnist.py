@@ -7,12 +7,13 @@ Citations:
   Cohen, Afshar, Tapson and van Schaik, "EMNIST: an extension of MNIST to handwritten
   letters", IJCNN 2017 (the images, from NIST Special Database 19).
 
-Load: `load_leaf` (`tasks.leaf`, NumPy only) reads a directory as LEAF's preprocessing writes it (train/*.json and
-test/*.json, each {"users", "num_samples", "user_data": {writer: {"x", "y"}}}); `load_tff`
-converts TFF's copy (`tff.simulation.datasets.emnist`); `load_data` picks the first that is
-available. Preprocess: each writer's examples become float32 images [n, 28, 28, 1] in [0, 1]
-(1.0 is the background, as in both sources) and int32 labels in 0..61 (digits, then upper
-case, then lower case letters: CLASS_LABELS[label]).
+Load: `load_leaf` (`tasks.leaf`, NumPy only) reads a directory as LEAF's preprocessing
+writes it (train/*.json and test/*.json, each {"users", "num_samples", "user_data":
+{writer: {"x", "y"}}}); `load_tff` converts TFF's copy (`tff.simulation.datasets.emnist`);
+`load_data` picks the first that is available. Preprocess: each writer's examples become
+float32 images [n, 28, 28, 1] in [0, 1] (1.0 is the background, as in both sources) and
+int32 labels in 0..61 (digits, then upper case, then lower case letters:
+CLASS_LABELS[label]).
 
 Test writers with training data form the test split; test writers without training data are
 "new clients", never seen in training (for new-client evaluation or as unlabeled server data).
@@ -21,9 +22,6 @@ Test writers with training data form the test split; test writers without traini
 import collections
 import contextlib
 import dataclasses
-import glob
-import json
-import logging
 import os
 import socket
 import sqlite3
@@ -36,15 +34,16 @@ from tasks import data as data_lib
 from tasks import leaf
 from tasks import partition as partition_lib
 from tasks import resnet
-from tasks.data import DataError, FederatedData
-from tasks.leaf import digits_only, load_leaf
+from tasks.data import DataError
+from tasks.data import FederatedData
+from tasks.leaf import digits_only
+from tasks.leaf import load_leaf
 
 NUM_CLASSES = leaf.NUM_CLASSES
 INPUT_SHAPE = leaf.INPUT_SHAPE
 CLASS_LABELS = leaf.CLASS_LABELS
 DATA_DIR_ENV = leaf.DATA_DIR_ENV
-MODEL_NAMES = ("cnn", "cnn_ppd_student", "resnet8", "resnet20", "resnet8_binary",
-               "resnet20_binary")
+MODEL_NAMES = ("cnn", "cnn_ppd_student", "resnet8", "resnet20", "resnet8_binary", "resnet20_binary")
 # FedPPD's default student for a teacher architecture (its supplement, Table 2).
 STUDENT_MODELS = {"cnn": "cnn_ppd_student"}
 # The models with 1-bit layers (larq), which export as `lce` and `binary`.
@@ -61,8 +60,10 @@ TRAIN_AUGMENTATION = None
 DOWNLOAD_TIMEOUT_SECONDS = 30
 
 # The features of TFF's emnist protos (tff.simulation.datasets.emnist._add_proto_parsing).
-_TFF_FEATURES = {"pixels": tf.io.FixedLenFeature((28, 28), tf.float32),
-                 "label": tf.io.FixedLenFeature((), tf.int64)}
+_TFF_FEATURES = {
+  "pixels": tf.io.FixedLenFeature((28, 28), tf.float32),
+  "label": tf.io.FixedLenFeature((), tf.int64),
+}
 
 
 def _read_tff_split(database: str, split: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -76,8 +77,8 @@ def _read_tff_split(database: str, split: str) -> dict[str, tuple[np.ndarray, np
   pieces = collections.defaultdict(list)
   with contextlib.closing(sqlite3.connect(database)) as connection:
     cursor = connection.execute(
-        "SELECT client_id, serialized_example_proto FROM examples WHERE split_name = ?",
-        (split,))
+      "SELECT client_id, serialized_example_proto FROM examples WHERE split_name = ?", (split,)
+    )
     while rows := cursor.fetchmany(10_000):
       ids, protos = zip(*rows)
       parsed = tf.io.parse_example(list(protos), _TFF_FEATURES)
@@ -111,29 +112,38 @@ def load_tff(cache_dir: str | None = None) -> FederatedData:
     if not cached and os.path.exists(database):  # Else a partial download would pass for cached.
       os.remove(database)
     if cached:
-      raise DataError(f"{database}: not TFF's FEMNIST database ({_one_line(e)}); delete it so "
-                      "TFF downloads it again") from e
+      raise DataError(
+        f"{database}: not TFF's FEMNIST database ({_one_line(e)}); delete it so "
+        "TFF downloads it again"
+      ) from e
     raise DataError(
-        "no FEMNIST data found: pass --data_dir=DIR (a LEAF femnist directory with train/ and "
-        f"test/), set {DATA_DIR_ENV}, or allow network access so TFF can download it into "
-        f"{cache_dir} ({_one_line(e)})") from e
+      "no FEMNIST data found: pass --data_dir=DIR (a LEAF femnist directory with train/ and "
+      f"test/), set {DATA_DIR_ENV}, or allow network access so TFF can download it into "
+      f"{cache_dir} ({_one_line(e)})"
+    ) from e
   finally:
     socket.setdefaulttimeout(timeout)
   try:
-    return leaf.split_by_writer(_read_tff_split(database, "all_train"),
-                            _read_tff_split(database, "all_test"), "tff:emnist")
+    return leaf.split_by_writer(
+      _read_tff_split(database, "all_train"), _read_tff_split(database, "all_test"), "tff:emnist"
+    )
   except (tf.errors.OpError, sqlite3.Error) as e:
-    raise DataError(f"{database}: cannot be read as TFF's FEMNIST ({_one_line(e)}); delete it "
-                    "so TFF downloads it again") from e
+    raise DataError(
+      f"{database}: cannot be read as TFF's FEMNIST ({_one_line(e)}); delete it "
+      "so TFF downloads it again"
+    ) from e
 
 
 def _one_line(error: Exception) -> str:
   return " ".join(f"{type(error).__name__}: {error}".split())
 
 
-def load_data(data_dir: str | None = None, *,
-              partition: partition_lib.PartitionConfig | None = None,
-              seed: int = 0) -> FederatedData:
+def load_data(
+  data_dir: str | None = None,
+  *,
+  partition: partition_lib.PartitionConfig | None = None,
+  seed: int = 0,
+) -> FederatedData:
   """Loads FEMNIST from `data_dir`, else from $TFF_ENS_DATA_DIR, else TFF's copy.
 
   `data_dir` and the environment variable name a LEAF directory (see `load_leaf`); TFF's
@@ -152,10 +162,20 @@ def load_data(data_dir: str | None = None, *,
   if partition is None:
     return data
   train, test, server = data_lib.split_pool(
-      data.train.concatenated(), data.test.concatenated(), partition, seed,
-      where=data.source, num_classes=NUM_CLASSES)
-  return dataclasses.replace(data, train=train, test=test, server=server,
-                             source=f"{data.source} ({partition.partition} split)")
+    data.train.concatenated(),
+    data.test.concatenated(),
+    partition,
+    seed,
+    where=data.source,
+    num_classes=NUM_CLASSES,
+  )
+  return dataclasses.replace(
+    data,
+    train=train,
+    test=test,
+    server=server,
+    source=f"{data.source} ({partition.partition} split)",
+  )
 
 
 def _build_cnn(seed: int, num_classes: int) -> tf.keras.Model:
@@ -163,7 +183,8 @@ def _build_cnn(seed: int, num_classes: int) -> tf.keras.Model:
   seeds = resnet.seed_stream(seed)
   init = lambda: tf.keras.initializers.GlorotUniform(seed=next(seeds))
   layers = tf.keras.layers
-  return tf.keras.Sequential([
+  return tf.keras.Sequential(
+    [
       tf.keras.Input(shape=INPUT_SHAPE),
       layers.Conv2D(32, 5, padding="same", activation="relu", kernel_initializer=init()),
       layers.MaxPool2D(2),
@@ -172,7 +193,9 @@ def _build_cnn(seed: int, num_classes: int) -> tf.keras.Model:
       layers.Flatten(),
       layers.Dense(2048, activation="relu", kernel_initializer=init()),
       layers.Dense(num_classes, kernel_initializer=init()),
-  ], name="femnist_cnn")
+    ],
+    name="femnist_cnn",
+  )
 
 
 def _build_ppd_student(seed: int, num_classes: int) -> tf.keras.Model:
@@ -186,7 +209,8 @@ def _build_ppd_student(seed: int, num_classes: int) -> tf.keras.Model:
   seeds = resnet.seed_stream(seed)
   init = lambda: tf.keras.initializers.GlorotUniform(seed=next(seeds))
   layers = tf.keras.layers
-  return tf.keras.Sequential([
+  return tf.keras.Sequential(
+    [
       tf.keras.Input(shape=INPUT_SHAPE),
       layers.Conv2D(50, 5, padding="same", activation="relu", kernel_initializer=init()),
       layers.MaxPool2D(2),
@@ -198,11 +222,14 @@ def _build_ppd_student(seed: int, num_classes: int) -> tf.keras.Model:
       layers.Dense(1600, activation="relu", kernel_initializer=init()),
       layers.Dense(180, activation="relu", kernel_initializer=init()),
       layers.Dense(num_classes, kernel_initializer=init()),
-  ], name="femnist_ppd_student")
+    ],
+    name="femnist_ppd_student",
+  )
 
 
-def build_model(name: str, *, seed: int = 0, norm: str = "batch",
-                num_classes: int = NUM_CLASSES) -> tf.keras.Model:
+def build_model(
+  name: str, *, seed: int = 0, norm: str = "batch", num_classes: int = NUM_CLASSES
+) -> tf.keras.Model:
   """An un-compiled model from 28x28x1 images to `num_classes` logits (no softmax).
 
   Args:
@@ -216,17 +243,27 @@ def build_model(name: str, *, seed: int = 0, norm: str = "batch",
   """
   if name in ("cnn", "cnn_ppd_student"):
     if norm != "batch":
-      raise ValueError(f"model {name!r} has no normalization layers: norm={norm!r} applies "
-                       "only to the ResNets")
+      raise ValueError(
+        f"model {name!r} has no normalization layers: norm={norm!r} applies only to the ResNets"
+      )
     build = _build_cnn if name == "cnn" else _build_ppd_student
     return build(seed, num_classes)
   if name in ("resnet8", "resnet20"):
-    return resnet.build_resnet(int(name[len("resnet"):]), input_shape=INPUT_SHAPE,
-                               num_classes=num_classes, norm=norm, seed=seed)
+    return resnet.build_resnet(
+      int(name[len("resnet") :]),
+      input_shape=INPUT_SHAPE,
+      num_classes=num_classes,
+      norm=norm,
+      seed=seed,
+    )
   if name in BINARY_MODEL_NAMES:
-    return resnet.build_binary_resnet(int(name[len("resnet"):-len("_binary")]),
-                                      input_shape=INPUT_SHAPE, num_classes=num_classes,
-                                      norm=norm, seed=seed)
+    return resnet.build_binary_resnet(
+      int(name[len("resnet") : -len("_binary")]),
+      input_shape=INPUT_SHAPE,
+      num_classes=num_classes,
+      norm=norm,
+      seed=seed,
+    )
   raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")
 
 
@@ -248,12 +285,18 @@ class _Digits:
   def __repr__(self) -> str:
     return "femnist digits"
 
-  def load_data(self, data_dir: str | None = None, *,
-                partition: partition_lib.PartitionConfig | None = None,
-                seed: int = 0) -> FederatedData:
+  def load_data(
+    self,
+    data_dir: str | None = None,
+    *,
+    partition: partition_lib.PartitionConfig | None = None,
+    seed: int = 0,
+  ) -> FederatedData:
     if partition is not None:
-      raise DataError("--classes=digits keeps FEMNIST's writers as clients: leave "
-                      "--partition unset, or use --classes=all")
+      raise DataError(
+        "--classes=digits keeps FEMNIST's writers as clients: leave "
+        "--partition unset, or use --classes=all"
+      )
     return digits_only(load_data(data_dir, seed=seed))
 
   def build_model(self, name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Model:

@@ -65,29 +65,27 @@ class PartitionConfig:
 
   def __post_init__(self):
     if self.partition not in PARTITIONS:
-      raise ValueError(f"unknown --partition={self.partition}: choose one of "
-                       f"{', '.join(PARTITIONS)}")
+      raise ValueError(
+        f"unknown --partition={self.partition}: choose one of {', '.join(PARTITIONS)}"
+      )
     for name in ("num_clients", "classes_per_client"):
       if getattr(self, name) <= 0:
-        raise ValueError(f"--{name} must be a positive integer, got "
-                         f"{getattr(self, name)}")
-    for name in ("step_minor_examples", "server_unlabeled_examples",
-                 "server_validation_examples"):
+        raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}")
+    for name in ("step_minor_examples", "server_unlabeled_examples", "server_validation_examples"):
       if getattr(self, name) < 0:
         raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
     if not self.alpha > 0:
       raise ValueError(f"--partition_alpha must be > 0, got {self.alpha}")
 
 
-def iid(labels: np.ndarray, num_clients: int,
-        rng: np.random.Generator) -> list[np.ndarray]:
+def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
   """A uniformly random split into `num_clients` near-equal parts."""
-  return [np.sort(part) for part in
-          np.array_split(rng.permutation(len(labels)), num_clients)]
+  return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), num_clients)]
 
 
-def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
-              rng: np.random.Generator) -> list[np.ndarray]:
+def dirichlet(
+  labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
   """Each class split over the clients in proportions q ~ Dir(alpha * 1).
 
   Hsu et al. 2019, Sec. 3 (as FedDF and FedBE use it): client k receives
@@ -108,13 +106,15 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
     if all(len(p) for p in parts):
       return parts
   raise PartitionError(
-      f"{DIRICHLET_MAX_DRAWS} Dirichlet(alpha={alpha}) draws over "
-      f"{num_clients} clients of {len(labels)} examples all left a client "
-      "empty: use fewer --num_clients or a larger --partition_alpha")
+    f"{DIRICHLET_MAX_DRAWS} Dirichlet(alpha={alpha}) draws over "
+    f"{num_clients} clients of {len(labels)} examples all left a client "
+    "empty: use fewer --num_clients or a larger --partition_alpha"
+  )
 
 
-def label_shards(labels: np.ndarray, num_clients: int, shards_per_client: int,
-                 rng: np.random.Generator) -> list[np.ndarray]:
+def label_shards(
+  labels: np.ndarray, num_clients: int, shards_per_client: int, rng: np.random.Generator
+) -> list[np.ndarray]:
   """McMahan et al.'s pathological split: each client gets sorted shards.
 
   The examples sorted by label (ties in random order) are cut into
@@ -125,9 +125,10 @@ def label_shards(labels: np.ndarray, num_clients: int, shards_per_client: int,
   num_shards = num_clients * shards_per_client
   if num_shards > len(labels):
     raise PartitionError(
-        f"{num_clients} clients x {shards_per_client} classes need "
-        f"{num_shards} shards but there are {len(labels)} examples: use fewer "
-        "--num_clients or --classes_per_client")
+      f"{num_clients} clients x {shards_per_client} classes need "
+      f"{num_shards} shards but there are {len(labels)} examples: use fewer "
+      "--num_clients or --classes_per_client"
+    )
   shuffled = rng.permutation(len(labels))
   by_label = shuffled[np.argsort(labels[shuffled], kind="stable")]
   shards = np.array_split(by_label, num_shards)
@@ -135,8 +136,13 @@ def label_shards(labels: np.ndarray, num_clients: int, shards_per_client: int,
   return [np.sort(np.concatenate([shards[s] for s in row])) for row in order]
 
 
-def step(labels: np.ndarray, num_clients: int, major_classes: int,
-         minor_examples: int, rng: np.random.Generator) -> list[np.ndarray]:
+def step(
+  labels: np.ndarray,
+  num_clients: int,
+  major_classes: int,
+  minor_examples: int,
+  rng: np.random.Generator,
+) -> list[np.ndarray]:
   """FedBE's "Step" split: few examples of every class, many of a few.
 
   Chen and Chao 2021, Sec. 5: every client first draws `minor_examples` of
@@ -149,9 +155,10 @@ def step(labels: np.ndarray, num_clients: int, major_classes: int,
     wanted = num_clients * minor_examples
     if wanted > len(members):
       raise PartitionError(
-          f"--step_minor_examples={minor_examples} for {num_clients} clients "
-          f"needs {wanted} examples of class {c}, which has {len(members)}: "
-          "lower --step_minor_examples or --num_clients")
+        f"--step_minor_examples={minor_examples} for {num_clients} clients "
+        f"needs {wanted} examples of class {c}, which has {len(members)}: "
+        "lower --step_minor_examples or --num_clients"
+      )
     chosen = rng.choice(members, wanted, replace=False)
     for k, piece in enumerate(np.split(chosen, num_clients)):
       minor[k].append(piece)
@@ -161,8 +168,7 @@ def step(labels: np.ndarray, num_clients: int, major_classes: int,
   return [np.sort(np.concatenate(m + [rest[j]])) for m, j in zip(minor, major)]
 
 
-def partition(labels: np.ndarray, config: PartitionConfig,
-              seed: int) -> list[np.ndarray]:
+def partition(labels: np.ndarray, config: PartitionConfig, seed: int) -> list[np.ndarray]:
   """`config.partition` of `labels` over `config.num_clients`, seeded.
 
   Raises PartitionError if a client would be empty or the data are too
@@ -171,21 +177,21 @@ def partition(labels: np.ndarray, config: PartitionConfig,
   rng = np.random.default_rng([seed, 4])
   if config.num_clients > len(labels):
     raise PartitionError(
-        f"--num_clients={config.num_clients} exceeds the {len(labels)} "
-        "training examples left for clients: use fewer clients")
+      f"--num_clients={config.num_clients} exceeds the {len(labels)} "
+      "training examples left for clients: use fewer clients"
+    )
   if config.partition == "iid":
     return iid(labels, config.num_clients, rng)
   if config.partition == "dirichlet":
     return dirichlet(labels, config.num_clients, config.alpha, rng)
   if config.partition == "classes":
-    return label_shards(labels, config.num_clients, config.classes_per_client,
-                        rng)
-  return step(labels, config.num_clients, config.classes_per_client,
-              config.step_minor_examples, rng)
+    return label_shards(labels, config.num_clients, config.classes_per_client, rng)
+  return step(
+    labels, config.num_clients, config.classes_per_client, config.step_minor_examples, rng
+  )
 
 
-def split_like(train_labels: list[np.ndarray], labels: np.ndarray,
-               seed: int) -> list[np.ndarray]:
+def split_like(train_labels: list[np.ndarray], labels: np.ndarray, seed: int) -> list[np.ndarray]:
   """Splits `labels` (e.g. a test set) with the clients' class proportions.
 
   The examples of class c go to the clients in proportion to their training
@@ -200,30 +206,29 @@ def split_like(train_labels: list[np.ndarray], labels: np.ndarray,
     members = rng.permutation(np.flatnonzero(labels == c))
     weights = np.array([np.sum(t == c) for t in train_labels], np.float64)
     weights = weights if weights.sum() else sizes
-    bounds = np.round(np.cumsum(weights)[:-1] / weights.sum() *
-                      len(members)).astype(int)
+    bounds = np.round(np.cumsum(weights)[:-1] / weights.sum() * len(members)).astype(int)
     for k, piece in enumerate(np.split(members, bounds)):
       parts[k].append(piece)
-  return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64)
-          for p in parts]
+  return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
 
 
-def class_counts(labels_by_client: list[np.ndarray],
-                 num_classes: int) -> np.ndarray:
+def class_counts(labels_by_client: list[np.ndarray], num_classes: int) -> np.ndarray:
   """[clients, classes] example counts."""
-  return np.stack([np.bincount(y, minlength=num_classes)
-                   for y in labels_by_client])
+  return np.stack([np.bincount(y, minlength=num_classes) for y in labels_by_client])
 
 
-def partition_report(client_ids, labels_by_client: list[np.ndarray],
-                     num_classes: int) -> str:
+def partition_report(client_ids, labels_by_client: list[np.ndarray], num_classes: int) -> str:
   """A table of each client's examples per class, one line per client."""
   counts = class_counts(labels_by_client, num_classes)
   id_width = max(len("client"), *(len(c) for c in client_ids))
   width = max(len(str(counts.max(initial=0))), len(str(num_classes - 1)))
-  lines = [" ".join([f"{'client':<{id_width}}", f"{'n':>6}"] +
-                    [f"{c:>{width}}" for c in range(num_classes)])]
+  lines = [
+    " ".join(
+      [f"{'client':<{id_width}}", f"{'n':>6}"] + [f"{c:>{width}}" for c in range(num_classes)]
+    )
+  ]
   for client, row in zip(client_ids, counts):
-    lines.append(" ".join([f"{client:<{id_width}}", f"{row.sum():>6}"] +
-                          [f"{v:>{width}}" for v in row]))
+    lines.append(
+      " ".join([f"{client:<{id_width}}", f"{row.sum():>6}"] + [f"{v:>{width}}" for v in row])
+    )
   return "\n".join(lines)

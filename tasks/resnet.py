@@ -48,22 +48,23 @@ def _check(depth, norm: str):
     raise ValueError(f"unknown norm {norm!r}: choose one of {', '.join(NORMS)}")
 
 
-def _normalization(norm: str, group_norm_groups: int,
-                   batch_norm_momentum: float = 0.99) -> tf.keras.layers.Layer:
+def _normalization(
+  norm: str, group_norm_groups: int, batch_norm_momentum: float = 0.99
+) -> tf.keras.layers.Layer:
   if norm == "batch":
     return tf.keras.layers.BatchNormalization(momentum=batch_norm_momentum)
   return tf.keras.layers.GroupNormalization(groups=group_norm_groups)
 
 
 def build_resnet(
-    depth: int,
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm: str = "batch",
-    group_norm_groups: int = 2,
-    seed: int = 0,
-    width: int = 16,
+  depth: int,
+  *,
+  input_shape: tuple[int, ...],
+  num_classes: int,
+  norm: str = "batch",
+  group_norm_groups: int = 2,
+  seed: int = 0,
+  width: int = 16,
 ) -> tf.keras.Model:
   """Returns an un-compiled ResNet-`depth` that maps images to `num_classes` logits.
 
@@ -75,8 +76,13 @@ def build_resnet(
 
   def conv(filters, kernel_size, strides=1):
     return tf.keras.layers.Conv2D(
-        filters, kernel_size, strides=strides, padding="same", use_bias=False,
-        kernel_initializer=tf.keras.initializers.HeNormal(seed=next(seeds)))
+      filters,
+      kernel_size,
+      strides=strides,
+      padding="same",
+      use_bias=False,
+      kernel_initializer=tf.keras.initializers.HeNormal(seed=next(seeds)),
+    )
 
   def normalize():
     return _normalization(norm, group_norm_groups)
@@ -95,19 +101,20 @@ def build_resnet(
       x = relu()(tf.keras.layers.Add()([y, x]))
   x = tf.keras.layers.GlobalAveragePooling2D()(x)
   outputs = tf.keras.layers.Dense(
-      num_classes, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=next(seeds)))(x)
+    num_classes, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=next(seeds))
+  )(x)
   return tf.keras.Model(inputs, outputs, name=f"resnet{depth}_{norm}norm")
 
 
 def build_binary_resnet(
-    depth: int,
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm: str = "batch",
-    group_norm_groups: int = 2,
-    seed: int = 0,
-    width: int = 16,
+  depth: int,
+  *,
+  input_shape: tuple[int, ...],
+  num_classes: int,
+  norm: str = "batch",
+  group_norm_groups: int = 2,
+  seed: int = 0,
+  width: int = 16,
 ) -> tf.keras.Model:
   """Returns an un-compiled binarized ResNet-`depth` (see the module docstring).
 
@@ -129,15 +136,27 @@ def build_binary_resnet(
 
   def binary_conv(filters, strides=1):
     return lq.layers.QuantConv2D(
-        filters, 3, strides=strides, padding="same", pad_values=1.0, use_bias=False,
-        input_quantizer="ste_sign", kernel_quantizer="ste_sign",
-        kernel_constraint="weight_clip",
-        kernel_initializer=tf.keras.initializers.GlorotUniform(seed=next(seeds)))
+      filters,
+      3,
+      strides=strides,
+      padding="same",
+      pad_values=1.0,
+      use_bias=False,
+      input_quantizer="ste_sign",
+      kernel_quantizer="ste_sign",
+      kernel_constraint="weight_clip",
+      kernel_initializer=tf.keras.initializers.GlorotUniform(seed=next(seeds)),
+    )
 
   def full_precision_conv(filters, kernel_size, strides=1):
     return tf.keras.layers.Conv2D(
-        filters, kernel_size, strides=strides, padding="same", use_bias=False,
-        kernel_initializer=tf.keras.initializers.HeNormal(seed=next(seeds)))
+      filters,
+      kernel_size,
+      strides=strides,
+      padding="same",
+      use_bias=False,
+      kernel_initializer=tf.keras.initializers.HeNormal(seed=next(seeds)),
+    )
 
   inputs = tf.keras.Input(shape=input_shape)
   x = normalize()(full_precision_conv(width, 3)(inputs))
@@ -152,5 +171,6 @@ def build_binary_resnet(
         x = tf.keras.layers.Add()([y, x])
   x = tf.keras.layers.GlobalAveragePooling2D()(tf.keras.layers.ReLU()(x))
   outputs = tf.keras.layers.Dense(
-      num_classes, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=next(seeds)))(x)
+    num_classes, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=next(seeds))
+  )(x)
   return tf.keras.Model(inputs, outputs, name=f"binary_resnet{depth}_{norm}norm")

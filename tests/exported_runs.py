@@ -16,11 +16,14 @@ DATA_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "femnist")
 def small_femnist_model(seed: int) -> tf.keras.Model:
   """A FEMNIST-shaped model (28x28x1 -> 62 logits) that converts in a second."""
   init = tf.keras.initializers.GlorotUniform(seed=seed)
-  return tf.keras.Sequential([
+  return tf.keras.Sequential(
+    [
       tf.keras.Input(femnist.INPUT_SHAPE),
       tf.keras.layers.Conv2D(4, 3, strides=2, activation="relu", kernel_initializer=init),
       tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(femnist.NUM_CLASSES, kernel_initializer=init)])
+      tf.keras.layers.Dense(femnist.NUM_CLASSES, kernel_initializer=init),
+    ]
+  )
 
 
 def write_run(run_dir, models, config=None, summary=None) -> runs.Run:
@@ -32,8 +35,13 @@ def write_run(run_dir, models, config=None, summary=None) -> runs.Run:
     os.makedirs(os.path.join(run_dir, runs.MEMBERS_DIR))
     for k, model in enumerate(models):
       model.save(os.path.join(run_dir, runs.MEMBERS_DIR, f"member_{k}.keras"))
-  config = {"task": "femnist", "model": "cnn", "algorithm": "fedavg",
-            "data_dir": DATA_DIR, **(config or {})}
+  config = {
+    "task": "femnist",
+    "model": "cnn",
+    "algorithm": "fedavg",
+    "data_dir": DATA_DIR,
+    **(config or {}),
+  }
   for name, value in ((runs.CONFIG_FILE, config), (runs.SUMMARY_FILE, summary or {})):
     with open(os.path.join(run_dir, name), "w") as f:
       json.dump(value, f)

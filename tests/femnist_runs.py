@@ -11,8 +11,14 @@ DATA_DIR = str(ROOT.parent / "shared" / "data" / "femnist")
 
 # Small but real: 4 writers a round, batch 20, a few rounds.
 QUICK = training.ExperimentConfig(
-    data_dir=DATA_DIR, rounds=4, clients_per_round=4, eval_every=2,
-    checkpoint_every=2, client_lr=0.1, seed=3)
+  data_dir=DATA_DIR,
+  rounds=4,
+  clients_per_round=4,
+  eval_every=2,
+  checkpoint_every=2,
+  client_lr=0.1,
+  seed=3,
+)
 
 
 def read_metrics(output_dir):

@@ -42,18 +42,32 @@ def write_cifar10(root, per_batch=40, test=50, seed=0) -> pathlib.Path:
   directory = pathlib.Path(root) / "cifar-10-batches-py"
   directory.mkdir(parents=True)
   for i in range(1, 6):
-    _dump(directory / f"data_batch_{i}", {
+    _dump(
+      directory / f"data_batch_{i}",
+      {
         b"batch_label": f"training batch {i} of 5".encode(),
         b"labels": _labels(rng, per_batch, 10),
         b"data": _images(rng, per_batch),
-        b"filenames": [b"image.png"] * per_batch})
-  _dump(directory / "test_batch", {
+        b"filenames": [b"image.png"] * per_batch,
+      },
+    )
+  _dump(
+    directory / "test_batch",
+    {
       b"batch_label": b"testing batch 1 of 1",
       b"labels": _labels(rng, test, 10),
-      b"data": _images(rng, test), b"filenames": [b"image.png"] * test})
-  _dump(directory / "batches.meta", {
+      b"data": _images(rng, test),
+      b"filenames": [b"image.png"] * test,
+    },
+  )
+  _dump(
+    directory / "batches.meta",
+    {
       b"label_names": [n.encode() for n in cifar.CIFAR10_LABELS],
-      b"num_cases_per_batch": per_batch, b"num_vis": 3072})
+      b"num_cases_per_batch": per_batch,
+      b"num_vis": 3072,
+    },
+  )
   return directory
 
 
@@ -64,13 +78,23 @@ def write_cifar100(root, train=300, test=100, seed=0) -> pathlib.Path:
   directory.mkdir(parents=True)
   for name, n in (("train", train), ("test", test)):
     fine = _labels(rng, n, 100)
-    _dump(directory / name, {
-        b"filenames": [b"image.png"] * n, b"batch_label": name.encode(),
-        b"fine_labels": fine, b"coarse_labels": [f // 5 for f in fine],
-        b"data": _images(rng, n)})
-  _dump(directory / "meta", {
+    _dump(
+      directory / name,
+      {
+        b"filenames": [b"image.png"] * n,
+        b"batch_label": name.encode(),
+        b"fine_labels": fine,
+        b"coarse_labels": [f // 5 for f in fine],
+        b"data": _images(rng, n),
+      },
+    )
+  _dump(
+    directory / "meta",
+    {
       b"fine_label_names": [n.encode() for n in cifar.CIFAR100_LABELS],
-      b"coarse_label_names": [f"superclass_{i}".encode() for i in range(20)]})
+      b"coarse_label_names": [f"superclass_{i}".encode() for i in range(20)],
+    },
+  )
   return directory
 
 
@@ -97,8 +121,8 @@ def cifar10_dir(tmp_path_factory):
 
 # Small enough for the generated archive (200 training, 50 test examples).
 SMALL = partition.PartitionConfig(
-    num_clients=4, server_unlabeled_examples=30, server_validation_examples=10,
-    step_minor_examples=1)
+  num_clients=4, server_unlabeled_examples=30, server_validation_examples=10, step_minor_examples=1
+)
 
 
 # The archive loader -----------------------------------------------------------
@@ -121,7 +145,8 @@ def test_archive_rows_are_red_green_blue_planes(tmp_path):
     batch = pickle.load(f, encoding="bytes")
   row = batch[b"data"][3]
   (x, y), (test_x, test_y) = cifar.load_archive(
-      str(directory), cifar.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS)
+    str(directory), cifar.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS
+  )
   assert x.shape == (50, 32, 32, 3) and x.dtype == np.uint8
   assert test_x.shape == (10, 32, 32, 3) and test_y.dtype == np.int32
   image = x[10 + 3]  # Batch 2 follows the 10 examples of batch 1.
@@ -136,13 +161,13 @@ def test_cifar100_reads_fine_labels(tmp_path):
   with open(directory / "train", "rb") as f:
     fine = pickle.load(f, encoding="bytes")[b"fine_labels"]
   (_, y), (test_x, _) = cifar.load_archive(
-      str(directory), cifar.CIFAR100_ARCHIVE, cifar.CIFAR100_LABELS)
+    str(directory), cifar.CIFAR100_ARCHIVE, cifar.CIFAR100_LABELS
+  )
   np.testing.assert_array_equal(y, fine)
   assert len(test_x) == 100
 
 
-def test_archive_is_found_by_flag_variable_and_keras_cache(tmp_path,
-                                                           monkeypatch):
+def test_archive_is_found_by_flag_variable_and_keras_cache(tmp_path, monkeypatch):
   directory = write_cifar10(tmp_path / "data")
   task = cifar.CIFAR10
   assert task.find_data(str(tmp_path / "data")) == ("archive", str(directory))
@@ -166,8 +191,9 @@ def test_no_data_anywhere_is_one_line_with_the_fixes():
 
 
 def test_directory_without_the_archive_is_named(tmp_path):
-  with pytest.raises(tasks.DataError, match="holds no cifar-100-python/ and "
-                     "no tfds cifar100/3.0.2/") as error:
+  with pytest.raises(
+    tasks.DataError, match="holds no cifar-100-python/ and no tfds cifar100/3.0.2/"
+  ) as error:
     cifar.CIFAR100.load_data(str(tmp_path))
   assert "\n" not in str(error.value)
 
@@ -188,26 +214,46 @@ class _Exploit:
     return (print, ("this must not run",))
 
 
-@pytest.mark.parametrize("file, damage, message", [
+@pytest.mark.parametrize(
+  "file, damage, message",
+  [
     ("data_batch_3", lambda p: p.unlink(), "is missing"),
     ("test_batch", _truncate, "not a CIFAR pickle"),
     ("data_batch_1", lambda p: _dump(p, [1, 2]), "holds a list"),
-    ("data_batch_1", lambda p: _dump(p, {b"data": _Exploit()}),
-     "asks to load __builtin__.print, which a CIFAR batch never holds"),
-    ("data_batch_5", lambda p: _rewrite(p, data=np.zeros((40, 3072))),
-     "data must be uint8 rows of 3072"),
-    ("data_batch_5", lambda p: _rewrite(p, data=np.zeros((40, 1024), np.uint8)),
-     "data must be uint8 rows of 3072"),
-    ("data_batch_2", lambda p: _rewrite(p, labels=[1, 2]),
-     "40 images but labels is not a list of 40"),
-    ("test_batch", lambda p: _rewrite(p, labels=[10] * 50),
-     r"labels must be in 0..9, found \[10, 10, 10\]"),
+    (
+      "data_batch_1",
+      lambda p: _dump(p, {b"data": _Exploit()}),
+      "asks to load __builtin__.print, which a CIFAR batch never holds",
+    ),
+    (
+      "data_batch_5",
+      lambda p: _rewrite(p, data=np.zeros((40, 3072))),
+      "data must be uint8 rows of 3072",
+    ),
+    (
+      "data_batch_5",
+      lambda p: _rewrite(p, data=np.zeros((40, 1024), np.uint8)),
+      "data must be uint8 rows of 3072",
+    ),
+    (
+      "data_batch_2",
+      lambda p: _rewrite(p, labels=[1, 2]),
+      "40 images but labels is not a list of 40",
+    ),
+    (
+      "test_batch",
+      lambda p: _rewrite(p, labels=[10] * 50),
+      r"labels must be in 0..9, found \[10, 10, 10\]",
+    ),
     ("data_batch_4", lambda p: _rewrite(p, labels=None), "no labels entry"),
-    ("batches.meta", lambda p: _rewrite(p, label_names=[b"apple"] * 100),
-     "label_names are not the 10 classes"),
-])
-def test_damaged_archive_is_one_line_naming_file_and_fix(tmp_path, file,
-                                                         damage, message):
+    (
+      "batches.meta",
+      lambda p: _rewrite(p, label_names=[b"apple"] * 100),
+      "label_names are not the 10 classes",
+    ),
+  ],
+)
+def test_damaged_archive_is_one_line_naming_file_and_fix(tmp_path, file, damage, message):
   directory = write_cifar10(tmp_path)
   damage(directory / file)
   with pytest.raises(tasks.DataError, match=message) as error:
@@ -242,25 +288,31 @@ def test_partition_is_disjoint_complete_and_seeded(scheme):
 
 
 def test_iid_sizes_differ_by_at_most_one():
-  parts = partition.partition(LABELS, partition.PartitionConfig(
-      num_clients=7), seed=0)
+  parts = partition.partition(LABELS, partition.PartitionConfig(num_clients=7), seed=0)
   assert {len(p) for p in parts} == {142, 143}
 
 
 def test_classes_partition_gives_each_client_n_labels():
   # 100 examples of each class: shards of 100 / n examples.
   for n, most in ((1, 1), (2, 2), (5, 5), (3, 6)):  # Shards of 33 straddle.
-    parts = partition.partition(LABELS, partition.PartitionConfig(
-        partition="classes", num_clients=10, classes_per_client=n), seed=0)
+    parts = partition.partition(
+      LABELS,
+      partition.PartitionConfig(partition="classes", num_clients=10, classes_per_client=n),
+      seed=0,
+    )
     counts = partition.class_counts([LABELS[p] for p in parts], 10)
     assert all(1 <= np.count_nonzero(row) <= most for row in counts)
     assert counts.sum() == 1000 and all(abs(len(p) - 100) <= n for p in parts)
 
 
 def test_step_gives_minor_examples_of_every_class_and_two_majors():
-  parts = partition.partition(LABELS, partition.PartitionConfig(
-      partition="step", num_clients=5, classes_per_client=2,
-      step_minor_examples=4), seed=0)
+  parts = partition.partition(
+    LABELS,
+    partition.PartitionConfig(
+      partition="step", num_clients=5, classes_per_client=2, step_minor_examples=4
+    ),
+    seed=0,
+  )
   counts = partition.class_counts([LABELS[p] for p in parts], 10)
   assert (counts >= 4).all()
   # Beyond the 4 minor examples, each client holds its 2 shards of 80.
@@ -271,10 +323,12 @@ def test_step_gives_minor_examples_of_every_class_and_two_majors():
 
 def test_dirichlet_alpha_controls_the_skew():
   def top_share(alpha):
-    parts = partition.partition(LABELS, partition.PartitionConfig(
-        partition="dirichlet", num_clients=10, alpha=alpha), seed=0)
+    parts = partition.partition(
+      LABELS, partition.PartitionConfig(partition="dirichlet", num_clients=10, alpha=alpha), seed=0
+    )
     counts = partition.class_counts([LABELS[p] for p in parts], 10)
     return np.mean(counts.max(1) / counts.sum(1))
+
   assert top_share(0.1) > 0.5
   assert top_share(100.0) < 0.2
 
@@ -289,12 +343,15 @@ def test_split_like_follows_the_clients_classes():
   assert sorted(test[parts[1]].tolist()) == [1, 2, 2, 2, 3]
 
 
-@pytest.mark.parametrize("config, message", [
+@pytest.mark.parametrize(
+  "config, message",
+  [
     (dict(partition="shards"), "unknown --partition=shards"),
     (dict(num_clients=0), "--num_clients must be a positive"),
     (dict(alpha=0.0), "--partition_alpha must be > 0"),
     (dict(server_unlabeled_examples=-1), "--server_unlabeled_examples must"),
-])
+  ],
+)
 def test_bad_partition_flags(config, message):
   with pytest.raises(ValueError, match=message):
     partition.PartitionConfig(**config)
@@ -302,10 +359,13 @@ def test_bad_partition_flags(config, message):
 
 def test_partition_report_counts_classes():
   report = partition.partition_report(
-      ("client_0", "client_1"), [np.array([0, 0, 2]), np.array([1])], 3)
-  assert report.splitlines() == ["client        n 0 1 2",
-                                 "client_0      3 2 0 1",
-                                 "client_1      1 0 1 0"]
+    ("client_0", "client_1"), [np.array([0, 0, 2]), np.array([1])], 3
+  )
+  assert report.splitlines() == [
+    "client        n 0 1 2",
+    "client_0      3 2 0 1",
+    "client_1      1 0 1 0",
+  ]
 
 
 # The federated data -----------------------------------------------------------
@@ -342,10 +402,11 @@ def test_load_data_splits_train_server_and_test(cifar10_dir, scheme):
 
 def test_images_are_standardized_with_the_archive_statistics(cifar10_dir):
   data = cifar.CIFAR10.load_data(str(cifar10_dir), partition=SMALL)
-  (x, _), _ = cifar.load_archive(str(cifar10_dir), cifar.CIFAR10_ARCHIVE,
-                                 cifar.CIFAR10_LABELS)
-  pixels = (data.train.x["client_1"] * np.array(cifar.CIFAR10_ARCHIVE.std) +
-            np.array(cifar.CIFAR10_ARCHIVE.mean)) * 255
+  (x, _), _ = cifar.load_archive(str(cifar10_dir), cifar.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS)
+  pixels = (
+    data.train.x["client_1"] * np.array(cifar.CIFAR10_ARCHIVE.std)
+    + np.array(cifar.CIFAR10_ARCHIVE.mean)
+  ) * 255
   np.testing.assert_allclose(pixels, np.round(pixels), atol=1e-3)
   assert set(_hashes(np.round(pixels).astype(np.uint8))) <= set(_hashes(x))
 
@@ -360,39 +421,46 @@ def test_server_split_comes_from_the_task(cifar10_dir):
 
 def test_server_split_may_not_hold_test_images(cifar10_dir):
   data = cifar.CIFAR10.load_data(str(cifar10_dir), partition=SMALL)
-  leaky = dataclasses.replace(data, server=dataclasses.replace(
-      data.server, unlabeled=data.test.concatenated()[0][:2]))
+  leaky = dataclasses.replace(
+    data, server=dataclasses.replace(data.server, unlabeled=data.test.concatenated()[0][:2])
+  )
   with pytest.raises(tasks.DataError, match="2 images of the test data"):
     server_data.server_split(leaky, cifar.CIFAR10, seed=0)
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (dict(num_clients=200), "--num_clients=200 exceeds the 160"),
-    (dict(server_unlabeled_examples=190),
-     "leave none of its 200 training examples"),
-    (dict(partition="step", step_minor_examples=10),
-     "--step_minor_examples=10 for 4 clients needs 40 examples"),
-])
+    (dict(server_unlabeled_examples=190), "leave none of its 200 training examples"),
+    (
+      dict(partition="step", step_minor_examples=10),
+      "--step_minor_examples=10 for 4 clients needs 40 examples",
+    ),
+  ],
+)
 def test_data_too_small_for_the_split(cifar10_dir, change, message):
   with pytest.raises(tasks.DataError, match=message) as error:
-    cifar.CIFAR10.load_data(str(cifar10_dir),
-                            partition=dataclasses.replace(SMALL, **change))
+    cifar.CIFAR10.load_data(str(cifar10_dir), partition=dataclasses.replace(SMALL, **change))
   assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("change, error, message", [
-    (dict(partition="shards"), training.UsageError,
-     "unknown --partition=shards"),
-    (dict(partition_alpha=-1.0), training.UsageError,
-     "--partition_alpha must be > 0"),
-    (dict(task="femnist", num_clients=3), training.UsageError,
-     "--num_clients applies to a pooled split, and femnist's clients are its "
-     "writers"),
-])
-def test_bad_partition_flags_of_a_run(cifar10_dir, tmp_path, change, error,
-                                      message):
+@pytest.mark.parametrize(
+  "change, error, message",
+  [
+    (dict(partition="shards"), training.UsageError, "unknown --partition=shards"),
+    (dict(partition_alpha=-1.0), training.UsageError, "--partition_alpha must be > 0"),
+    (
+      dict(task="femnist", num_clients=3),
+      training.UsageError,
+      "--num_clients applies to a pooled split, and femnist's clients are its writers",
+    ),
+  ],
+)
+def test_bad_partition_flags_of_a_run(cifar10_dir, tmp_path, change, error, message):
   config = training.ExperimentConfig(
-      task="cifar10", data_dir=str(cifar10_dir), output_dir=str(tmp_path))
+    task="cifar10", data_dir=str(cifar10_dir), output_dir=str(tmp_path)
+  )
   with pytest.raises(error, match=message):
     training.run_experiment(dataclasses.replace(config, **change))
 
@@ -419,11 +487,12 @@ def test_convnet_has_fedbe_parameter_count():
 
 def test_resnet32_depth_and_group_norm():
   model = cifar.CIFAR10.build_model("resnet32", norm="group")
-  convs = [l for l in model.layers if isinstance(l, tf.keras.layers.Conv2D)]
-  dense = [l for l in model.layers if isinstance(l, tf.keras.layers.Dense)]
+  convs = [layer for layer in model.layers if isinstance(layer, tf.keras.layers.Conv2D)]
+  dense = [layer for layer in model.layers if isinstance(layer, tf.keras.layers.Dense)]
   assert len([c for c in convs if c.kernel_size == (3, 3)]) + len(dense) == 32
-  assert not [l for l in model.layers
-              if isinstance(l, tf.keras.layers.BatchNormalization)]
+  assert not [
+    layer for layer in model.layers if isinstance(layer, tf.keras.layers.BatchNormalization)
+  ]
   with pytest.raises(ValueError, match="no normalization layers"):
     cifar.CIFAR10.build_model("cnn", norm="group")
   with pytest.raises(ValueError, match="unknown model 'resnet56'"):
@@ -440,12 +509,13 @@ def test_augmentation_is_a_seeded_flip_and_crop():
   np.testing.assert_array_equal(first.numpy(), again.numpy())
   # Each result is a 32x32 window of the padded image, maybe mirrored.
   padded = np.pad(x.numpy(), ((4, 4), (4, 4), (0, 0)))
-  windows = [padded[r:r + 32, c:c + 32] for r in range(9) for c in range(9)]
-  outputs = [cifar.augment_training_example(x, y, tf.constant([s, 0], tf.int64))
-             [0].numpy() for s in range(12)]
+  windows = [padded[r : r + 32, c : c + 32] for r in range(9) for c in range(9)]
+  outputs = [
+    cifar.augment_training_example(x, y, tf.constant([s, 0], tf.int64))[0].numpy()
+    for s in range(12)
+  ]
   for out in outputs:
-    assert any(np.array_equal(out, w) or np.array_equal(out[:, ::-1], w)
-               for w in windows)
+    assert any(np.array_equal(out, w) or np.array_equal(out[:, ::-1], w) for w in windows)
   assert len({o.tobytes() for o in outputs}) > 6
 
 
@@ -454,15 +524,17 @@ def test_client_dataset_augments_training_examples_only_when_asked():
   y = np.arange(6, dtype=np.int32)
   plain = training.client_dataset(x, y, epochs=1, batch_size=6, seed=1)
   augmented = training.client_dataset(
-      x, y, epochs=2, batch_size=6, seed=1,
-      augmentation=cifar.CIFAR10.TRAIN_AUGMENTATION)
+    x, y, epochs=2, batch_size=6, seed=1, augmentation=cifar.CIFAR10.TRAIN_AUGMENTATION
+  )
   assert augmented.element_spec == plain.element_spec
-  (plain_x, plain_y), = plain.as_numpy_iterator()
+  ((plain_x, plain_y),) = plain.as_numpy_iterator()
   assert {row.tobytes() for row in plain_x} == {row.tobytes() for row in x}
   batches = list(augmented.as_numpy_iterator())
-  again = list(training.client_dataset(
-      x, y, epochs=2, batch_size=6, seed=1,
-      augmentation=cifar.CIFAR10.TRAIN_AUGMENTATION).as_numpy_iterator())
+  again = list(
+    training.client_dataset(
+      x, y, epochs=2, batch_size=6, seed=1, augmentation=cifar.CIFAR10.TRAIN_AUGMENTATION
+    ).as_numpy_iterator()
+  )
   assert len(batches) == 2
   for (a, b), (c, d) in zip(batches, again):
     np.testing.assert_array_equal(a, c)
@@ -476,15 +548,30 @@ def test_client_dataset_augments_training_examples_only_when_asked():
 
 def _quick(data_dir, output_dir, **changes):
   return dataclasses.replace(
-      training.ExperimentConfig(
-          task="cifar10", data_dir=str(data_dir), num_clients=4,
-          server_unlabeled_examples=32, server_validation_examples=16,
-          step_minor_examples=1, rounds=2, clients_per_round=2, batch_size=16,
-          client_lr=0.02, eval_every=1, checkpoint_every=2, distill_steps=25,
-          distill_batch_size=16, distill_eval_every=5, distill_patience=10,
-          fedbe_samples=2, ensemble_size=2, seed=1,
-          output_dir=str(output_dir)),
-      **changes)
+    training.ExperimentConfig(
+      task="cifar10",
+      data_dir=str(data_dir),
+      num_clients=4,
+      server_unlabeled_examples=32,
+      server_validation_examples=16,
+      step_minor_examples=1,
+      rounds=2,
+      clients_per_round=2,
+      batch_size=16,
+      client_lr=0.02,
+      eval_every=1,
+      checkpoint_every=2,
+      distill_steps=25,
+      distill_batch_size=16,
+      distill_eval_every=5,
+      distill_patience=10,
+      fedbe_samples=2,
+      ensemble_size=2,
+      seed=1,
+      output_dir=str(output_dir),
+    ),
+    **changes,
+  )
 
 
 # Each algorithm on another partition, so that every partition trains.
@@ -495,13 +582,17 @@ SMOKE_PARTITIONS = dict(zip(algorithms.ALGORITHMS, partition.PARTITIONS * 3))
 SLOW_ON_CIFAR = ("fedbe", "feddf", "fedppd_distill")
 
 
-@pytest.mark.parametrize("algorithm", [
+@pytest.mark.parametrize(
+  "algorithm",
+  [
     pytest.param(a, marks=pytest.mark.slow) if a in SLOW_ON_CIFAR else a
-    for a in algorithms.ALGORITHMS])
+    for a in algorithms.ALGORITHMS
+  ],
+)
 def test_every_algorithm_runs_on_cifar(cifar10_dir, tmp_path, algorithm):
-  summary = training.run_experiment(_quick(
-      cifar10_dir.parent, tmp_path, algorithm=algorithm,
-      partition=SMOKE_PARTITIONS[algorithm]))
+  summary = training.run_experiment(
+    _quick(cifar10_dir.parent, tmp_path, algorithm=algorithm, partition=SMOKE_PARTITIONS[algorithm])
+  )
   assert summary["task"] == "cifar10" and summary["algorithm"] == algorithm
   assert 0.0 <= summary["test_accuracy"] <= 1.0
   assert np.isfinite(summary["test_loss"])
@@ -515,13 +606,29 @@ def test_cli_runs_cifar100_with_a_resnet(tmp_path):
   data_dir = tmp_path / "data"
   write_cifar100(data_dir)
   result = subprocess.run(
-      [sys.executable, "-m", "tff_ens.main", "--task=cifar100",
-       f"--data_dir={data_dir}", "--model=resnet8", "--norm=group",
-       "--partition=dirichlet", "--partition_alpha=0.5", "--num_clients=3",
-       "--server_unlabeled_examples=20", "--server_validation_examples=10",
-       "--rounds=1", "--clients_per_round=2", "--batch_size=32",
-       f"--output_dir={tmp_path / 'out'}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "-m",
+      "tff_ens.main",
+      "--task=cifar100",
+      f"--data_dir={data_dir}",
+      "--model=resnet8",
+      "--norm=group",
+      "--partition=dirichlet",
+      "--partition_alpha=0.5",
+      "--num_clients=3",
+      "--server_unlabeled_examples=20",
+      "--server_validation_examples=10",
+      "--rounds=1",
+      "--clients_per_round=2",
+      "--batch_size=32",
+      f"--output_dir={tmp_path / 'out'}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert "test_accuracy=" in result.stdout
   with open(tmp_path / "out" / training.SUMMARY_FILE) as f:

@@ -7,10 +7,9 @@ import pytest
 
 from tff_ens import client_states
 
-
 SPEC = client_states.ClientStateSpec(
-    shape=(6,), dtype=np.dtype(np.float32), models=lambda clients, _: [
-        0 for _ in clients])
+  shape=(6,), dtype=np.dtype(np.float32), models=lambda clients, _: [0 for _ in clients]
+)
 
 
 def state(value):
@@ -45,8 +44,9 @@ def test_rewind_forgets_states_written_after_the_checkpoint(tmp_path):
   assert stored_value(store, 0, 0) == 4.0
   assert stored_value(store, 1, 0) == 0.0  # Its only state was after 4.
   assert sorted(os.listdir(tmp_path)) == [
-      "client000000_model000_round0000002.npy",
-      "client000000_model000_round0000004.npy"]
+    "client000000_model000_round0000002.npy",
+    "client000000_model000_round0000004.npy",
+  ]
 
 
 def test_prune_keeps_what_a_resume_can_need(tmp_path):
@@ -56,8 +56,9 @@ def test_prune_keeps_what_a_resume_can_need(tmp_path):
   store.prune(4)
   # The newest at or before the checkpoint (3) and the later one (5).
   assert sorted(os.listdir(tmp_path)) == [
-      "client000000_model000_round0000003.npy",
-      "client000000_model000_round0000005.npy"]
+    "client000000_model000_round0000003.npy",
+    "client000000_model000_round0000005.npy",
+  ]
   store.rewind(4)
   assert stored_value(store, 0, 0) == 3.0
 
@@ -71,9 +72,9 @@ def test_a_half_written_file_is_dropped_and_a_damaged_one_is_named(tmp_path):
   assert not any(name.endswith(".tmp.npy") for name in os.listdir(tmp_path))
   path = tmp_path / "client000002_model000_round0000001.npy"
   path.write_bytes(b"not a numpy file")
-  with pytest.raises(client_states.ClientStateError,
-                     match="client000002_model000_round0000001.npy.*new "
-                     "--output_dir"):
+  with pytest.raises(
+    client_states.ClientStateError, match="client000002_model000_round0000001.npy.*new --output_dir"
+  ):
     store.load(2, 0)
 
 

@@ -13,7 +13,9 @@ from matplotlib import image
 import numpy as np
 import pytest
 
-from tests.femnist_runs import DATA_DIR, QUICK, ROOT, read_metrics
+from tests.femnist_runs import QUICK
+from tests.femnist_runs import ROOT
+from tests.femnist_runs import read_metrics
 from tff_ens import compare
 from tff_ens import training
 
@@ -23,9 +25,9 @@ pytestmark = pytest.mark.slow
 # Two rounds of three writers: FedAvg and a two-member Fed-ensemble of one
 # seed, and FedAvg of another seed.
 RUN_CONFIGS = {
-    "fedavg": dict(algorithm="fedavg", seed=3),
-    "fedensemble": dict(algorithm="fedensemble", ensemble_size=2, seed=3),
-    "fedavg_seed4": dict(algorithm="fedavg", seed=4),
+  "fedavg": dict(algorithm="fedavg", seed=3),
+  "fedensemble": dict(algorithm="fedensemble", ensemble_size=2, seed=3),
+  "fedavg_seed4": dict(algorithm="fedavg", seed=4),
 }
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -33,17 +35,25 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
   """`python -m module args`, with TensorFlow's C++ log level left unset."""
   env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=900)
+  return subprocess.run(
+    [sys.executable, "-m", module, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
 
 
 @pytest.fixture(scope="module")
 def run_dirs(tmp_path_factory) -> dict[str, str]:
   root = tmp_path_factory.mktemp("runs")
   for name, changes in RUN_CONFIGS.items():
-    training.run_experiment(dataclasses.replace(
-        QUICK, rounds=2, clients_per_round=3, eval_every=1,
-        output_dir=str(root / name), **changes))
+    training.run_experiment(
+      dataclasses.replace(
+        QUICK, rounds=2, clients_per_round=3, eval_every=1, output_dir=str(root / name), **changes
+      )
+    )
   return {name: str(root / name) for name in RUN_CONFIGS}
 
 
@@ -61,8 +71,7 @@ def table_cells(text: str) -> list[dict[str, str]]:
   """The printed table's rows as header -> cell (columns: 2+ spaces)."""
   header, *lines = text.splitlines()
   names = re.split(r"\s{2,}", header)
-  return [dict(zip(names, re.split(r"\s{2,}", line))) for line in lines
-          if re.match(r"\d+\s", line)]
+  return [dict(zip(names, re.split(r"\s{2,}", line))) for line in lines if re.match(r"\d+\s", line)]
 
 
 def test_rows_are_the_runs_own_numbers(run_dirs, runs):
@@ -71,16 +80,22 @@ def test_rows_are_the_runs_own_numbers(run_dirs, runs):
     summary = read_summary(path)
     assert row["run"] == os.path.basename(path)
     assert row["algorithm"] == summary["config"]["algorithm"]
-    for key in ("seed", "rounds", "test_accuracy", "test_loss", "ece",
-                "per_client_accuracy", "seconds_per_round"):
+    for key in (
+      "seed",
+      "rounds",
+      "test_accuracy",
+      "test_loss",
+      "ece",
+      "per_client_accuracy",
+      "seconds_per_round",
+    ):
       assert row[key] == summary[key], key
     assert row["personalized_accuracy"] == summary.get("personalized_accuracy")
     assert row["bytes_down"] == summary["bytes_down_per_client_round"]
     assert row["bytes_up"] == summary["bytes_up_per_client_round"]
   first = read_summary(run_dirs["fedavg"])["test_accuracy"]
   assert rows[0]["accuracy_difference"] is None
-  assert rows[1]["accuracy_difference"] == pytest.approx(
-      rows[1]["test_accuracy"] - first)
+  assert rows[1]["accuracy_difference"] == pytest.approx(rows[1]["test_accuracy"] - first)
   assert rows[1]["personalized_accuracy"] is not None  # Fed-ensemble's.
 
 
@@ -91,31 +106,34 @@ def test_printed_table_shows_the_summaries(run_dirs, runs):
     summary = read_summary(path)
     assert int(row["seed"]) == summary["seed"]
     assert int(row["rounds"]) == summary["rounds"] == 2
-    for column, key in (("accuracy", "test_accuracy"), ("NLL", "test_loss"),
-                        ("ECE", "ece"), ("per-client", "per_client_accuracy")):
+    for column, key in (
+      ("accuracy", "test_accuracy"),
+      ("NLL", "test_loss"),
+      ("ECE", "ece"),
+      ("per-client", "per_client_accuracy"),
+    ):
       assert float(row[column]) == pytest.approx(summary[key], abs=5e-5)
-    assert float(row["s/round"]) == pytest.approx(
-        summary["seconds_per_round"], abs=5e-3)
+    assert float(row["s/round"]) == pytest.approx(summary["seconds_per_round"], abs=5e-3)
     down, up = map(float, row["MB down/up"].split("/"))
-    assert down == pytest.approx(
-        summary["bytes_down_per_client_round"] / 1e6, abs=5e-3)
-    assert up == pytest.approx(
-        summary["bytes_up_per_client_round"] / 1e6, abs=5e-3)
+    assert down == pytest.approx(summary["bytes_down_per_client_round"] / 1e6, abs=5e-3)
+    assert up == pytest.approx(summary["bytes_up_per_client_round"] / 1e6, abs=5e-3)
   fedavg, fedensemble, _ = cells
   assert fedavg["personalized"] == "-"
   assert float(fedensemble["personalized"]) == pytest.approx(
-      read_summary(run_dirs["fedensemble"])["personalized_accuracy"],
-      abs=5e-5)
+    read_summary(run_dirs["fedensemble"])["personalized_accuracy"], abs=5e-5
+  )
   assert fedavg["vs #1"] == "-"
   assert float(fedensemble["vs #1"]) == pytest.approx(
-      float(fedensemble["accuracy"]) - float(fedavg["accuracy"]), abs=2e-4)
+    float(fedensemble["accuracy"]) - float(fedavg["accuracy"]), abs=2e-4
+  )
 
 
 def test_flags_show_what_differs_and_the_variant(runs):
   fedavg, fedensemble, _ = compare.table_rows(runs)
   assert fedavg["flags"] == "clients_per_round=3 client_lr=0.1"
-  assert fedensemble["flags"] == ("clients_per_round=3 client_lr=0.1 "
-                                  "ensemble_size=2 local_objective=sgd")
+  assert fedensemble["flags"] == (
+    "clients_per_round=3 client_lr=0.1 ensemble_size=2 local_objective=sgd"
+  )
 
 
 def test_seed_marker_only_when_seeds_differ(runs):
@@ -127,8 +145,7 @@ def test_seed_marker_only_when_seeds_differ(runs):
   cells = table_cells(text)
   assert not cells[1]["vs #1"].endswith(compare.SEED_DIFFERS)
   assert cells[2]["vs #1"].endswith(compare.SEED_DIFFERS)
-  assert text.splitlines()[-1].startswith(
-      f"{compare.SEED_DIFFERS} seed differs from #1's (3)")
+  assert text.splitlines()[-1].startswith(f"{compare.SEED_DIFFERS} seed differs from #1's (3)")
   # Against a first run of seed 4, both others differ.
   flipped = table_cells(compare.table([fedavg_seed4, fedavg, fedensemble]))
   assert all(c["vs #1"].endswith(compare.SEED_DIFFERS) for c in flipped[1:])
@@ -137,19 +154,18 @@ def test_seed_marker_only_when_seeds_differ(runs):
 def test_accuracy_curve_is_metrics_csv(run_dirs, runs):
   for run, path in zip(runs, run_dirs.values()):
     rows = read_metrics(path)
-    assert run.test_accuracy_by_round() == (
-        [1, 2], [float(r["test_accuracy"]) for r in rows])
+    assert run.test_accuracy_by_round() == ([1, 2], [float(r["test_accuracy"]) for r in rows])
 
 
-def test_per_writer_accuracies_are_the_runs_and_its_models(run_dirs, runs,
-                                                          tmp_path):
+def test_per_writer_accuracies_are_the_runs_and_its_models(run_dirs, runs, tmp_path):
   # Written by the run (per_client_accuracy.json), they average to its
   # summary's per_client_accuracy.
   accuracies = compare.per_writer_accuracies(runs[:2])
   for by_writer, path in zip(accuracies, run_dirs.values()):
     assert len(by_writer) == 105  # The slice's writers with training data.
     assert np.mean(list(by_writer.values())) == pytest.approx(
-        read_summary(path)["per_client_accuracy"], abs=1e-6)
+      read_summary(path)["per_client_accuracy"], abs=1e-6
+    )
   # A run without the file (from before it existed): computed from its model
   # on its task's test writers, the same numbers.
   copy = tmp_path / "copy"
@@ -161,8 +177,7 @@ def test_per_writer_accuracies_are_the_runs_and_its_models(run_dirs, runs,
     assert computed[writer] == pytest.approx(accuracy, abs=1e-9), writer
 
 
-def test_per_writer_accuracies_read_from_file_when_present(run_dirs,
-                                                            tmp_path):
+def test_per_writer_accuracies_read_from_file_when_present(run_dirs, tmp_path):
   # A copy without models: the accuracies can only come from the file.
   for name in (training.SUMMARY_FILE, training.METRICS_FILE):
     shutil.copy(os.path.join(run_dirs["fedavg"], name), tmp_path)
@@ -188,8 +203,7 @@ def assert_png(path: str):
 
 def test_cli_prints_table_and_writes_both_figures(run_dirs, runs, tmp_path):
   output = tmp_path / "figures"
-  result = run_module("tff_ens.compare", *run_dirs.values(),
-                      f"--output={output}")
+  result = run_module("tff_ens.compare", *run_dirs.values(), f"--output={output}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith(compare.table(runs) + "\n")
   assert result.stderr == ""
@@ -197,16 +211,16 @@ def test_cli_prints_table_and_writes_both_figures(run_dirs, runs, tmp_path):
   assert_png(output / compare.PER_WRITER_FIGURE)
 
 
-def test_cli_without_data_warns_and_skips_per_writer_figure(run_dirs,
-                                                            tmp_path):
+def test_cli_without_data_warns_and_skips_per_writer_figure(run_dirs, tmp_path):
   # A run from before per_client_accuracy.json: its writers' accuracies need
   # its data.
   old_run = tmp_path / "old_run"
   shutil.copytree(run_dirs["fedavg"], old_run)
   os.remove(old_run / compare.PER_CLIENT_ACCURACY_FILE)
   output = tmp_path / "figures"
-  result = run_module("tff_ens.compare", str(old_run),
-                      f"--output={output}", f"--data_dir={tmp_path}/nowhere")
+  result = run_module(
+    "tff_ens.compare", str(old_run), f"--output={output}", f"--data_dir={tmp_path}/nowhere"
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   [warning] = result.stderr.splitlines()
   assert warning.startswith(f"warning: {compare.PER_WRITER_FIGURE} skipped: ")
@@ -229,8 +243,7 @@ def in_progress_copy(run_dir: str, path, rounds: list[int]) -> str:
 
 def test_in_progress_message_names_the_rounds(run_dirs, tmp_path):
   path = in_progress_copy(run_dirs["fedavg"], tmp_path / "run", [1, 2, 4])
-  with pytest.raises(compare.CompareError,
-                     match=r"rounds 1-2, 4 of 2 and it has no summary.json"):
+  with pytest.raises(compare.CompareError, match=r"rounds 1-2, 4 of 2 and it has no summary.json"):
     compare.load_run(path)
 
 
@@ -238,8 +251,9 @@ def test_bad_input_messages(tmp_path):
   with pytest.raises(compare.CompareError, match="nowhere does not exist"):
     compare.load_run(str(tmp_path / "nowhere"))
   (tmp_path / "notes.txt").write_text("not a run\n")
-  with pytest.raises(compare.CompareError,
-                     match="is not a run \\(no metrics.csv or summary.json\\)"):
+  with pytest.raises(
+    compare.CompareError, match="is not a run \\(no metrics.csv or summary.json\\)"
+  ):
     compare.load_run(str(tmp_path))
 
 
@@ -249,6 +263,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(run_dirs, tmp_path):
   assert result.returncode == 2
   [line] = result.stderr.splitlines()
   assert line.startswith(
-      f"error: {path} is a run in progress (or stopped): its metrics.csv has "
-      "round 1 of 2"), line
+    f"error: {path} is a run in progress (or stopped): its metrics.csv has round 1 of 2"
+  ), line
   assert result.stdout == ""

@@ -21,13 +21,17 @@ from export import evaluate
 from export import metadata
 from export import on_device
 from tasks import femnist
-from tests.exported_runs import DATA_DIR, REPO_ROOT, small_femnist_model, write_run
+from tests.exported_runs import DATA_DIR
+from tests.exported_runs import REPO_ROOT
+from tests.exported_runs import small_femnist_model
+from tests.exported_runs import write_run
 
 ENSEMBLE_SIZE = 3
 DEVICE_PYTHON = os.path.join(REPO_ROOT, "device", ".venv", "bin", "python")
 needs_device_env = pytest.mark.skipif(
-    not os.path.exists(DEVICE_PYTHON),
-    reason="the device environment is not installed: uv sync --locked --project device")
+  not os.path.exists(DEVICE_PYTHON),
+  reason="the device environment is not installed: uv sync --locked --project device",
+)
 
 # Runs `python -m export.evaluate ARGS` in the device process, then prints which
 # TensorFlow modules that process imported.
@@ -47,8 +51,14 @@ print(json.dumps({"status": status, "tensorflow": "tensorflow" in sys.modules,
 
 
 def _run_in_device_env(*args) -> dict:
-  result = subprocess.run([DEVICE_PYTHON, "-c", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=600, check=False)
+  result = subprocess.run(
+    [DEVICE_PYTHON, "-c", *args],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -61,31 +71,62 @@ def femnist_data():
 def test_leaf_reader_runs_without_tensorflow():
   # The device environment reads FEMNIST through tasks.leaf, as tasks.femnist does.
   result = subprocess.run(
-      [sys.executable, "-c", "import sys, tasks.leaf as leaf; "
-       f"data = leaf.digits_only(leaf.load_leaf({str(DATA_DIR)!r})); "
-       "print(data.test.num_examples(), data.ood.num_examples(), "
-       "sorted(m for m in sys.modules if m.split('.')[0] in "
-       "('tensorflow', 'tensorflow_federated', 'keras')))"],
-      cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=True)
+    [
+      sys.executable,
+      "-c",
+      "import sys, tasks.leaf as leaf; "
+      f"data = leaf.digits_only(leaf.load_leaf({str(DATA_DIR)!r})); "
+      "print(data.test.num_examples(), data.ood.num_examples(), "
+      "sorted(m for m in sys.modules if m.split('.')[0] in "
+      "('tensorflow', 'tensorflow_federated', 'keras')))",
+    ],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+  )
   expected = femnist.digits_only(femnist.load_data(DATA_DIR))
-  assert result.stdout.split() == [str(expected.test.num_examples()),
-                                   str(expected.ood.num_examples()), "[]"]
+  assert result.stdout.split() == [
+    str(expected.test.num_examples()),
+    str(expected.ood.num_examples()),
+    "[]",
+  ]
 
 
 @needs_device_env
-@pytest.mark.parametrize("output_format", ["float", "ensemble"])
-def test_device_env_evaluates_without_tensorflow(output_format, femnist_data, tmp_path):
+@pytest.mark.parametrize(
+  "output_format, quantization", [("float", "float"), ("ensemble", "float"), ("ensemble", "int8")]
+)
+def test_device_env_evaluates_without_tensorflow(
+  output_format, quantization, femnist_data, tmp_path
+):
   k = ENSEMBLE_SIZE if output_format == "ensemble" else 1
-  run = write_run(tmp_path / "run", [small_femnist_model(seed) for seed in range(k)],
-                  config={"algorithm": "fedensemble" if k > 1 else "fedavg"},
-                  summary={"personalization_temperature": 0.5})
+  run = write_run(
+    tmp_path / "run",
+    [small_femnist_model(seed) for seed in range(k)],
+    config={"algorithm": "fedensemble" if k > 1 else "fedavg"},
+    summary={"personalization_temperature": 0.5},
+  )
   path = tmp_path / "model.tflite"
-  path.write_bytes(convert.export_run(run, output_format))
+  path.write_bytes(
+    convert.export_run(
+      run,
+      output_format,
+      options=convert.Options(representative_examples=64),
+      quantization=quantization,
+    )
+  )
   main = evaluate.build_report(run, str(path), femnist_data, latency_repeats=1)
   report_path = tmp_path / "device_report.json"
   process = _run_in_device_env(
-      EVALUATE_AND_LIST_MODULES, f"--run_dir={run.run_dir}", f"--tflite={path}",
-      f"--data_dir={DATA_DIR}", f"--output={report_path}", "--latency_repeats=1")
+    EVALUATE_AND_LIST_MODULES,
+    f"--run_dir={run.run_dir}",
+    f"--tflite={path}",
+    f"--data_dir={DATA_DIR}",
+    f"--output={report_path}",
+    "--latency_repeats=1",
+  )
   assert process["status"] == 0
   assert not process["tensorflow"], process["modules"]
   assert process["modules"] == []
@@ -102,17 +143,32 @@ def test_device_env_evaluates_without_tensorflow(output_format, femnist_data, tm
 @needs_device_env
 def test_device_env_runs_lce_files(tmp_path):
   init = tf.keras.initializers.GlorotUniform(seed=0)
-  model = tf.keras.Sequential([
+  model = tf.keras.Sequential(
+    [
       tf.keras.Input(femnist.INPUT_SHAPE),
       tf.keras.layers.Conv2D(8, 3, strides=2, kernel_initializer=init),
-      lq.layers.QuantConv2D(8, 3, input_quantizer="ste_sign", kernel_quantizer="ste_sign",
-                            kernel_constraint="weight_clip", kernel_initializer=init),
+      lq.layers.QuantConv2D(
+        8,
+        3,
+        input_quantizer="ste_sign",
+        kernel_quantizer="ste_sign",
+        kernel_constraint="weight_clip",
+        kernel_initializer=init,
+      ),
       tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(femnist.NUM_CLASSES, kernel_initializer=init)])
-  description = {"format": "lce", "runtime": metadata.RUNTIME_LCE,
-                 "class_labels": list(femnist.CLASS_LABELS),
-                 "input": {"shape": [None, *femnist.INPUT_SHAPE], "value_range": [0.0, 1.0],
-                           "preprocessing": ""}}
+      tf.keras.layers.Dense(femnist.NUM_CLASSES, kernel_initializer=init),
+    ]
+  )
+  description = {
+    "format": "lce",
+    "runtime": metadata.RUNTIME_LCE,
+    "class_labels": list(femnist.CLASS_LABELS),
+    "input": {
+      "shape": [None, *femnist.INPUT_SHAPE],
+      "value_range": [0.0, 1.0],
+      "preprocessing": "",
+    },
+  }
   path = tmp_path / "model.tflite"
   path.write_bytes(convert.finalize(convert.convert_model(model, "lce"), description))
   x = np.random.default_rng(0).random((4, *femnist.INPUT_SHAPE), dtype=np.float32)
@@ -123,7 +179,7 @@ import json, sys
 import numpy as np
 from export import on_device
 exported = on_device.load({str(path)!r})
-logits = exported.logits(np.load({str(tmp_path / 'x.npy')!r}))
+logits = exported.logits(np.load({str(tmp_path / "x.npy")!r}))
 print(json.dumps({{"runtime": exported.runtime, "logits": logits.tolist(),
                   "tensorflow": "tensorflow" in sys.modules}}))
 """)

@@ -24,12 +24,28 @@ from tiny import tiny_model
 ModelWeights = tff.learning.models.ModelWeights
 Config = distillation.DistillationConfig
 
-X = np.array([[1.0, 0.0, -1.0, 2.0], [0.5, -0.5, 1.0, 0.0],
-              [-1.0, 2.0, 0.0, 1.0], [2.0, 1.0, 0.0, -1.0],
-              [0.0, 0.0, 1.0, 3.0], [1.0, 1.0, 1.0, 1.0]], np.float32)
-TARGETS = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.4, 0.3],
-                    [0.0, 1.0, 0.0], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]],
-                   np.float32)
+X = np.array(
+  [
+    [1.0, 0.0, -1.0, 2.0],
+    [0.5, -0.5, 1.0, 0.0],
+    [-1.0, 2.0, 0.0, 1.0],
+    [2.0, 1.0, 0.0, -1.0],
+    [0.0, 0.0, 1.0, 3.0],
+    [1.0, 1.0, 1.0, 1.0],
+  ],
+  np.float32,
+)
+TARGETS = np.array(
+  [
+    [0.7, 0.2, 0.1],
+    [0.1, 0.1, 0.8],
+    [0.3, 0.4, 0.3],
+    [0.0, 1.0, 0.0],
+    [0.5, 0.25, 0.25],
+    [0.2, 0.2, 0.6],
+  ],
+  np.float32,
+)
 
 
 def images(rows):
@@ -57,8 +73,9 @@ def stack(*weights):
 
 # Targets and losses ---------------------------------------------------------
 
-TEACHER_LOGITS = np.array([[[1.0, 2.0, 0.0], [0.0, 0.0, 3.0]],
-                           [[3.0, 0.0, 0.0], [1.0, -1.0, 1.0]]], np.float32)
+TEACHER_LOGITS = np.array(
+  [[[1.0, 2.0, 0.0], [0.0, 0.0, 3.0]], [[3.0, 0.0, 0.0], [1.0, -1.0, 1.0]]], np.float32
+)
 STUDENT_LOGITS = np.array([[0.5, 0.5, 0.0], [2.0, 0.0, 1.0]], np.float32)
 
 
@@ -69,8 +86,7 @@ def test_avg_logits_kl_by_hand():
   want = np.mean(np.sum(p * np.log(p / q), axis=1))
   got = distillation.avg_logits_kl(TEACHER_LOGITS, STUDENT_LOGITS)
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  np.testing.assert_allclose(
-      distillation.avg_logits_targets(TEACHER_LOGITS.mean(0)), p, rtol=1e-6)
+  np.testing.assert_allclose(distillation.avg_logits_targets(TEACHER_LOGITS.mean(0)), p, rtol=1e-6)
 
 
 def test_cross_entropy_differs_from_kl_by_the_target_entropy():
@@ -80,11 +96,11 @@ def test_cross_entropy_differs_from_kl_by_the_target_entropy():
   cross_entropy = np.mean(-np.sum(p * np.log(q), axis=1))
   entropy = np.mean(-np.sum(p * np.log(p), axis=1))
   np.testing.assert_allclose(
-      distillation.distillation_loss("cross_entropy", p, STUDENT_LOGITS),
-      cross_entropy, rtol=1e-5)
+    distillation.distillation_loss("cross_entropy", p, STUDENT_LOGITS), cross_entropy, rtol=1e-5
+  )
   np.testing.assert_allclose(
-      distillation.distillation_loss("kl", p, STUDENT_LOGITS),
-      cross_entropy - entropy, rtol=1e-4)
+    distillation.distillation_loss("kl", p, STUDENT_LOGITS), cross_entropy - entropy, rtol=1e-4
+  )
   with pytest.raises(ValueError, match="unknown loss 'l2'"):
     distillation.distillation_loss("l2", p, STUDENT_LOGITS)
 
@@ -98,16 +114,16 @@ def test_sharpen_raises_to_one_over_the_temperature_and_renormalizes():
   # T = 1 keeps p; T = 0.25 is p^4 / sum p^4; T = 2 flattens, sqrt(p).
   np.testing.assert_allclose(distillation.sharpen(p, 1.0), p, rtol=1e-6)
   np.testing.assert_allclose(
-      distillation.sharpen(p, 0.25)[0],
-      np.array([0.0625, 0.0081, 0.0016]) / 0.0722, rtol=1e-5)
+    distillation.sharpen(p, 0.25)[0], np.array([0.0625, 0.0081, 0.0016]) / 0.0722, rtol=1e-5
+  )
   roots = np.sqrt([0.25, 0.25, 0.5])
-  np.testing.assert_allclose(distillation.sharpen(p, 2.0)[1],
-                             roots / roots.sum(), rtol=1e-6)
+  np.testing.assert_allclose(distillation.sharpen(p, 2.0)[1], roots / roots.sum(), rtol=1e-6)
   # A small T on small probabilities: p^(1/T) underflows in float32 (1e-50),
   # softmax(log p / T) does not. A zero stays zero.
   small = np.array([[1e-5, 2e-5, 0.0]], np.float32)
-  np.testing.assert_allclose(distillation.sharpen(small, 0.1),
-                             [[1 / 1025, 1024 / 1025, 0.0]], rtol=1e-4)
+  np.testing.assert_allclose(
+    distillation.sharpen(small, 0.1), [[1 / 1025, 1024 / 1025, 0.0]], rtol=1e-4
+  )
 
 
 # Teachers -------------------------------------------------------------------
@@ -117,51 +133,50 @@ def test_ensemble_predictions_and_member_accuracies_match_numpy():
   model = tiny_model(seed=0)
   members = [weights_of(tiny_model(seed=s)) for s in (1, 5, 9)]
   logits = np.stack([numpy_logits(w, X) for w in members])
-  out = distillation.ensemble_predictions(model, stack(*members), images(X),
-                                          batch_size=4)
-  np.testing.assert_allclose(out["mean_logits"], logits.mean(0), rtol=1e-5,
-                             atol=1e-6)
-  np.testing.assert_allclose(out["mean_probabilities"],
-                             softmax(logits).mean(0), rtol=1e-5, atol=1e-6)
+  out = distillation.ensemble_predictions(model, stack(*members), images(X), batch_size=4)
+  np.testing.assert_allclose(out["mean_logits"], logits.mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    out["mean_probabilities"], softmax(logits).mean(0), rtol=1e-5, atol=1e-6
+  )
   member_entropy = -np.sum(softmax(logits) * np.log(softmax(logits)), -1)
-  np.testing.assert_allclose(out["mean_entropy"], member_entropy.mean(0),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out["mean_entropy"], member_entropy.mean(0), rtol=1e-5, atol=1e-6)
   # Weighted: member 1 is skipped, member 2 counts twice.
   out = distillation.ensemble_predictions(
-      model, stack(*members), images(X), member_weights=[1.0, 0.0, 2.0],
-      batch_size=4)
-  np.testing.assert_allclose(out["mean_logits"],
-                             (logits[0] + 2 * logits[2]) / 3, rtol=1e-5,
-                             atol=1e-6)
+    model, stack(*members), images(X), member_weights=[1.0, 0.0, 2.0], batch_size=4
+  )
   np.testing.assert_allclose(
-      out["mean_probabilities"],
-      (softmax(logits[0]) + 2 * softmax(logits[2])) / 3, rtol=1e-5,
-      atol=1e-6)
+    out["mean_logits"], (logits[0] + 2 * logits[2]) / 3, rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(
-      out["mean_entropy"], (member_entropy[0] + 2 * member_entropy[2]) / 3,
-      rtol=1e-5, atol=1e-6)
+    out["mean_probabilities"],
+    (softmax(logits[0]) + 2 * softmax(logits[2])) / 3,
+    rtol=1e-5,
+    atol=1e-6,
+  )
+  np.testing.assert_allclose(
+    out["mean_entropy"], (member_entropy[0] + 2 * member_entropy[2]) / 3, rtol=1e-5, atol=1e-6
+  )
   y = np.array([0, 1, 2, 0, 1, 2], np.int32)
   np.testing.assert_allclose(
-      distillation.member_accuracies(model, stack(*members), images(X), y,
-                                     batch_size=4),
-      np.mean(logits.argmax(-1) == y, axis=1), rtol=1e-6)
+    distillation.member_accuracies(model, stack(*members), images(X), y, batch_size=4),
+    np.mean(logits.argmax(-1) == y, axis=1),
+    rtol=1e-6,
+  )
 
 
 def test_chance_accuracy_and_the_majority_drop_worst_rule():
   y = np.array([3, 3, 3, 1, 2, 0, 4, 5, 6, 7], np.int32)
   # Majority class 3: 30% > 1/10.
   np.testing.assert_allclose(distillation.chance_accuracy(y, 10), 0.3)
-  np.testing.assert_allclose(
-      distillation.chance_accuracy(np.arange(5), 62), 0.2)
-  np.testing.assert_allclose(
-      distillation.chance_accuracy(np.arange(62), 62), 1 / 62, rtol=1e-6)
+  np.testing.assert_allclose(distillation.chance_accuracy(np.arange(5), 62), 0.2)
+  np.testing.assert_allclose(distillation.chance_accuracy(np.arange(62), 62), 1 / 62, rtol=1e-6)
   keep, informative = distillation.drop_worst_mask(
-      "majority", tf.constant([0.9, 0.05, 0.3, 0.31]), y, 10)
+    "majority", tf.constant([0.9, 0.05, 0.3, 0.31]), y, 10
+  )
   np.testing.assert_array_equal(keep, [True, False, False, True])
   assert bool(informative)
   # None above chance: all kept, and nothing to learn from.
-  keep, informative = distillation.drop_worst_mask(
-      "majority", tf.constant([0.1, 0.3]), y, 10)
+  keep, informative = distillation.drop_worst_mask("majority", tf.constant([0.1, 0.3]), y, 10)
   np.testing.assert_array_equal(keep, [True, True])
   assert not bool(informative)
   with pytest.raises(ValueError, match="unknown drop-worst rule 'best'"):
@@ -188,16 +203,17 @@ def test_authors_drop_worst_rule_drops_below_guessing_by_hand():
   # majority rule's 0.1 would keep 0.11 too. No outlier test then.
   accuracies = [0.5, 0.11, 0.13, 0.05, 0.6]
   keep, informative = distillation.drop_worst_mask(
-      "guess_or_outliers", tf.constant(accuracies), Y10, 10)
+    "guess_or_outliers", tf.constant(accuracies), Y10, 10
+  )
   np.testing.assert_array_equal(keep, [True, False, True, False, True])
   assert bool(informative)
   np.testing.assert_array_equal(keep, authors_drop_worst(accuracies, 10))
-  keep, _ = distillation.drop_worst_mask("majority", tf.constant(accuracies),
-                                         Y10, 10)
+  keep, _ = distillation.drop_worst_mask("majority", tf.constant(accuracies), Y10, 10)
   np.testing.assert_array_equal(keep, [True, True, True, False, True])
   # All below guessing: all kept, nothing to learn from.
   keep, informative = distillation.drop_worst_mask(
-      "guess_or_outliers", tf.constant([0.1, 0.02]), Y10, 10)
+    "guess_or_outliers", tf.constant([0.1, 0.02]), Y10, 10
+  )
   np.testing.assert_array_equal(keep, [True, True])
   assert not bool(informative)
 
@@ -207,21 +223,19 @@ def test_authors_drop_worst_rule_drops_low_outliers_by_hand():
   # their population std sqrt(0.0683 / 4) = 0.1307: the cut is 0.229.
   accuracies = [0.9, 0.5, 0.52, 0.48, 0.2]
   others = np.array([0.5, 0.52, 0.48, 0.2])
-  np.testing.assert_allclose(others.mean() - 1.5 * others.std(),
-                             0.425 - 1.5 * np.sqrt(0.0683 / 4))
+  np.testing.assert_allclose(others.mean() - 1.5 * others.std(), 0.425 - 1.5 * np.sqrt(0.0683 / 4))
   keep, informative = distillation.drop_worst_mask(
-      "guess_or_outliers", tf.constant(accuracies), Y10, 10)
+    "guess_or_outliers", tf.constant(accuracies), Y10, 10
+  )
   np.testing.assert_array_equal(keep, [True, True, True, True, False])
   assert bool(informative)
   np.testing.assert_array_equal(keep, authors_drop_worst(accuracies, 10))
   # The majority rule keeps all of them.
-  keep, _ = distillation.drop_worst_mask("majority", tf.constant(accuracies),
-                                         Y10, 10)
+  keep, _ = distillation.drop_worst_mask("majority", tf.constant(accuracies), Y10, 10)
   assert np.all(keep)
   # Equal accuracies (std 0) and two models: none is an outlier.
   for equal in ([0.3] * 5, [0.7, 0.2]):
-    keep, _ = distillation.drop_worst_mask(
-        "guess_or_outliers", tf.constant(equal), Y10, 10)
+    keep, _ = distillation.drop_worst_mask("guess_or_outliers", tf.constant(equal), Y10, 10)
     assert np.all(keep)
 
 
@@ -231,17 +245,15 @@ def test_drop_worst_considers_members_only():
   # (0.6 set aside), mean 0.525 and std 0.025 cut at 0.4875: all kept.
   accuracies = tf.constant([0.6, 0.5, 0.55, 0.0])
   members = tf.constant([True, True, True, False])
-  keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies,
-                                         Y10, 10, members=members)
+  keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies, Y10, 10, members=members)
   np.testing.assert_array_equal(keep, [True, True, True, False])
   # With slot 3 a member, it is below guessing and the only one dropped.
-  keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies,
-                                         Y10, 10)
+  keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies, Y10, 10)
   np.testing.assert_array_equal(keep, [True, True, True, False])
   # A single member is kept (the authors' code fails on one model).
   keep, _ = distillation.drop_worst_mask(
-      "guess_or_outliers", accuracies, Y10, 10,
-      members=tf.constant([False, True, False, False]))
+    "guess_or_outliers", accuracies, Y10, 10, members=tf.constant([False, True, False, False])
+  )
   np.testing.assert_array_equal(keep, [False, True, False, False])
 
 
@@ -249,28 +261,38 @@ def test_drop_worst_considers_members_only():
 
 
 def test_cyclical_and_cosine_learning_rates():
-  config = Config(num_steps=8, learning_rate=1.0, min_learning_rate=0.2,
-                  cycle_steps=4, lr_schedule="cyclical")
+  config = Config(
+    num_steps=8, learning_rate=1.0, min_learning_rate=0.2, cycle_steps=4, lr_schedule="cyclical"
+  )
   # t = (step mod 4 + 1) / 4; lr = (1 - t) * 1.0 + t * 0.2.
   np.testing.assert_allclose(
-      [distillation.learning_rate_at(s, config) for s in range(6)],
-      [0.8, 0.6, 0.4, 0.2, 0.8, 0.6], rtol=1e-6)
+    [distillation.learning_rate_at(s, config) for s in range(6)],
+    [0.8, 0.6, 0.4, 0.2, 0.8, 0.6],
+    rtol=1e-6,
+  )
   np.testing.assert_array_equal(
-      [bool(distillation.is_swa_collection_step(s, Config(
-          num_steps=12, cycle_steps=4, swa_warmup_steps=4)))
-       for s in range(12)],
-      [s in (7, 11) for s in range(12)])
-  cosine = Config(num_steps=10, learning_rate=1.0, lr_schedule="cosine",
-                  swa=False)
+    [
+      bool(
+        distillation.is_swa_collection_step(
+          s, Config(num_steps=12, cycle_steps=4, swa_warmup_steps=4)
+        )
+      )
+      for s in range(12)
+    ],
+    [s in (7, 11) for s in range(12)],
+  )
+  cosine = Config(num_steps=10, learning_rate=1.0, lr_schedule="cosine", swa=False)
   np.testing.assert_allclose(
-      [distillation.learning_rate_at(s, cosine) for s in (0, 5, 10)],
-      [1.0, 0.5, 0.0], atol=1e-6)
+    [distillation.learning_rate_at(s, cosine) for s in (0, 5, 10)], [1.0, 0.5, 0.0], atol=1e-6
+  )
 
 
 def test_swa_average_is_the_mean_of_the_collected_models():
-  models = [(tf.constant([1.0, 2.0]), tf.constant(3.0)),
-            (tf.constant([2.0, 0.0]), tf.constant(-1.0)),
-            (tf.constant([6.0, 1.0]), tf.constant(4.0))]
+  models = [
+    (tf.constant([1.0, 2.0]), tf.constant(3.0)),
+    (tf.constant([2.0, 0.0]), tf.constant(-1.0)),
+    (tf.constant([6.0, 1.0]), tf.constant(4.0)),
+  ]
   average = models[0]
   for n, model in enumerate(models[1:], start=1):
     average = distillation.swa_average(average, model, n)
@@ -283,15 +305,13 @@ def test_fedbe_swa_warm_up_is_a_fraction_of_the_budget():
   assert distillation.fedbe_config(1_580).swa_warmup_steps == 250
   assert distillation.fedbe_config(200).swa_warmup_steps == 32  # 31.6
   # The authors' code's 500 steps.
-  assert distillation.fedbe_config(
-      1_580, swa_warmup_fraction=500 / 1_580).swa_warmup_steps == 500
-  assert distillation.fedbe_config(
-      100, swa_warmup_fraction=0.0).swa_warmup_steps == 0
+  assert distillation.fedbe_config(1_580, swa_warmup_fraction=500 / 1_580).swa_warmup_steps == 500
+  assert distillation.fedbe_config(100, swa_warmup_fraction=0.0).swa_warmup_steps == 0
   # 200 steps, 32 warm-up: the cycles ending at 50, ..., 200 are collected.
   config = distillation.fedbe_config(200)
-  assert [s + 1 for s in range(200)
-          if distillation.is_swa_collection_step(s, config)] == list(
-              range(50, 201, 25))
+  assert [s + 1 for s in range(200) if distillation.is_swa_collection_step(s, config)] == list(
+    range(50, 201, 25)
+  )
   with pytest.raises(ValueError, match="swa_warmup_fraction"):
     distillation.fedbe_config(200, swa_warmup_fraction=1.0)
   with pytest.raises(ValueError, match="collects none"):
@@ -324,16 +344,14 @@ def test_config_validation():
 def test_one_full_batch_sgd_step_by_hand():
   model = tiny_model(seed=0)
   initial = weights_of(model)
-  config = Config(num_steps=1, batch_size=6, learning_rate=0.5,
-                  lr_schedule="constant", momentum=0.0, swa=False)
-  weights, stats = distillation.distill(
-      model, initial, images(X), TARGETS, config, seed=0)
+  config = Config(
+    num_steps=1, batch_size=6, learning_rate=0.5, lr_schedule="constant", momentum=0.0, swa=False
+  )
+  weights, stats = distillation.distill(model, initial, images(X), TARGETS, config, seed=0)
   kernel, bias = (np.asarray(t, np.float64) for t in initial.trainable)
   d = (softmax(numpy_logits(initial, X)) - TARGETS) / len(X)
-  np.testing.assert_allclose(weights.trainable[0],
-                             kernel - 0.5 * X.T @ d, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(weights.trainable[1],
-                             bias - 0.5 * d.sum(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(weights.trainable[0], kernel - 0.5 * X.T @ d, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(weights.trainable[1], bias - 0.5 * d.sum(0), rtol=1e-5, atol=1e-6)
   assert int(stats["steps"]) == 1 and int(stats["examples"]) == 6
   assert int(stats["swa_models"]) == 0
 
@@ -342,38 +360,55 @@ def test_gradient_clipping_scales_a_large_step_to_the_clip_norm():
   model = tiny_model(seed=0)
   initial = weights_of(model)
   x = 100 * X  # A large gradient: X^T d grows with x.
-  config = Config(num_steps=1, batch_size=6, learning_rate=0.5,
-                  lr_schedule="constant", momentum=0.0, swa=False,
-                  clip_norm=5.0)
-  weights, _ = distillation.distill(model, initial, images(x), TARGETS,
-                                    config, seed=0)
+  config = Config(
+    num_steps=1,
+    batch_size=6,
+    learning_rate=0.5,
+    lr_schedule="constant",
+    momentum=0.0,
+    swa=False,
+    clip_norm=5.0,
+  )
+  weights, _ = distillation.distill(model, initial, images(x), TARGETS, config, seed=0)
   kernel, bias = (np.asarray(t, np.float64) for t in initial.trainable)
   d = (softmax(numpy_logits(initial, x)) - TARGETS) / len(x)
   gradient = [x.T @ d, d.sum(0)]
   norm = np.sqrt(sum(np.sum(g**2) for g in gradient))
   assert norm > 50.0  # Clipping changes this step.
   scale = 5.0 / norm
-  np.testing.assert_allclose(weights.trainable[0],
-                             kernel - 0.5 * scale * gradient[0], rtol=1e-4,
-                             atol=1e-6)
-  np.testing.assert_allclose(weights.trainable[1],
-                             bias - 0.5 * scale * gradient[1], rtol=1e-4,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    weights.trainable[0], kernel - 0.5 * scale * gradient[0], rtol=1e-4, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    weights.trainable[1], bias - 0.5 * scale * gradient[1], rtol=1e-4, atol=1e-6
+  )
   # SGD moves the weights by lr * 5, where without clipping lr * norm.
-  moved = np.sqrt(sum(np.sum((np.asarray(w) - np.asarray(v))**2) for w, v in
-                      zip(weights.trainable, initial.trainable)))
+  moved = np.sqrt(
+    sum(
+      np.sum((np.asarray(w) - np.asarray(v)) ** 2)
+      for w, v in zip(weights.trainable, initial.trainable)
+    )
+  )
   np.testing.assert_allclose(moved, 0.5 * 5.0, rtol=1e-4)
   unclipped, _ = distillation.distill(
-      model, initial, images(x), TARGETS,
-      dataclasses.replace(config, clip_norm=0.0), seed=0)
-  np.testing.assert_allclose(unclipped.trainable[0],
-                             kernel - 0.5 * gradient[0], rtol=1e-4, atol=1e-5)
+    model, initial, images(x), TARGETS, dataclasses.replace(config, clip_norm=0.0), seed=0
+  )
+  np.testing.assert_allclose(
+    unclipped.trainable[0], kernel - 0.5 * gradient[0], rtol=1e-4, atol=1e-5
+  )
 
 
 def swa_config(**overrides):
-  values = dict(num_steps=12, batch_size=2, learning_rate=0.5,
-                min_learning_rate=0.1, cycle_steps=4, swa_warmup_steps=4,
-                momentum=0.5, swa=True)
+  values = dict(
+    num_steps=12,
+    batch_size=2,
+    learning_rate=0.5,
+    min_learning_rate=0.1,
+    cycle_steps=4,
+    swa_warmup_steps=4,
+    momentum=0.5,
+    swa=True,
+  )
   values.update(overrides)
   return Config(**values)
 
@@ -382,17 +417,15 @@ def test_swa_returns_the_mean_of_cycle_end_models_with_recomputed_bn():
   model = tiny_model(seed=0, batch_norm=True)
   initial = weights_of(model)
   x = images(X)
-  swa, stats = distillation.distill(model, initial, x, TARGETS,
-                                    swa_config(), seed=3)
+  swa, stats = distillation.distill(model, initial, x, TARGETS, swa_config(), seed=3)
   # The same SGD trajectory without SWA, stopped at the cycle ends past the
   # warm-up (steps 8 and 12; step 4 is the warm-up's end).
   collected = [
-      distillation.distill(model, initial, x, TARGETS,
-                           swa_config(num_steps=n, swa=False), seed=3)[0]
-      for n in (8, 12)]
+    distillation.distill(model, initial, x, TARGETS, swa_config(num_steps=n, swa=False), seed=3)[0]
+    for n in (8, 12)
+  ]
   for got, *ends in zip(swa.trainable, *(c.trainable for c in collected)):
-    np.testing.assert_allclose(got, np.mean(ends, axis=0), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(got, np.mean(ends, axis=0), rtol=1e-5, atol=1e-6)
   assert int(stats["swa_models"]) == 2 and int(stats["steps"]) == 12
   assert int(stats["examples"]) == 24
   # Batch norm follows Flatten, so its statistics are those of the images:
@@ -400,24 +433,27 @@ def test_swa_returns_the_mean_of_cycle_end_models_with_recomputed_bn():
   batches = X.reshape(3, 2, 4)
   moving_mean, moving_variance = swa.non_trainable[:2]
   np.testing.assert_allclose(moving_mean, batches.mean(1).mean(0), rtol=1e-5)
-  np.testing.assert_allclose(moving_variance, batches.var(1).mean(0),
-                             rtol=1e-5)
+  np.testing.assert_allclose(moving_variance, batches.var(1).mean(0), rtol=1e-5)
 
 
 def test_recompute_batch_norm_of_a_fused_layer_uses_keras_statistics():
   # A BN layer on images is fused; Keras then keeps the unbiased variance.
-  model = tf.keras.Sequential([
-      tf.keras.layers.Input((2, 2, 1)), tf.keras.layers.BatchNormalization(),
-      tf.keras.layers.Flatten(), tf.keras.layers.Dense(3)])
+  model = tf.keras.Sequential(
+    [
+      tf.keras.layers.Input((2, 2, 1)),
+      tf.keras.layers.BatchNormalization(),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(3),
+    ]
+  )
   x = np.random.RandomState(0).randn(10, 2, 2, 1).astype(np.float32)
   tf.function(distillation.recompute_batch_norm)(model, tf.constant(x), 4)
   batches = [x[:4].ravel(), x[4:8].ravel(), x[8:].ravel()]
   layer = model.layers[0]
-  np.testing.assert_allclose(layer.moving_mean,
-                             [np.mean([b.mean() for b in batches])], rtol=1e-5)
-  np.testing.assert_allclose(layer.moving_variance,
-                             [np.mean([b.var(ddof=1) for b in batches])],
-                             rtol=1e-5)
+  np.testing.assert_allclose(layer.moving_mean, [np.mean([b.mean() for b in batches])], rtol=1e-5)
+  np.testing.assert_allclose(
+    layer.moving_variance, [np.mean([b.var(ddof=1) for b in batches])], rtol=1e-5
+  )
   assert layer.momentum == 0.99  # Restored.
 
 
@@ -427,13 +463,21 @@ def test_early_stopping_with_the_initial_student_returns_it_if_unbeaten():
   # Validation labels are the initial student's predictions: accuracy 1 at
   # the start, which no later student can strictly improve.
   y_val = numpy_logits(initial, X).argmax(-1).astype(np.int32)
-  config = Config(num_steps=100, batch_size=2, optimizer="adam",
-                  learning_rate=0.1, lr_schedule="cosine", loss="kl",
-                  swa=False, eval_every=2, patience=4,
-                  keep_initial_student=True)
+  config = Config(
+    num_steps=100,
+    batch_size=2,
+    optimizer="adam",
+    learning_rate=0.1,
+    lr_schedule="cosine",
+    loss="kl",
+    swa=False,
+    eval_every=2,
+    patience=4,
+    keep_initial_student=True,
+  )
   weights, stats = distillation.distill(
-      model, initial, images(X), TARGETS, config, seed=1,
-      validation=(images(X), y_val))
+    model, initial, images(X), TARGETS, config, seed=1, validation=(images(X), y_val)
+  )
   assert int(stats["steps"]) == 4
   np.testing.assert_allclose(stats["validation_accuracy"], 1.0)
   for got, want in zip(weights.trainable, initial.trainable):
@@ -451,13 +495,22 @@ def test_early_stopping_takes_only_improvements_above_the_margin():
   assert start < 1.0
   results = {}
   for margin in (0.0, 1.0):
-    config = Config(num_steps=40, batch_size=2, optimizer="adam",
-                    learning_rate=0.1, lr_schedule="cosine", loss="kl",
-                    swa=False, eval_every=2, patience=20,
-                    min_improvement=margin, keep_initial_student=True)
+    config = Config(
+      num_steps=40,
+      batch_size=2,
+      optimizer="adam",
+      learning_rate=0.1,
+      lr_schedule="cosine",
+      loss="kl",
+      swa=False,
+      eval_every=2,
+      patience=20,
+      min_improvement=margin,
+      keep_initial_student=True,
+    )
     results[margin] = distillation.distill(
-        model, initial, images(X), TARGETS, config, seed=1,
-        validation=(images(X), y_val))
+      model, initial, images(X), TARGETS, config, seed=1, validation=(images(X), y_val)
+    )
   # Any improvement counts without a margin; none can beat a margin of 1.
   assert float(results[0.0][1]["validation_accuracy"]) > start
   weights, stats = results[1.0]
@@ -469,15 +522,15 @@ def test_early_stopping_takes_only_improvements_above_the_margin():
 
 # Plain SGD at a constant step size: the first k steps are the same whatever
 # the budget, so a run of k steps is the trajectory's student after k steps.
-SGD = dict(batch_size=2, learning_rate=0.5, lr_schedule="constant",
-           momentum=0.0, swa=False)
+SGD = dict(batch_size=2, learning_rate=0.5, lr_schedule="constant", momentum=0.0, swa=False)
 
 
 def trajectory(model, initial, num_steps):
   """The students after 1, ..., num_steps steps of SGD (seed 2)."""
-  return [distillation.distill(model, initial, images(X), TARGETS,
-                               Config(num_steps=k, **SGD), seed=2)[0]
-          for k in range(1, num_steps + 1)]
+  return [
+    distillation.distill(model, initial, images(X), TARGETS, Config(num_steps=k, **SGD), seed=2)[0]
+    for k in range(1, num_steps + 1)
+  ]
 
 
 def validation_curve(students, y_val):
@@ -496,11 +549,12 @@ def test_early_stopping_returns_the_student_at_the_validation_peak():
   assert curve[peak] == 1.0 and peak < 11 and curve[-1] < 1.0
   assert np.mean(numpy_logits(initial, X).argmax(-1) == y_val) < 1.0
   for keep_initial_student in (False, True):
-    config = Config(num_steps=12, eval_every=1, patience=12,
-                    keep_initial_student=keep_initial_student, **SGD)
+    config = Config(
+      num_steps=12, eval_every=1, patience=12, keep_initial_student=keep_initial_student, **SGD
+    )
     weights, stats = distillation.distill(
-        model, initial, images(X), TARGETS, config, seed=2,
-        validation=(images(X), y_val))
+      model, initial, images(X), TARGETS, config, seed=2, validation=(images(X), y_val)
+    )
     assert int(stats["steps"]) == 12
     np.testing.assert_allclose(stats["validation_accuracy"], 1.0)
     for got, want in zip(weights.trainable, students[peak].trainable):
@@ -520,24 +574,34 @@ def test_early_stopping_without_the_initial_one_returns_the_best_evaluated():
   config = Config(num_steps=12, eval_every=1, patience=12, **SGD)
   assert not config.keep_initial_student  # FedDF's code's default.
   weights, stats = distillation.distill(
-      model, initial, images(X), TARGETS, config, seed=2,
-      validation=(images(X), y_val))
+    model, initial, images(X), TARGETS, config, seed=2, validation=(images(X), y_val)
+  )
   np.testing.assert_allclose(stats["validation_accuracy"], curve[best])
   for got, want in zip(weights.trainable, students[best].trainable):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   # With the initial student as a candidate, it is unbeaten.
   weights, stats = distillation.distill(
-      model, initial, images(X), TARGETS,
-      dataclasses.replace(config, keep_initial_student=True), seed=2,
-      validation=(images(X), y_val))
+    model,
+    initial,
+    images(X),
+    TARGETS,
+    dataclasses.replace(config, keep_initial_student=True),
+    seed=2,
+    validation=(images(X), y_val),
+  )
   np.testing.assert_allclose(stats["validation_accuracy"], 1.0)
   for got, want in zip(weights.trainable, initial.trainable):
     np.testing.assert_array_equal(got, want)
   # A budget shorter than eval_every evaluates no student: the initial one.
   weights, stats = distillation.distill(
-      model, initial, images(X), TARGETS,
-      Config(num_steps=3, eval_every=5, patience=5, **SGD), seed=2,
-      validation=(images(X), y_val))
+    model,
+    initial,
+    images(X),
+    TARGETS,
+    Config(num_steps=3, eval_every=5, patience=5, **SGD),
+    seed=2,
+    validation=(images(X), y_val),
+  )
   np.testing.assert_allclose(stats["validation_accuracy"], -1.0)
   for got, want in zip(weights.trainable, initial.trainable):
     np.testing.assert_array_equal(got, want)
@@ -546,18 +610,26 @@ def test_early_stopping_without_the_initial_one_returns_the_best_evaluated():
 def test_shuffles_are_seeded():
   model = tiny_model(seed=0)
   initial = weights_of(model)
-  config = Config(num_steps=5, batch_size=2, learning_rate=0.5,
-                  lr_schedule="constant", swa=False)
-  a, b, c = (distillation.distill(model, initial, images(X), TARGETS, config,
-                                  seed=s)[0].trainable[0]
-             for s in (4, 4, 5))
+  config = Config(num_steps=5, batch_size=2, learning_rate=0.5, lr_schedule="constant", swa=False)
+  a, b, c = (
+    distillation.distill(model, initial, images(X), TARGETS, config, seed=s)[0].trainable[0]
+    for s in (4, 4, 5)
+  )
   np.testing.assert_array_equal(a, b)
   assert not np.allclose(a, c)
 
 
-ES_CONFIG = Config(num_steps=40, batch_size=2, optimizer="adam",
-                   learning_rate=0.05, lr_schedule="cosine", loss="kl",
-                   swa=False, eval_every=3, patience=9)
+ES_CONFIG = Config(
+  num_steps=40,
+  batch_size=2,
+  optimizer="adam",
+  learning_rate=0.05,
+  lr_schedule="cosine",
+  loss="kl",
+  swa=False,
+  eval_every=3,
+  patience=9,
+)
 Y_VAL = np.array([0, 2, 1, 1, 0, 2], np.int32)
 
 
@@ -571,21 +643,23 @@ def test_distill_in_a_tff_computation_matches_eager(mode):
   weights_type = client_work.weights_type_of(model_fn)
 
   @tff.tensorflow.computation(
-      weights_type, tff.TensorType(np.float32, [6, 2, 2, 1]),
-      tff.TensorType(np.float32, [6, 3]), tff.TensorType(np.int32, [6]))
+    weights_type,
+    tff.TensorType(np.float32, [6, 2, 2, 1]),
+    tff.TensorType(np.float32, [6, 3]),
+    tff.TensorType(np.int32, [6]),
+  )
   def server_distill(weights, x, targets, y_val):
     validation = (x, y_val) if config.eval_every else None
-    return distillation.distill(model_fn(), weights, x, targets, config,
-                                seed=3, validation=validation,
-                                device="/CPU:0")
+    return distillation.distill(
+      model_fn(), weights, x, targets, config, seed=3, validation=validation, device="/CPU:0"
+    )
 
   initial = weights_of(model_fn())
-  got, got_stats = server_distill(initial, X.reshape(6, 2, 2, 1), TARGETS,
-                                  Y_VAL)
+  got, got_stats = server_distill(initial, X.reshape(6, 2, 2, 1), TARGETS, Y_VAL)
   validation = (images(X), Y_VAL) if config.eval_every else None
   want, want_stats = distillation.distill(
-      model_fn(), initial, images(X), TARGETS, config, seed=3,
-      validation=validation)
+    model_fn(), initial, images(X), TARGETS, config, seed=3, validation=validation
+  )
   for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
   for key, value in want_stats.items():
@@ -600,32 +674,29 @@ def test_teachers_and_drop_worst_in_a_tff_computation():
   members = stack(*(weights_of(tiny_model(seed=s)) for s in (1, 5, 9)))
   model_fn = lambda: tiny_model(seed=0)
   stacked_type = tff.types.tensorflow_to_type(
-      tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
-                            members))
+    tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), members)
+  )
 
-  @tff.tensorflow.computation(stacked_type,
-                              tff.TensorType(np.float32, [6, 2, 2, 1]),
-                              tff.TensorType(np.int32, [6]))
+  @tff.tensorflow.computation(
+    stacked_type, tff.TensorType(np.float32, [6, 2, 2, 1]), tff.TensorType(np.int32, [6])
+  )
   def teachers(stacked, x, y):
     predictions = distillation.ensemble_predictions(model_fn(), stacked, x)
     accuracies = distillation.member_accuracies(model_fn(), stacked, x, y)
-    keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies,
-                                           y, 3)
+    keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies, y, 3)
     kept = distillation.ensemble_predictions(
-        model_fn(), stacked, x, member_weights=tf.cast(keep, tf.float32))
+      model_fn(), stacked, x, member_weights=tf.cast(keep, tf.float32)
+    )
     return predictions, accuracies, keep, kept
 
-  predictions, accuracies, keep, kept = teachers(
-      members, X.reshape(6, 2, 2, 1), Y_VAL)
+  predictions, accuracies, keep, kept = teachers(members, X.reshape(6, 2, 2, 1), Y_VAL)
   logits = np.stack([numpy_logits(_member(members, m), X) for m in range(3)])
-  np.testing.assert_allclose(predictions["mean_logits"], logits.mean(0),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(predictions["mean_logits"], logits.mean(0), rtol=1e-5, atol=1e-6)
   want = np.mean(logits.argmax(-1) == Y_VAL, axis=1)
   np.testing.assert_allclose(accuracies, want, rtol=1e-6)
   np.testing.assert_array_equal(keep, authors_drop_worst(want, 3))
   assert 0 < np.sum(keep) < 3  # The example drops some, not all.
-  np.testing.assert_allclose(kept["mean_logits"], logits[keep].mean(0),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(kept["mean_logits"], logits[keep].mean(0), rtol=1e-5, atol=1e-6)
 
 
 def _member(stacked, m):
@@ -635,8 +706,7 @@ def _member(stacked, m):
 # Device -----------------------------------------------------------------------
 
 
-@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")),
-                    reason="checks the CPU-only path")
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="checks the CPU-only path")
 def test_choose_device_without_gpu():
   for requested in (None, "", "auto", "cpu", "/CPU:0", "/device:cpu:0"):
     assert distillation.choose_device(requested) == "/CPU:0"

@@ -31,8 +31,9 @@ def trained_binary_resnet8():
   rng = np.random.default_rng(0)
   x = rng.random((64, *femnist.INPUT_SHAPE), dtype=np.float32)
   y = rng.integers(femnist.NUM_CLASSES, size=64)
-  model.compile(tf.keras.optimizers.SGD(0.1),
-                tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.compile(
+    tf.keras.optimizers.SGD(0.1), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  )
   model.fit(x, y, batch_size=16, epochs=3, verbose=0)
   return model
 
@@ -47,13 +48,19 @@ def test_binary_resnet_layout(name, depth):
     assert layer.kernel_quantizer.__class__ is lq.quantizers.SteSign
     assert isinstance(layer.kernel_constraint, lq.constraints.WeightClip)
   # First and last layers in full precision.
-  weighted = [layer for layer in model.layers if layer.weights and
-              not isinstance(layer, tf.keras.layers.BatchNormalization)]
+  weighted = [
+    layer
+    for layer in model.layers
+    if layer.weights and not isinstance(layer, tf.keras.layers.BatchNormalization)
+  ]
   assert type(weighted[0]) is tf.keras.layers.Conv2D
   assert type(weighted[-1]) is tf.keras.layers.Dense
   assert model.output_shape == (None, femnist.NUM_CLASSES)
-  assert all(layer.momentum == resnet.BINARY_BATCH_NORM_MOMENTUM for layer in model.layers
-             if isinstance(layer, tf.keras.layers.BatchNormalization))
+  assert all(
+    layer.momentum == resnet.BINARY_BATCH_NORM_MOMENTUM
+    for layer in model.layers
+    if isinstance(layer, tf.keras.layers.BatchNormalization)
+  )
 
 
 def test_federated_client_update_clips_latent_weights():
@@ -61,12 +68,20 @@ def test_federated_client_update_clips_latent_weights():
   initial = tff.learning.models.ModelWeights.from_model(model)
   initial = tf.nest.map_structure(lambda v: tf.constant(v.numpy()), initial)
   rng = np.random.default_rng(0)
-  dataset = tf.data.Dataset.from_tensor_slices((
+  dataset = tf.data.Dataset.from_tensor_slices(
+    (
       rng.random((8, *femnist.INPUT_SHAPE), dtype=np.float32),
-      rng.integers(femnist.NUM_CLASSES, size=8).astype(np.int32))).batch(4)
+      rng.integers(femnist.NUM_CLASSES, size=8).astype(np.int32),
+    )
+  ).batch(4)
   client_work.train_locally(
-      model, tff.learning.optimizers.build_sgdm(learning_rate=0.0), initial, dataset,
-      tf.constant(100.0), client_work.LocalTrainingConfig(learning_rate=100.0))
+    model,
+    tff.learning.optimizers.build_sgdm(learning_rate=0.0),
+    initial,
+    dataset,
+    tf.constant(100.0),
+    client_work.LocalTrainingConfig(learning_rate=100.0),
+  )
   kernels = [layer.kernel.numpy() for layer in _binary_layers(model)]
   assert max(np.abs(k).max() for k in kernels) <= 1.0
   # A rate of 100 moves some latent weights to the clip.
@@ -82,14 +97,16 @@ def test_lce_and_binary_exports_match_keras(trained_binary_resnet8):
   for output_format in ("lce", "binary"):
     flatbuffer = convert.convert_model(model, output_format)
     sizes[output_format] = len(flatbuffer)
-    description = {"format": output_format, "class_labels": list(femnist.CLASS_LABELS),
-                   "runtime": (metadata.RUNTIME_LCE if output_format == "lce"
-                               else metadata.RUNTIME_TFLITE),
-                   "input": {"shape": [None, 28, 28, 1], "value_range": [0.0, 1.0],
-                             "preprocessing": ""}}
+    description = {
+      "format": output_format,
+      "class_labels": list(femnist.CLASS_LABELS),
+      "runtime": (metadata.RUNTIME_LCE if output_format == "lce" else metadata.RUNTIME_TFLITE),
+      "input": {"shape": [None, 28, 28, 1], "value_range": [0.0, 1.0], "preprocessing": ""},
+    }
     exported = on_device.Classifier(flatbuffer, description)
-    assert exported.runtime.split()[0] == ("larq_compute_engine" if output_format == "lce"
-                                           else "tflite_runtime")
+    assert exported.runtime.split()[0] == (
+      "larq_compute_engine" if output_format == "lce" else "tflite_runtime"
+    )
     logits = exported.logits(x)
     np.testing.assert_allclose(logits, keras, atol=1e-3 * np.abs(keras).max())
     assert np.array_equal(logits.argmax(-1), keras.argmax(-1))

@@ -37,9 +37,9 @@ def member_shapes():
 
 
 CLIENT_DATA = [
-    ([[1.0, 0.0, -1.0, 2.0], [0.5, -0.5, 1.0, 0.0]], [0, 2]),
-    ([[-1.0, 2.0, 0.0, 1.0], [2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 1.0, 3.0]], [1, 1, 0]),
-    ([[0.0, 1.0, 1.0, -2.0], [1.0, 1.0, 1.0, 1.0]], [2, 0]),
+  ([[1.0, 0.0, -1.0, 2.0], [0.5, -0.5, 1.0, 0.0]], [0, 2]),
+  ([[-1.0, 2.0, 0.0, 1.0], [2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 1.0, 3.0]], [1, 1, 0]),
+  ([[0.0, 1.0, 1.0, -2.0], [1.0, 1.0, 1.0, 1.0]], [2, 0]),
 ]
 
 
@@ -66,8 +66,9 @@ def test_each_block_of_k_rounds_is_a_permutation(k):
     assert len({rows[seed, c, block] for c in range(8)}) > 1
   if k > 2:
     # Blocks are re-drawn: a client's row changes between blocks somewhere.
-    assert any(len({rows[seed, c, b] for b in range(3)}) > 1
-               for seed in [0, 1, 1234] for c in range(8))
+    assert any(
+      len({rows[seed, c, b] for b in range(3)}) > 1 for seed in [0, 1, 1234] for c in range(8)
+    )
     # And the seed matters.
     assert any(rows[0, c, b] != rows[1, c, b] for c in range(8) for b in range(3))
 
@@ -84,9 +85,11 @@ def test_assignment_is_deterministic_and_tensor_inputs_agree():
     a = assign(5, client, round_num, 3)
     assert assign(5, client, round_num, 3) == a
     # As TFF calls it: tensors (seed int64, index and round int32).
-    b = int(fed_ensemble.assigned_model(
-        tf.constant(5, tf.int64), tf.constant(client, tf.int32),
-        tf.constant(round_num, tf.int32), 3))
+    b = int(
+      fed_ensemble.assigned_model(
+        tf.constant(5, tf.int64), tf.constant(client, tf.int32), tf.constant(round_num, tf.int32), 3
+      )
+    )
     assert b == a
   row = fed_ensemble.permutation_row(5, 3, 1, 3).numpy().tolist()
   assert [assign(5, 3, t, 3) for t in range(3, 6)] == row
@@ -94,15 +97,17 @@ def test_assignment_is_deterministic_and_tensor_inputs_agree():
 
 def test_random_assignment_is_in_range_and_not_a_permutation():
   k = 3
-  values = np.array([[assign(0, client, t, k, "random") for t in range(2 * k)]
-                     for client in range(10)])
+  values = np.array(
+    [[assign(0, client, t, k, "random") for t in range(2 * k)] for client in range(10)]
+  )
   assert values.min() >= 0 and values.max() < k
   assert set(values.ravel()) == set(range(k))
   blocks = values.reshape(10, 2, k)
   not_permutations = [b for b in blocks.reshape(-1, k) if sorted(b) != list(range(k))]
   assert not_permutations  # 20 blocks, each a permutation with prob. 2/9.
-  assert values.tolist() == [[assign(0, client, t, k, "random") for t in range(2 * k)]
-                             for client in range(10)]
+  assert values.tolist() == [
+    [assign(0, client, t, k, "random") for t in range(2 * k)] for client in range(10)
+  ]
 
 
 def test_unknown_assignment_and_bad_size_raise():
@@ -111,11 +116,13 @@ def test_unknown_assignment_and_bad_size_raise():
   with pytest.raises(ValueError, match="ensemble_size"):
     fed_ensemble.build_fed_ensemble(member_model, SPEC, Config(), ensemble_size=0)
   with pytest.raises(ValueError, match="cyclic"):
-    fed_ensemble.build_fed_ensemble(member_model, SPEC, Config(), ensemble_size=2,
-                                    assignment="cyclic")
+    fed_ensemble.build_fed_ensemble(
+      member_model, SPEC, Config(), ensemble_size=2, assignment="cyclic"
+    )
   with pytest.raises(ValueError, match="member_average 'median'"):
-    fed_ensemble.build_fed_ensemble(member_model, SPEC, Config(), ensemble_size=2,
-                                    member_average="median")
+    fed_ensemble.build_fed_ensemble(
+      member_model, SPEC, Config(), ensemble_size=2, member_average="median"
+    )
 
 
 # ------------------------------------------------------------- server update
@@ -123,22 +130,25 @@ def test_unknown_assignment_and_bad_size_raise():
 
 def test_server_update_hand_example():
   k = 3
-  members = tuple(ModelWeights([tf.constant(w)], [tf.constant(b)]) for w, b in
-                  (([1.0, 1.0], 10.0), ([2.0, -3.0], 20.0), ([0.5, 0.25], 30.0)))
-  accumulator = (tuple(tf.nest.map_structure(tf.zeros_like, m) for m in members),
-                 tf.zeros([k]))
+  members = tuple(
+    ModelWeights([tf.constant(w)], [tf.constant(b)])
+    for w, b in (([1.0, 1.0], 10.0), ([2.0, -3.0], 20.0), ([0.5, 0.25], 30.0))
+  )
+  accumulator = (tuple(tf.nest.map_structure(tf.zeros_like, m) for m in members), tf.zeros([k]))
   clients = [  # (update, weight, key)
-      (ModelWeights([tf.constant([1.0, 2.0])], [tf.constant(0.5)]), 1.0, 0),
-      (ModelWeights([tf.constant([3.0, -2.0])], [tf.constant(1.5)]), 3.0, 0),
-      (ModelWeights([tf.constant([4.0, 4.0])], [tf.constant(2.0)]), 2.0, 2),
+    (ModelWeights([tf.constant([1.0, 2.0])], [tf.constant(0.5)]), 1.0, 0),
+    (ModelWeights([tf.constant([3.0, -2.0])], [tf.constant(1.5)]), 3.0, 0),
+    (ModelWeights([tf.constant([4.0, 4.0])], [tf.constant(2.0)]), 2.0, 2),
   ]
   for update, weight, key in clients:
     accumulator = fed_ensemble.scatter_add_update(
-        accumulator, update, tf.constant(weight), tf.constant(key))
+      accumulator, update, tf.constant(weight), tf.constant(key)
+    )
   slots, weights = accumulator
   np.testing.assert_allclose(weights, [4.0, 0.0, 2.0])
-  np.testing.assert_allclose([s.trainable[0] for s in slots],
-                             [[10.0, -4.0], [0.0, 0.0], [8.0, 8.0]])
+  np.testing.assert_allclose(
+    [s.trainable[0] for s in slots], [[10.0, -4.0], [0.0, 0.0], [8.0, 8.0]]
+  )
   np.testing.assert_allclose([s.non_trainable[0] for s in slots], [5.0, 0.0, 4.0])
 
   new = fed_ensemble.apply_slot_means(members, slots, weights)
@@ -159,14 +169,15 @@ def test_server_update_hand_example():
 @pytest.fixture(scope="module")
 def built():
   return fed_ensemble.build_fed_ensemble(
-      member_model, SPEC, Config(learning_rate=LR), ensemble_size=3, seed=4,
-      member_average="examples")
+    member_model, SPEC, Config(learning_rate=LR), ensemble_size=3, seed=4, member_average="examples"
+  )
 
 
 @pytest.fixture(scope="module")
 def built_by_clients():
   return fed_ensemble.build_fed_ensemble(
-      member_model, SPEC, Config(learning_rate=LR), ensemble_size=3, seed=4)
+    member_model, SPEC, Config(learning_rate=LR), ensemble_size=3, seed=4
+  )
 
 
 def _intrinsics(computation):
@@ -231,8 +242,13 @@ def test_a_client_downloads_one_member_and_uploads_one_update(built):
 
 def _trained_update(initial, x, y):
   result, _ = client_work.train_locally(
-      member_model(0), tff.learning.optimizers.build_sgdm(learning_rate=LR),
-      initial, one_batch(x, y), tf.constant(LR), Config(learning_rate=LR))
+    member_model(0),
+    tff.learning.optimizers.build_sgdm(learning_rate=LR),
+    initial,
+    one_batch(x, y),
+    tf.constant(LR),
+    Config(learning_rate=LR),
+  )
   return float(result.update_weight), tf.nest.map_structure(np.asarray, result.update)
 
 
@@ -259,7 +275,8 @@ def test_round_trains_only_the_assigned_members(built):
   state = built.process.initialize()
   before = list(state["members"])
   new_state, metrics = built.process.next(
-      state, [one_batch(x, y) for x, y in data], [np.int32(i) for i in indices])
+    state, [one_batch(x, y) for x, y in data], [np.int32(i) for i in indices]
+  )
   after = list(new_state["members"])
   assert len(after) == k and all(isinstance(m, ModelWeights) for m in after)
 
@@ -273,13 +290,17 @@ def test_round_trains_only_the_assigned_members(built):
     results = [_trained_update(before[member], *data[c]) for c in trainers]
     total = sum(w for w, _ in results)
     expected = tf.nest.map_structure(
-        lambda w0, *us: w0 - sum(w * u for (w, _), u in zip(results, us)) / total,
-        before[member], *[u for _, u in results])
-    for got, e, was in zip(_flat(after[member]), _flat(expected), _flat(before[member]),
-                           strict=True):
+      lambda w0, *us: w0 - sum(w * u for (w, _), u in zip(results, us)) / total,
+      before[member],
+      *[u for _, u in results],
+    )
+    for got, e, was in zip(
+      _flat(after[member]), _flat(expected), _flat(before[member]), strict=True
+    ):
       np.testing.assert_allclose(got, e, rtol=1e-5, atol=1e-6)
-    assert any(not np.array_equal(g, w) for g, w in
-               zip(_flat(after[member]), _flat(before[member])))
+    assert any(
+      not np.array_equal(g, w) for g, w in zip(_flat(after[member]), _flat(before[member]))
+    )
 
   assert metrics["aggregator"]["members_trained"] == len(set(keys))
   assert metrics["client_work"]["num_examples"] == 5.0
@@ -290,25 +311,32 @@ def test_round_trains_only_the_assigned_members(built):
 
 @pytest.mark.parametrize("average, weights", [("examples", (2, 3)), ("clients", (1, 1))])
 def test_two_clients_on_one_member_are_averaged_as_member_average_says(
-    average, weights, built, built_by_clients):
+  average, weights, built, built_by_clients
+):
   process = (built if average == "examples" else built_by_clients).process
   seed, k = 4, 3
   # Two clients with the same round-0 model.
-  pairs = [(i, j) for i in range(30) for j in range(i + 1, 30)
-           if assign(seed, i, 0, k) == assign(seed, j, 0, k)]
+  pairs = [
+    (i, j)
+    for i in range(30)
+    for j in range(i + 1, 30)
+    if assign(seed, i, 0, k) == assign(seed, j, 0, k)
+  ]
   i, j = pairs[0]
   member = assign(seed, i, 0, k)
   data = CLIENT_DATA[:2]  # 2 and 3 examples.
   state = process.initialize()
   before = list(state["members"])
   new_state, metrics = process.next(
-      state, [one_batch(x, y) for x, y in data], [np.int32(i), np.int32(j)])
+    state, [one_batch(x, y) for x, y in data], [np.int32(i), np.int32(j)]
+  )
   after = list(new_state["members"])
   (wa, ua), (wb, ub) = [_trained_update(before[member], *d) for d in data]
   assert (wa, wb) == (2.0, 3.0)
   ca, cb = weights
-  expected = tf.nest.map_structure(lambda w, a, b: w - (ca * a + cb * b) / (ca + cb),
-                                   before[member], ua, ub)
+  expected = tf.nest.map_structure(
+    lambda w, a, b: w - (ca * a + cb * b) / (ca + cb), before[member], ua, ub
+  )
   for got, e in zip(_flat(after[member]), _flat(expected), strict=True):
     np.testing.assert_allclose(got, e, rtol=1e-5, atol=1e-6)
   for other in set(range(k)) - {member}:
@@ -355,8 +383,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(built, tmp_path):
 
 def test_fed_ensemble_bytes_equal_fedavg_bytes():
   model_fn = member_model
-  ensemble = algorithms.build_algorithm(
-      "fedensemble", model_fn, SPEC, Config(), ensemble_size=3)
+  ensemble = algorithms.build_algorithm("fedensemble", model_fn, SPEC, Config(), ensemble_size=3)
   fedavg = algorithms.build_algorithm("fedavg", model_fn, SPEC, Config())
   # BatchNorm(4): 4 x 4 values; Dense: 4 x 3 + 3.
   num_params = 4 * 4 + 4 * 3 + 3
@@ -371,24 +398,24 @@ def test_fed_ensemble_bytes_equal_fedavg_bytes():
   assert down < 2 * 4 * num_params  # Far from K models.
 
 
-
 # ------------------------------------------------------------------- FedDyn
 
 
 def test_feddyn_server_correction_hand_example():
   # Acar et al., Algorithm 1, lines 9-10, for model 0 (two clients) and
   # model 1 (nobody); alpha = 0.5, m = 4 clients in the population.
-  members = (ModelWeights([tf.constant([0.8, 1.6])], []),  # after the mean
-             ModelWeights([tf.constant([3.0, 3.0])], []))
+  members = (
+    ModelWeights([tf.constant([0.8, 1.6])], []),  # after the mean
+    ModelWeights([tf.constant([3.0, 3.0])], []),
+  )
   corrections = ((tf.constant([0.1, -0.2]),), (tf.constant([1.0, 1.0]),))
-  slots = (ModelWeights([tf.constant([0.4, 0.8])], []),
-           ModelWeights([tf.constant([0.0, 0.0])], []))
+  slots = (ModelWeights([tf.constant([0.4, 0.8])], []), ModelWeights([tf.constant([0.0, 0.0])], []))
   new_members, new_corrections = fed_ensemble.apply_feddyn_correction(
-      members, corrections, slots, tf.constant([2.0, 0.0]), 0.5, 4)
+    members, corrections, slots, tf.constant([2.0, 0.0]), 0.5, 4
+  )
   # h = [0.1, -0.2] + 0.5 / 4 * [0.4, 0.8]; w = mean - h / 0.5.
   np.testing.assert_allclose(new_corrections[0][0], [0.15, -0.1], rtol=1e-6)
-  np.testing.assert_allclose(new_members[0].trainable[0], [0.5, 1.8],
-                             rtol=1e-6)
+  np.testing.assert_allclose(new_members[0].trainable[0], [0.5, 1.8], rtol=1e-6)
   # Nobody trained model 1: neither it nor its h moves.
   np.testing.assert_array_equal(new_corrections[1][0], [1.0, 1.0])
   np.testing.assert_array_equal(new_members[1].trainable[0], [3.0, 3.0])
@@ -398,8 +425,14 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
   seed, k, alpha, m = 4, 2, 0.2, 5
   indices = [0, 1, 3]
   built = fed_ensemble.build_fed_ensemble(
-      member_model, SPEC, Config(learning_rate=LR), ensemble_size=k,
-      seed=seed, feddyn_alpha=alpha, num_clients=m)
+    member_model,
+    SPEC,
+    Config(learning_rate=LR),
+    ensemble_size=k,
+    seed=seed,
+    feddyn_alpha=alpha,
+    num_clients=m,
+  )
   optimizer = tff.learning.optimizers.build_sgdm(learning_rate=LR)
   state = built.process.initialize()
   members = [tf.nest.map_structure(np.asarray, w) for w in state["members"]]
@@ -407,40 +440,43 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
   # Each client's g per model, as the CLI's store keeps them: one vector.
   shapes = [t.shape for t in members[0].trainable]
   sizes = [t.size for t in members[0].trainable]
-  unpack = lambda v: [t.reshape(shape) for t, shape in zip(
-      np.split(v, np.cumsum(sizes)[:-1]), shapes)]
-  g = {(c, j): np.zeros(sum(sizes), np.float32)
-       for c in indices for j in range(k)}
+  unpack = lambda v: [
+    t.reshape(shape) for t, shape in zip(np.split(v, np.cumsum(sizes)[:-1]), shapes)
+  ]
+  g = {(c, j): np.zeros(sum(sizes), np.float32) for c in indices for j in range(k)}
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   for round_num in range(2):
     keys = [assign(seed, c, round_num, k) for c in indices]
     state, metrics, new_g = built.process.next(
-        state, datasets, [np.int32(c) for c in indices],
-        [g[c, j] for c, j in zip(indices, keys)])
+      state, datasets, [np.int32(c) for c in indices], [g[c, j] for c, j in zip(indices, keys)]
+    )
     # Expected: each client's FedDyn update from its model and its own g,
     # then the unweighted per-model mean and h's correction.
     updates = {}
     for c, j, data in zip(indices, keys, datasets):
       result, _, client_g = client_work.train_feddyn(
-          member_model(0), optimizer, members[j], data, tf.constant(LR),
-          Config(learning_rate=LR), alpha,
-          [tf.constant(t) for t in unpack(g[c, j])])
-      updates.setdefault(j, []).append(
-          tf.nest.map_structure(np.asarray, result.update))
+        member_model(0),
+        optimizer,
+        members[j],
+        data,
+        tf.constant(LR),
+        Config(learning_rate=LR),
+        alpha,
+        [tf.constant(t) for t in unpack(g[c, j])],
+      )
+      updates.setdefault(j, []).append(tf.nest.map_structure(np.asarray, result.update))
       g[c, j] = np.concatenate([np.ravel(t) for t in client_g])
     for j, us in updates.items():
       total = tf.nest.map_structure(lambda *t: sum(t), *us)
-      mean = tf.nest.map_structure(lambda w, s: w - s / len(us), members[j],
-                                   total)
+      mean = tf.nest.map_structure(lambda w, s: w - s / len(us), members[j], total)
       h[j] = [hj + alpha / m * s for hj, s in zip(h[j], total.trainable)]
       members[j] = ModelWeights(
-          [w - hj / alpha for w, hj in zip(mean.trainable, h[j])],
-          mean.non_trainable)
+        [w - hj / alpha for w, hj in zip(mean.trainable, h[j])], mean.non_trainable
+      )
     for got, c, j in zip(new_g, indices, keys, strict=True):
       np.testing.assert_allclose(got, g[c, j], rtol=1e-5, atol=1e-6)
     for j in range(k):
-      for a, b in zip(_flat(state["members"][j]), _flat(members[j]),
-                      strict=True):
+      for a, b in zip(_flat(state["members"][j]), _flat(members[j]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
       for a, b in zip(state["feddyn"][j], h[j], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -450,20 +486,26 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
 
 
 def test_feddyn_client_state_stays_on_the_client():
-  fedavg = algorithms.build_algorithm("fedensemble", member_model, SPEC,
-                                      Config(), ensemble_size=3)
+  fedavg = algorithms.build_algorithm("fedensemble", member_model, SPEC, Config(), ensemble_size=3)
   feddyn = algorithms.build_algorithm(
-      "fedensemble", member_model, SPEC, Config(), ensemble_size=3,
-      local_objective="feddyn", num_clients=10)
+    "fedensemble",
+    member_model,
+    SPEC,
+    Config(),
+    ensemble_size=3,
+    local_objective="feddyn",
+    num_clients=10,
+  )
   # g is neither downloaded nor uploaded: the bytes are Fed-ensemble's.
   assert feddyn.bytes_per_client_round() == fedavg.bytes_per_client_round()
   assert feddyn.client_state is not None and fedavg.client_state is None
   # g is one float32 vector, as long as the model's trainable weights.
   zeros = feddyn.client_state.zeros()
-  assert zeros.dtype == np.float32 and zeros.shape == (sum(
-      int(np.prod(v.shape)) for v in member_model(0).trainable_variables),)
-  assert feddyn.client_state.models([0, 1, 3], 2) == [
-      assign(0, c, 2, 3) for c in (0, 1, 3)]
+  assert zeros.dtype == np.float32 and zeros.shape == (
+    sum(int(np.prod(v.shape)) for v in member_model(0).trainable_variables),
+  )
+  assert feddyn.client_state.models([0, 1, 3], 2) == [assign(0, c, 2, 3) for c in (0, 1, 3)]
   with pytest.raises(ValueError, match="fedensemble"):
-    algorithms.build_algorithm("fedavg", member_model, SPEC, Config(),
-                               local_objective="feddyn", num_clients=10)
+    algorithms.build_algorithm(
+      "fedavg", member_model, SPEC, Config(), local_objective="feddyn", num_clients=10
+    )

@@ -45,8 +45,9 @@ def numpy_sgd_update(kernel, bias, x, y, lr=LR):
 
 
 def as_numpy(weights):
-  return ModelWeights([np.asarray(t) for t in weights.trainable],
-                      [np.asarray(t) for t in weights.non_trainable])
+  return ModelWeights(
+    [np.asarray(t) for t in weights.trainable], [np.asarray(t) for t in weights.non_trainable]
+  )
 
 
 def assert_weights_close(got, expected, atol=1e-6):
@@ -59,16 +60,21 @@ def assert_weights_close(got, expected, atol=1e-6):
 @pytest.fixture(scope="module")
 def bn_fedavg():
   process, _ = fedavg.build_fedavg(
-      lambda: make_model(batch_norm=True), SPEC, Config(learning_rate=LR))
+    lambda: make_model(batch_norm=True), SPEC, Config(learning_rate=LR)
+  )
   return process
 
 
 def locally_trained_update(initial, x, y):
   """One client's ClientResult from `train_locally`, run outside TFF."""
   result, _ = client_work.train_locally(
-      make_model(batch_norm=True),
-      tff.learning.optimizers.build_sgdm(learning_rate=LR), initial,
-      one_batch(x, y), tf.constant(LR), Config(learning_rate=LR))
+    make_model(batch_norm=True),
+    tff.learning.optimizers.build_sgdm(learning_rate=LR),
+    initial,
+    one_batch(x, y),
+    tf.constant(LR),
+    Config(learning_rate=LR),
+  )
   return result
 
 
@@ -85,8 +91,11 @@ def test_round_is_example_weighted_average_of_client_models(bn_fedavg):
   # FedAvg: w0 - (2 dA + 3 dB) / 5, i.e. the weighted average of the two
   # clients' trained models, trainable and batch-norm weights alike.
   expected = tf.nest.map_structure(
-      lambda w, a, b: w - (2 * np.asarray(a) + 3 * np.asarray(b)) / 5,
-      w0, update_a.update, update_b.update)
+    lambda w, a, b: w - (2 * np.asarray(a) + 3 * np.asarray(b)) / 5,
+    w0,
+    update_a.update,
+    update_b.update,
+  )
   assert_weights_close(got, expected)
 
   # The batch-norm statistics by hand: from moving mean 0 / variance 1, each
@@ -107,24 +116,30 @@ def test_client_with_nan_data_is_rejected(bn_fedavg):
   w0 = as_numpy(bn_fedavg.get_model_weights(state))
   x_bad = np.array(XA)
   x_bad[0, 1] = np.nan
-  output = bn_fedavg.next(
-      state, [one_batch(XA, YA), one_batch(x_bad, [1, 1]), one_batch(XB, YB)])
+  output = bn_fedavg.next(state, [one_batch(XA, YA), one_batch(x_bad, [1, 1]), one_batch(XB, YB)])
   got = as_numpy(bn_fedavg.get_model_weights(output.state))
 
   update_a = locally_trained_update(w0, XA, YA)
   update_b = locally_trained_update(w0, XB, YB)
   expected = tf.nest.map_structure(
-      lambda w, a, b: w - (2 * np.asarray(a) + 3 * np.asarray(b)) / 5,
-      w0, update_a.update, update_b.update)
+    lambda w, a, b: w - (2 * np.asarray(a) + 3 * np.asarray(b)) / 5,
+    w0,
+    update_a.update,
+    update_b.update,
+  )
   assert_weights_close(got, expected)
   assert all(np.isfinite(t).all() for t in tf.nest.flatten(got))
   assert output.metrics["client_work"]["rejected_updates"] == 1.0
 
 
-@pytest.mark.parametrize("x, y", [
-    (np.full((2, 4), np.nan), [0, 1]),                # Update rejected.
-    (np.zeros((0, 4)), np.zeros((0,), np.int32)),     # No examples.
-], ids=["rejected", "empty"])
+@pytest.mark.parametrize(
+  "x, y",
+  [
+    (np.full((2, 4), np.nan), [0, 1]),  # Update rejected.
+    (np.zeros((0, 4)), np.zeros((0,), np.int32)),  # No examples.
+  ],
+  ids=["rejected", "empty"],
+)
 def test_round_where_every_client_has_weight_zero_keeps_the_model(bn_fedavg, x, y):
   state = bn_fedavg.initialize()
   w0 = as_numpy(bn_fedavg.get_model_weights(state))
@@ -137,8 +152,12 @@ def test_round_where_every_client_has_weight_zero_keeps_the_model(bn_fedavg, x, 
 def test_fedavgm_second_round_adds_momentum_times_previous_delta(server_lr):
   momentum = 0.9
   process, _ = fedavg.build_fedavg(
-      make_model, SPEC, Config(learning_rate=LR),
-      server_learning_rate=server_lr, server_momentum=momentum)
+    make_model,
+    SPEC,
+    Config(learning_rate=LR),
+    server_learning_rate=server_lr,
+    server_momentum=momentum,
+  )
   data = [one_batch(XA, YA), one_batch(XB, YB)]
 
   def mean_delta(weights):
@@ -160,14 +179,12 @@ def test_fedavgm_second_round_adds_momentum_times_previous_delta(server_lr):
   d2 = mean_delta(w1)
   # Round 2: v2 = momentum * v1 + d2.
   for got, w, a, b in zip(w2, w1, d1, d2):
-    np.testing.assert_allclose(got, w - server_lr * (momentum * a + b),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, w - server_lr * (momentum * a + b), rtol=1e-5, atol=1e-6)
   # Without momentum the second step would differ noticeably.
   assert not np.allclose(w2[0], w1[0] - server_lr * d2[0], atol=1e-4)
 
 
 class TestTypeSizeBytes:
-
   def test_tensors(self):
     assert algorithms.type_size_bytes(tff.TensorType(np.float32, [2, 3])) == 24
     assert algorithms.type_size_bytes(tff.TensorType(np.int64)) == 8
@@ -175,12 +192,21 @@ class TestTypeSizeBytes:
     assert algorithms.type_size_bytes(tff.TensorType(np.float64, [0, 5])) == 0
 
   def test_nested_struct_federated_and_sequence(self):
-    struct = tff.StructType([
-        ("a", tff.TensorType(np.float32, [4, 3])),              # 48
-        ("b", tff.StructType([tff.TensorType(np.int64, [2]),   # 16
-                              tff.TensorType(np.bool_, [3])])),  # 3
+    struct = tff.StructType(
+      [
+        ("a", tff.TensorType(np.float32, [4, 3])),  # 48
+        (
+          "b",
+          tff.StructType(
+            [
+              tff.TensorType(np.int64, [2]),  # 16
+              tff.TensorType(np.bool_, [3]),
+            ]
+          ),
+        ),  # 3
         ("data", tff.SequenceType(tff.TensorType(np.float32, [100]))),  # 0
-    ])
+      ]
+    )
     assert algorithms.type_size_bytes(struct) == 67
     assert algorithms.type_size_bytes(tff.FederatedType(struct, tff.CLIENTS)) == 67
 
@@ -195,14 +221,16 @@ def test_unknown_algorithm_and_objective_raise():
   with pytest.raises(ValueError, match="fedsgd"):
     algorithms.build_algorithm("fedsgd", lambda k: make_model(k), SPEC, Config())
   with pytest.raises(ValueError, match="adam"):
-    algorithms.build_algorithm("fedavg", lambda k: make_model(k), SPEC, Config(),
-                               local_objective="adam")
+    algorithms.build_algorithm(
+      "fedavg", lambda k: make_model(k), SPEC, Config(), local_objective="adam"
+    )
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedavgm"])
 def test_fedavg_bytes_are_the_model_plus_a_few_scalars(name):
   algorithm = algorithms.build_algorithm(
-      name, lambda k: make_model(k, batch_norm=True), SPEC, Config())
+    name, lambda k: make_model(k, batch_norm=True), SPEC, Config()
+  )
   # Flatten(2x2x1) -> BatchNorm(4) -> Dense(3): gamma, beta, moving mean and
   # variance (4 each), kernel 4x3 and bias 3.
   num_params = 4 * 4 + 4 * 3 + 3

@@ -49,8 +49,9 @@ def test_slice_counts(slice_data):
 
 
 def test_slice_splits(slice_data):
-  train, test, new = (set(s.client_ids) for s in
-                      (slice_data.train, slice_data.test, slice_data.new_clients))
+  train, test, new = (
+    set(s.client_ids) for s in (slice_data.train, slice_data.test, slice_data.new_clients)
+  )
   assert test <= train
   assert not new & train
   for split in (slice_data.train, slice_data.test, slice_data.new_clients):
@@ -79,15 +80,16 @@ def test_concatenated_follows_client_order(slice_data):
   n0 = sub.num_examples(sub.client_ids[0])
   assert len(y) == sub.num_examples()
   np.testing.assert_array_equal(x[:n0], sub.x[sub.client_ids[0]])
-  np.testing.assert_array_equal(y[-sub.num_examples(sub.client_ids[2]):], sub.y[sub.client_ids[2]])
+  np.testing.assert_array_equal(y[-sub.num_examples(sub.client_ids[2]) :], sub.y[sub.client_ids[2]])
 
 
 def test_subset(slice_data):
   ids = slice_data.train.client_ids
   sub = slice_data.train.subset([ids[5], ids[2], ids[5]])
   assert sub.client_ids == (ids[2], ids[5])
-  assert sub.num_examples() == slice_data.train.num_examples(ids[2]) + \
-      slice_data.train.num_examples(ids[5])
+  assert sub.num_examples() == slice_data.train.num_examples(
+    ids[2]
+  ) + slice_data.train.num_examples(ids[5])
   with pytest.raises(KeyError, match="nobody"):
     slice_data.train.subset(["nobody"])
 
@@ -95,7 +97,8 @@ def test_subset(slice_data):
 def test_to_client_data(slice_data):
   client_data = slice_data.train.to_client_data()
   assert client_data.element_type_structure == collections.OrderedDict(
-      x=tf.TensorSpec([28, 28, 1], tf.float32), y=tf.TensorSpec([], tf.int32))
+    x=tf.TensorSpec([28, 28, 1], tf.float32), y=tf.TensorSpec([], tf.int32)
+  )
   assert client_data.client_ids == list(slice_data.train.client_ids)
   for c in client_data.client_ids:
     dataset = client_data.create_tf_dataset_for_client(c)
@@ -162,8 +165,11 @@ def _examples(n, label, seed):
 
 def _leaf(writers):
   """A LEAF JSON object of writers: {id: (x rows, labels)}."""
-  return {"users": list(writers), "num_samples": [len(y) for _, y in writers.values()],
-          "user_data": {w: {"x": x, "y": y} for w, (x, y) in writers.items()}}
+  return {
+    "users": list(writers),
+    "num_samples": [len(y) for _, y in writers.values()],
+    "user_data": {w: {"x": x, "y": y} for w, (x, y) in writers.items()},
+  }
 
 
 def _write(path, content):
@@ -173,8 +179,10 @@ def _write(path, content):
 
 def _tiny_leaf(root):
   """train: w1 (3 examples), w2 (3) and w0 (no examples); test: w1 (1) and w3 (2)."""
-  _write(root / "train/a.json", _leaf({"w1": _examples(3, 0, 1), "w2": _examples(3, 59, 2),
-                                       "w0": ([], [])}))
+  _write(
+    root / "train/a.json",
+    _leaf({"w1": _examples(3, 0, 1), "w2": _examples(3, 59, 2), "w0": ([], [])}),
+  )
   _write(root / "test/a.json", _leaf({"w1": _examples(1, 10, 3), "w3": _examples(2, 20, 4)}))
   return root
 
@@ -185,8 +193,12 @@ def _digests(images):
 
 def test_label_skewed_split_pools_the_writers_once_and_is_fixed_by_the_seed(slice_data):
   config = tasks.partition.PartitionConfig(
-      partition="dirichlet", num_clients=10, alpha=0.1, server_unlabeled_examples=2_000,
-      server_validation_examples=500)
+    partition="dirichlet",
+    num_clients=10,
+    alpha=0.1,
+    server_unlabeled_examples=2_000,
+    server_validation_examples=500,
+  )
   pooled = femnist.load_data(str(DATA_DIR), partition=config, seed=0)
   clients_x, clients_y = pooled.train.concatenated()
   server = pooled.server
@@ -194,32 +206,39 @@ def test_label_skewed_split_pools_the_writers_once_and_is_fixed_by_the_seed(slic
   assert (len(server.unlabeled), len(server.validation_y)) == (2_000, 500)
   # Every training example of the writers is in exactly one place: a client or the server.
   writers_x, writers_y = slice_data.train.concatenated()
-  assert (_digests(np.concatenate([clients_x, server.unlabeled, server.validation_x]))
-          == _digests(writers_x))
-  assert (collections.Counter(np.concatenate([clients_y, server.validation_y]).tolist())
-          <= collections.Counter(writers_y.tolist()))
+  assert _digests(np.concatenate([clients_x, server.unlabeled, server.validation_x])) == _digests(
+    writers_x
+  )
+  assert collections.Counter(
+    np.concatenate([clients_y, server.validation_y]).tolist()
+  ) <= collections.Counter(writers_y.tolist())
   # The test examples are the writers' 1,685, split like the clients' labels.
   test_x, test_y = pooled.test.concatenated()
   assert _digests(test_x) == _digests(slice_data.test.concatenated()[0])
   for client in pooled.test.client_ids:
     assert set(pooled.test.y[client]) <= set(pooled.train.y[client])
   # Alpha 0.1 skews the labels: most of a client's examples are of few classes.
-  top = [np.sort(np.bincount(pooled.train.y[c], minlength=62))[-5:].sum()
-         / pooled.train.num_examples(c) for c in pooled.train.client_ids]
+  top = [
+    np.sort(np.bincount(pooled.train.y[c], minlength=62))[-5:].sum() / pooled.train.num_examples(c)
+    for c in pooled.train.client_ids
+  ]
   assert np.median(top) > 0.5
   assert pooled.new_clients.client_ids == slice_data.new_clients.client_ids
   again = femnist.load_data(str(DATA_DIR), partition=config, seed=0)
   other = femnist.load_data(str(DATA_DIR), partition=config, seed=1)
   for c in pooled.train.client_ids:
     np.testing.assert_array_equal(again.train.y[c], pooled.train.y[c])
-  assert any(len(other.train.y[c]) != len(pooled.train.y[c])
-             for c in pooled.train.client_ids)
+  assert any(len(other.train.y[c]) != len(pooled.train.y[c]) for c in pooled.train.client_ids)
 
 
 def test_a_split_without_server_examples_leaves_the_server_the_test_only_writers():
   config = tasks.partition.PartitionConfig(
-      partition="classes", num_clients=20, classes_per_client=2,
-      server_unlabeled_examples=0, server_validation_examples=0)
+    partition="classes",
+    num_clients=20,
+    classes_per_client=2,
+    server_unlabeled_examples=0,
+    server_validation_examples=0,
+  )
   pooled = femnist.load_data(str(DATA_DIR), partition=config, seed=0)
   assert pooled.server is None
   assert pooled.train.num_examples() == 14_708
@@ -268,23 +287,27 @@ def _bad_json(root):
 
 def _mutate(split, mutation):
   """A change to the tiny layout that mutates the LEAF object of split/a.json."""
+
   def apply(root):
     path = root / split / "a.json"
     content = json.loads(path.read_text())
     mutation(content)
     _write(path, content)
+
   return apply
 
 
 def _set_x(writer, rows):
   def apply(content):
     content["user_data"][writer]["x"] = rows
+
   return apply
 
 
 def _set_y(writer, index, value):
   def apply(content):
     content["user_data"][writer]["y"][index] = value
+
   return apply
 
 
@@ -314,35 +337,63 @@ def _duplicate_writer(root):
 
 
 ERROR_CASES = {
-    "missing dir": (lambda root: None, "missing", ["missing does not exist", "train/ and test/"]),
-    "file not dir": (lambda root: _write(root / "file", "x"), "file",
-                     ["file is not a directory"]),
-    "no train dir": (_test_only, "", ["has no train/ subdirectory"]),
-    "no json in test": (_train_and_empty_test, "", ["test has no *.json files"]),
-    "empty file": (lambda root: _write(root / "train/b.json", ""), "",
-                   ["train/b.json: empty", "truncated"]),
-    "truncated": (_bad_json, "", ["test/b.json: not valid JSON", "truncated"]),
-    "not json": (lambda root: _write(root / "test/b.json", "hello"), "",
-                 ["test/b.json: not valid JSON"]),
-    "missing key": (_mutate("train", lambda c: c.pop("user_data")), "",
-                    ["train/a.json: missing key(s) user_data"]),
-    "short rows": (_mutate("train", _set_x("w2", [[1.0] * 783] * 3)), "",
-                   ["train/a.json: writer 'w2'", "784 values", "[3, 783]"]),
-    "ragged rows": (_mutate("test", _set_x("w3", [[1.0] * 784, [1.0] * 700])), "",
-                    ["test/a.json: writer 'w3'", "784 numbers", "[700, 784]"]),
-    "label 62": (_mutate("train", _set_y("w1", 1, 62)), "",
-                 ["train/a.json: writer 'w1'", "0..61", "[62]"]),
-    "label -1": (_mutate("test", _set_y("w3", 0, -1)), "",
-                 ["test/a.json: writer 'w3'", "0..61", "[-1]"]),
-    "label 1.5": (_mutate("test", _set_y("w3", 0, 1.5)), "",
-                  ["test/a.json: writer 'w3'", "labels must be integers"]),
-    "nan pixel": (_mutate("train", _nan), "", ["train/a.json: writer 'w2'", "NaN"]),
-    "pixel 255": (_mutate("train", _pixel_255), "", ["train/a.json: writer 'w1'", "[0, 1]",
-                                                     "255.0"]),
-    "duplicate writer": (_duplicate_writer, "", ["writer 'w2' appears in two train files",
-                                                 "train/a.json and", "train/b.json"]),
-    "num_samples": (_mutate("train", _more_samples), "",
-                    ["train/a.json: writer 'w2'", "num_samples says 4 but y has 3"]),
+  "missing dir": (lambda root: None, "missing", ["missing does not exist", "train/ and test/"]),
+  "file not dir": (lambda root: _write(root / "file", "x"), "file", ["file is not a directory"]),
+  "no train dir": (_test_only, "", ["has no train/ subdirectory"]),
+  "no json in test": (_train_and_empty_test, "", ["test has no *.json files"]),
+  "empty file": (
+    lambda root: _write(root / "train/b.json", ""),
+    "",
+    ["train/b.json: empty", "truncated"],
+  ),
+  "truncated": (_bad_json, "", ["test/b.json: not valid JSON", "truncated"]),
+  "not json": (
+    lambda root: _write(root / "test/b.json", "hello"),
+    "",
+    ["test/b.json: not valid JSON"],
+  ),
+  "missing key": (
+    _mutate("train", lambda c: c.pop("user_data")),
+    "",
+    ["train/a.json: missing key(s) user_data"],
+  ),
+  "short rows": (
+    _mutate("train", _set_x("w2", [[1.0] * 783] * 3)),
+    "",
+    ["train/a.json: writer 'w2'", "784 values", "[3, 783]"],
+  ),
+  "ragged rows": (
+    _mutate("test", _set_x("w3", [[1.0] * 784, [1.0] * 700])),
+    "",
+    ["test/a.json: writer 'w3'", "784 numbers", "[700, 784]"],
+  ),
+  "label 62": (
+    _mutate("train", _set_y("w1", 1, 62)),
+    "",
+    ["train/a.json: writer 'w1'", "0..61", "[62]"],
+  ),
+  "label -1": (
+    _mutate("test", _set_y("w3", 0, -1)),
+    "",
+    ["test/a.json: writer 'w3'", "0..61", "[-1]"],
+  ),
+  "label 1.5": (
+    _mutate("test", _set_y("w3", 0, 1.5)),
+    "",
+    ["test/a.json: writer 'w3'", "labels must be integers"],
+  ),
+  "nan pixel": (_mutate("train", _nan), "", ["train/a.json: writer 'w2'", "NaN"]),
+  "pixel 255": (_mutate("train", _pixel_255), "", ["train/a.json: writer 'w1'", "[0, 1]", "255.0"]),
+  "duplicate writer": (
+    _duplicate_writer,
+    "",
+    ["writer 'w2' appears in two train files", "train/a.json and", "train/b.json"],
+  ),
+  "num_samples": (
+    _mutate("train", _more_samples),
+    "",
+    ["train/a.json: writer 'w2'", "num_samples says 4 but y has 3"],
+  ),
 }
 
 
@@ -367,9 +418,14 @@ def test_leaf_errors_name_the_file(tmp_path, case):
 
 def _proto(pixels, label):
   feature = tf.train.Feature
-  return tf.train.Example(features=tf.train.Features(feature={
-      "pixels": feature(float_list=tf.train.FloatList(value=pixels.ravel())),
-      "label": feature(int64_list=tf.train.Int64List(value=[label]))})).SerializeToString()
+  return tf.train.Example(
+    features=tf.train.Features(
+      feature={
+        "pixels": feature(float_list=tf.train.FloatList(value=pixels.ravel())),
+        "label": feature(int64_list=tf.train.Int64List(value=[label])),
+      }
+    )
+  ).SerializeToString()
 
 
 def _write_tff_database(cache_dir):
@@ -377,16 +433,22 @@ def _write_tff_database(cache_dir):
   cache_dir.mkdir(parents=True)
   rng = np.random.default_rng(0)
   with sqlite3.connect(cache_dir / "emnist_all.sqlite") as connection:
-    connection.execute("CREATE TABLE examples (split_name TEXT NOT NULL, client_id TEXT NOT "
-                       "NULL, serialized_example_proto BLOB NOT NULL)")
-    connection.execute("CREATE TABLE client_metadata (client_id TEXT NOT NULL, split_name TEXT "
-                       "NOT NULL, num_examples INTEGER NOT NULL)")
+    connection.execute(
+      "CREATE TABLE examples (split_name TEXT NOT NULL, client_id TEXT NOT "
+      "NULL, serialized_example_proto BLOB NOT NULL)"
+    )
+    connection.execute(
+      "CREATE TABLE client_metadata (client_id TEXT NOT NULL, split_name TEXT "
+      "NOT NULL, num_examples INTEGER NOT NULL)"
+    )
     for client, counts in (("f1", (2, 2)), ("f0", (3, 1))):
       for split, n in zip(("all_train", "all_test"), counts):
         for i in range(n):
           pixels = rng.random((28, 28), dtype=np.float32)
-          connection.execute("INSERT INTO examples VALUES (?, ?, ?)",
-                             (split, client, _proto(pixels, 7 * i + len(client))))
+          connection.execute(
+            "INSERT INTO examples VALUES (?, ?, ?)",
+            (split, client, _proto(pixels, 7 * i + len(client))),
+          )
         connection.execute("INSERT INTO client_metadata VALUES (?, ?, ?)", (client, split, n))
   connection.close()
 
@@ -401,7 +463,8 @@ def test_load_tff_matches_tff_client_data(tmp_path):
   assert [data.train.num_examples(c) for c in ("f0", "f1")] == [3, 2]
   assert [data.test.num_examples(c) for c in ("f0", "f1")] == [1, 2]
   tff_train, tff_test = tff.simulation.datasets.emnist.load_data(
-      only_digits=False, cache_dir=str(cache_dir))
+    only_digits=False, cache_dir=str(cache_dir)
+  )
   for ours, theirs in ((data.train, tff_train), (data.test, tff_test)):
     for c in ours.client_ids:
       batch = next(iter(theirs.create_tf_dataset_for_client(c).batch(100)))

@@ -30,8 +30,9 @@ import sys
 import numpy as np
 import pytest
 
-from tests.femnist_runs import DATA_DIR, ROOT
 import tasks
+from tests.femnist_runs import DATA_DIR
+from tests.femnist_runs import ROOT
 from tff_ens import training
 
 # Real writers for the small LEAF directory: three and two writers in two
@@ -52,21 +53,26 @@ def _real(split: str, name: str) -> dict:
 
 def _subset(content: dict, writers) -> dict:
   """A LEAF object of `writers` of `content`, their first examples."""
-  data = {w: {k: content["user_data"][w][k][:EXAMPLES_PER_WRITER]
-              for k in ("x", "y")} for w in writers}
-  return {"users": list(writers),
-          "num_samples": [len(data[w]["y"]) for w in writers],
-          "user_data": data}
+  data = {
+    w: {k: content["user_data"][w][k][:EXAMPLES_PER_WRITER] for k in ("x", "y")} for w in writers
+  }
+  return {
+    "users": list(writers),
+    "num_samples": [len(data[w]["y"]) for w in writers],
+    "user_data": data,
+  }
 
 
 def write_leaf(root: pathlib.Path) -> pathlib.Path:
   """A LEAF femnist directory of six real writers (see the top)."""
   train, test = _real("train", SOURCE_TRAIN), _real("test", SOURCE_TEST)
   new = _real("test", SOURCE_NEW_CLIENTS)
-  files = {TRAIN_A: _subset(train, train["users"][:3]),
-           TRAIN_B: _subset(train, train["users"][3:]),
-           TEST_A: _subset(test, test["users"]),
-           TEST_B: _subset(new, new["users"][:1])}
+  files = {
+    TRAIN_A: _subset(train, train["users"][:3]),
+    TRAIN_B: _subset(train, train["users"][3:]),
+    TEST_A: _subset(test, test["users"]),
+    TEST_B: _subset(new, new["users"][:1]),
+  }
   for name, content in files.items():
     (root / name).parent.mkdir(parents=True, exist_ok=True)
     (root / name).write_text(json.dumps(content))
@@ -76,18 +82,25 @@ def write_leaf(root: pathlib.Path) -> pathlib.Path:
 def snapshot(directory) -> dict[str, str]:
   """Relative path -> SHA-256 of every file under `directory`."""
   directory = pathlib.Path(directory)
-  return {str(p.relative_to(directory)): hashlib.sha256(
-      p.read_bytes()).hexdigest()
-          for p in sorted(directory.rglob("*")) if p.is_file()}
+  return {
+    str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+    for p in sorted(directory.rglob("*"))
+    if p.is_file()
+  }
 
 
 def run_cli(config: training.ExperimentConfig, *extra: str):
   """`python -m tff_ens.main` with the flags of `config`, then `extra`."""
-  flags = [f"--{k}={v}" for k, v in dataclasses.asdict(config).items()
-           if v is not None and k != "resume"]
+  flags = [
+    f"--{k}={v}" for k, v in dataclasses.asdict(config).items() if v is not None and k != "resume"
+  ]
   return subprocess.run(
-      [sys.executable, "-m", "tff_ens.main", *flags, *extra], cwd=ROOT,
-      capture_output=True, text=True, timeout=600)
+    [sys.executable, "-m", "tff_ens.main", *flags, *extra],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
 
 
 def cli_error(result) -> str:
@@ -106,8 +119,13 @@ def previous_run(tmp_path_factory):
   data_dir = write_leaf(root / "leaf")
   shutil.copytree(data_dir, root / "pristine")
   config = training.ExperimentConfig(
-      data_dir=str(data_dir), output_dir=str(root / "run"), rounds=1,
-      clients_per_round=2, eval_every=1, checkpoint_every=1)
+    data_dir=str(data_dir),
+    output_dir=str(root / "run"),
+    rounds=1,
+    clients_per_round=2,
+    eval_every=1,
+    checkpoint_every=1,
+  )
   training.run_experiment(config)
   return config
 
@@ -129,23 +147,27 @@ def damaged_data(config: training.ExperimentConfig, damage):
 
 def _edit(name: str, change):
   """Damage: `change(leaf object)` applied to the file `name`."""
+
   def damage(root):
     content = json.loads((root / name).read_text())
     change(content)
     (root / name).write_text(json.dumps(content))
+
   return damage
 
 
 def _replace(name: str, data: bytes):
   def damage(root):
     (root / name).write_bytes(data)
+
   return damage
 
 
 def _truncate(name: str):
   def damage(root):
     content = (root / name).read_bytes()
-    (root / name).write_bytes(content[:len(content) // 2])
+    (root / name).write_bytes(content[: len(content) // 2])
+
   return damage
 
 
@@ -166,14 +188,18 @@ def _every_train_writer_without_examples(root):
 
 def _copy_writer(source: str, target: str):
   """Damage: the first writer of `source` also in `target`."""
+
   def damage(root):
     copied = json.loads((root / source).read_text())
     writer = copied["users"][0]
+
     def add(content):
       content["users"].append(writer)
       content["num_samples"].append(copied["num_samples"][0])
       content["user_data"][writer] = copied["user_data"][writer]
+
     _edit(target, add)(root)
+
   return damage
 
 
@@ -200,95 +226,129 @@ def _list_first_writer_twice(content):
 
 # name -> (damage, what the message must hold). `{data}` is the data dir.
 DATA_CASES = {
-    "empty file": (_replace(TRAIN_A, b""),
-                   [f"{{data}}/{TRAIN_A}: empty", "copy it again"]),
-    "truncated file": (_truncate(TEST_A),
-                       [f"{{data}}/{TEST_A}: not valid JSON", "truncated",
-                        "copy it again or regenerate it with LEAF"]),
-    "not JSON": (_replace(TRAIN_B, b"<html>503 Service Unavailable</html>"),
-                 [f"{{data}}/{TRAIN_B}: not valid JSON", "copy it again"]),
-    "not UTF-8": (_replace(TRAIN_B, b'{"users": ["f\xe9\xff"]}'),
-                  [f"{{data}}/{TRAIN_B}: not UTF-8 text", "copy it again"]),
-    "a directory named .json": (
-        lambda root: (root / "train/extra.json").mkdir(),
-        ["{data}/train/extra.json: cannot be read (Is a directory)",
-         "move it out of the directory"]),
-    "every writer without examples": (
-        _every_train_writer_without_examples,
-        ["{data}/train: no writer in its *.json files has examples",
-         "copy LEAF's train files into it"]),
-    "pixel rows of 783": (
-        _edit(TRAIN_A, lambda c: _first(c)["x"].__setitem__(
-            0, _first(c)["x"][0][:783])),
-        [f"{{data}}/{TRAIN_A}: writer 'f2062_39'", "784 numbers",
-         "regenerate the file with LEAF"]),
-    "pixel rows of 785": (
-        _edit(TRAIN_A, lambda c: _first(c).__setitem__(
-            "x", [row + [1.0] for row in _first(c)["x"]])),
-        [f"{{data}}/{TRAIN_A}: writer 'f2062_39'", "784 values",
-         "[40, 785]", "regenerate the file with LEAF"]),
-    "label 62": (_edit(TEST_A, _set_label(62)),
-                 [f"{{data}}/{TEST_A}: writer 'f2062_39'",
-                  "labels must be integers in 0..61, found [62]",
-                  "regenerate the file with LEAF"]),
-    "label -1": (_edit(TRAIN_B, _set_label(-1)),
-                 [f"{{data}}/{TRAIN_B}: writer 'f1640_48'", "found [-1]"]),
-    "label beyond int64": (_edit(TRAIN_A, _set_label(10**30)),
-                           [f"{{data}}/{TRAIN_A}: writer 'f2062_39'",
-                            "labels must be integers in 0..61"]),
-    "NaN pixel": (_edit(TRAIN_A, _set_pixel(float("nan"))),
-                  [f"{{data}}/{TRAIN_A}: writer 'f2062_39': NaN pixel",
-                   "regenerate the file with LEAF"]),
-    "pixel null": (_edit(TRAIN_A, _set_pixel(None)),
-                   [f"{{data}}/{TRAIN_A}: writer 'f2062_39'",
-                    "pixel values must be numbers in [0, 1], found None"]),
-    "pixel as text": (_edit(TEST_B, _set_pixel("0.5")),
-                      [f"{{data}}/{TEST_B}: writer", "found '0.5'"]),
-    "x null": (_edit(TRAIN_A, _set_first("x", None)),
-               [f"{{data}}/{TRAIN_A}: writer 'f2062_39'",
-                "x and y must be lists, found NoneType and list"]),
-    "users a string": (_edit(TRAIN_A, _set("users", "f2062_39")),
-                       [f"{{data}}/{TRAIN_A}: users and num_samples must be "
-                        "lists", "regenerate the file with LEAF"]),
-    "user_data null": (_edit(TRAIN_A, _set("user_data", None)),
-                       [f"{{data}}/{TRAIN_A}: users and num_samples must be "
-                        "lists and user_data an object"]),
-    "num_samples 40.0": (_edit(TRAIN_A, _set("num_samples", [40.0] * 3)),
-                         [f"{{data}}/{TRAIN_A}: writer 'f2062_39': "
-                          "num_samples entry 40.0 is not an integer"]),
-    "writer id a number": (_edit(TRAIN_A, lambda c: c["users"].__setitem__(
-        0, 2062)), [f"{{data}}/{TRAIN_A}: users must be writer id strings, "
-                    "found 2062"]),
-    "writer listed twice": (_edit(TRAIN_A, _list_first_writer_twice),
-                            [f"{{data}}/{TRAIN_A}: writer 'f2062_39' is "
-                             "listed more than once in users"]),
-    "users shorter than num_samples": (
-        _edit(TRAIN_A, lambda c: c["users"].pop()),
-        [f"{{data}}/{TRAIN_A}: 2 users but 3 num_samples entries"]),
-    "writer only in user_data": (
-        _edit(TRAIN_A, lambda c: (c["users"].pop(), c["num_samples"].pop())),
-        [f"{{data}}/{TRAIN_A}: user_data holds writer(s) missing from users "
-         "('f1667_29')"]),
-    "duplicate writer across train files": (
-        _copy_writer(TRAIN_A, TRAIN_B),
-        ["writer 'f2062_39' appears in two train files",
-         f"{{data}}/{TRAIN_A} and {{data}}/{TRAIN_B}",
-         "remove one of the copies"]),
-    "duplicate writer across test files": (
-        _copy_writer(TEST_B, TEST_A),
-        ["appears in two test files", "remove one of the copies"]),
-    "data_dir is a file": (
-        lambda root: (shutil.rmtree(root), root.write_text("a file")),
-        ["FEMNIST data directory {data} is not a directory",
-         "pass a LEAF femnist directory with train/ and test/"]),
+  "empty file": (_replace(TRAIN_A, b""), [f"{{data}}/{TRAIN_A}: empty", "copy it again"]),
+  "truncated file": (
+    _truncate(TEST_A),
+    [f"{{data}}/{TEST_A}: not valid JSON", "truncated", "copy it again or regenerate it with LEAF"],
+  ),
+  "not JSON": (
+    _replace(TRAIN_B, b"<html>503 Service Unavailable</html>"),
+    [f"{{data}}/{TRAIN_B}: not valid JSON", "copy it again"],
+  ),
+  "not UTF-8": (
+    _replace(TRAIN_B, b'{"users": ["f\xe9\xff"]}'),
+    [f"{{data}}/{TRAIN_B}: not UTF-8 text", "copy it again"],
+  ),
+  "a directory named .json": (
+    lambda root: (root / "train/extra.json").mkdir(),
+    ["{data}/train/extra.json: cannot be read (Is a directory)", "move it out of the directory"],
+  ),
+  "every writer without examples": (
+    _every_train_writer_without_examples,
+    ["{data}/train: no writer in its *.json files has examples", "copy LEAF's train files into it"],
+  ),
+  "pixel rows of 783": (
+    _edit(TRAIN_A, lambda c: _first(c)["x"].__setitem__(0, _first(c)["x"][0][:783])),
+    [f"{{data}}/{TRAIN_A}: writer 'f2062_39'", "784 numbers", "regenerate the file with LEAF"],
+  ),
+  "pixel rows of 785": (
+    _edit(TRAIN_A, lambda c: _first(c).__setitem__("x", [row + [1.0] for row in _first(c)["x"]])),
+    [
+      f"{{data}}/{TRAIN_A}: writer 'f2062_39'",
+      "784 values",
+      "[40, 785]",
+      "regenerate the file with LEAF",
+    ],
+  ),
+  "label 62": (
+    _edit(TEST_A, _set_label(62)),
+    [
+      f"{{data}}/{TEST_A}: writer 'f2062_39'",
+      "labels must be integers in 0..61, found [62]",
+      "regenerate the file with LEAF",
+    ],
+  ),
+  "label -1": (
+    _edit(TRAIN_B, _set_label(-1)),
+    [f"{{data}}/{TRAIN_B}: writer 'f1640_48'", "found [-1]"],
+  ),
+  "label beyond int64": (
+    _edit(TRAIN_A, _set_label(10**30)),
+    [f"{{data}}/{TRAIN_A}: writer 'f2062_39'", "labels must be integers in 0..61"],
+  ),
+  "NaN pixel": (
+    _edit(TRAIN_A, _set_pixel(float("nan"))),
+    [f"{{data}}/{TRAIN_A}: writer 'f2062_39': NaN pixel", "regenerate the file with LEAF"],
+  ),
+  "pixel null": (
+    _edit(TRAIN_A, _set_pixel(None)),
+    [
+      f"{{data}}/{TRAIN_A}: writer 'f2062_39'",
+      "pixel values must be numbers in [0, 1], found None",
+    ],
+  ),
+  "pixel as text": (
+    _edit(TEST_B, _set_pixel("0.5")),
+    [f"{{data}}/{TEST_B}: writer", "found '0.5'"],
+  ),
+  "x null": (
+    _edit(TRAIN_A, _set_first("x", None)),
+    [f"{{data}}/{TRAIN_A}: writer 'f2062_39'", "x and y must be lists, found NoneType and list"],
+  ),
+  "users a string": (
+    _edit(TRAIN_A, _set("users", "f2062_39")),
+    [f"{{data}}/{TRAIN_A}: users and num_samples must be lists", "regenerate the file with LEAF"],
+  ),
+  "user_data null": (
+    _edit(TRAIN_A, _set("user_data", None)),
+    [f"{{data}}/{TRAIN_A}: users and num_samples must be lists and user_data an object"],
+  ),
+  "num_samples 40.0": (
+    _edit(TRAIN_A, _set("num_samples", [40.0] * 3)),
+    [f"{{data}}/{TRAIN_A}: writer 'f2062_39': num_samples entry 40.0 is not an integer"],
+  ),
+  "writer id a number": (
+    _edit(TRAIN_A, lambda c: c["users"].__setitem__(0, 2062)),
+    [f"{{data}}/{TRAIN_A}: users must be writer id strings, found 2062"],
+  ),
+  "writer listed twice": (
+    _edit(TRAIN_A, _list_first_writer_twice),
+    [f"{{data}}/{TRAIN_A}: writer 'f2062_39' is listed more than once in users"],
+  ),
+  "users shorter than num_samples": (
+    _edit(TRAIN_A, lambda c: c["users"].pop()),
+    [f"{{data}}/{TRAIN_A}: 2 users but 3 num_samples entries"],
+  ),
+  "writer only in user_data": (
+    _edit(TRAIN_A, lambda c: (c["users"].pop(), c["num_samples"].pop())),
+    [f"{{data}}/{TRAIN_A}: user_data holds writer(s) missing from users ('f1667_29')"],
+  ),
+  "duplicate writer across train files": (
+    _copy_writer(TRAIN_A, TRAIN_B),
+    [
+      "writer 'f2062_39' appears in two train files",
+      f"{{data}}/{TRAIN_A} and {{data}}/{TRAIN_B}",
+      "remove one of the copies",
+    ],
+  ),
+  "duplicate writer across test files": (
+    _copy_writer(TEST_B, TEST_A),
+    ["appears in two test files", "remove one of the copies"],
+  ),
+  "data_dir is a file": (
+    lambda root: (shutil.rmtree(root), root.write_text("a file")),
+    [
+      "FEMNIST data directory {data} is not a directory",
+      "pass a LEAF femnist directory with train/ and test/",
+    ],
+  ),
 }
 # Through the CLI as well: a damaged file and a bad flag.
 CLI_DATA_CASES = ("truncated file", "data_dir is a file")
 
 
 @pytest.mark.parametrize("case", DATA_CASES)
-def test_damaged_data_is_a_one_line_error_and_keeps_the_run(previous_run,
-                                                             case):
+def test_damaged_data_is_a_one_line_error_and_keeps_the_run(previous_run, case):
   damage, expected = DATA_CASES[case]
   before = snapshot(previous_run.output_dir)
   with damaged_data(previous_run, damage):
@@ -301,11 +361,11 @@ def test_damaged_data_is_a_one_line_error_and_keeps_the_run(previous_run,
   assert snapshot(previous_run.output_dir) == before
 
 
-def test_writer_without_examples_is_skipped_with_a_warning(previous_run,
-                                                           caplog):
+def test_writer_without_examples_is_skipped_with_a_warning(previous_run, caplog):
   def empty_first_writer(content):
     _first(content).update(x=[], y=[])
     content["num_samples"][0] = 0
+
   writers = tasks.femnist.load_data(previous_run.data_dir).train.client_ids
   with damaged_data(previous_run, _edit(TRAIN_A, empty_first_writer)):
     with caplog.at_level(logging.WARNING):
@@ -313,8 +373,9 @@ def test_writer_without_examples_is_skipped_with_a_warning(previous_run,
   assert "f2062_39" in writers
   assert set(data.train.client_ids) == set(writers) - {"f2062_39"}
   warning = caplog.records[-1].getMessage()
-  assert warning == (f"{previous_run.data_dir}/{TRAIN_A}: skipping 1 writer(s)"
-                     " without examples (f2062_39)")
+  assert warning == (
+    f"{previous_run.data_dir}/{TRAIN_A}: skipping 1 writer(s) without examples (f2062_39)"
+  )
 
 
 @pytest.mark.slow
@@ -337,9 +398,11 @@ def test_cli_unwritable_output_dir(previous_run):
     line = cli_error(run_cli(previous_run, "--resume"))
   finally:
     os.chmod(previous_run.output_dir, 0o755)
-  assert line == (f"error: cannot write to --output_dir="
-                  f"{previous_run.output_dir} (Permission denied): choose a "
-                  "writable directory")
+  assert line == (
+    f"error: cannot write to --output_dir="
+    f"{previous_run.output_dir} (Permission denied): choose a "
+    "writable directory"
+  )
   assert snapshot(previous_run.output_dir) == before
 
 
@@ -348,10 +411,10 @@ def test_output_dir_inside_a_file(previous_run, tmp_path):
   (tmp_path / "notes.txt").write_text("keep me")
   output_dir = tmp_path / "notes.txt" / "run"
   with pytest.raises(training.UsageError) as error:
-    training.run_experiment(dataclasses.replace(
-        previous_run, output_dir=str(output_dir)))
-  assert str(error.value) == (f"cannot write to --output_dir={output_dir} "
-                              "(Not a directory): choose a writable directory")
+    training.run_experiment(dataclasses.replace(previous_run, output_dir=str(output_dir)))
+  assert str(error.value) == (
+    f"cannot write to --output_dir={output_dir} (Not a directory): choose a writable directory"
+  )
   assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
@@ -361,27 +424,26 @@ def _run_with_copied_checkpoints(previous_run, tmp_path, **change):
   As if its config.json were edited by hand: the config check passes, the
   checkpoint does not fit.
   """
-  config = dataclasses.replace(previous_run, output_dir=str(tmp_path / "run"),
-                               **change)
+  config = dataclasses.replace(previous_run, output_dir=str(tmp_path / "run"), **change)
   shutil.copytree(previous_run.output_dir, config.output_dir)
-  (tmp_path / "run" / training.CONFIG_FILE).write_text(
-      json.dumps(dataclasses.asdict(config)))
+  (tmp_path / "run" / training.CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config)))
   return config
 
 
 def _mismatch_message(config) -> str:
-  return (f"checkpoint {config.output_dir}/{training.CHECKPOINT_DIR}/"
-          f"{training.CHECKPOINT_PREFIX}1 does not fit the state of "
-          f"--algorithm={config.algorithm} --model={config.model} (its "
-          "nesting differs): another run wrote it; restore this run's own "
-          "checkpoints, or choose a new --output_dir")
+  return (
+    f"checkpoint {config.output_dir}/{training.CHECKPOINT_DIR}/"
+    f"{training.CHECKPOINT_PREFIX}1 does not fit the state of "
+    f"--algorithm={config.algorithm} --model={config.model} (its "
+    "nesting differs): another run wrote it; restore this run's own "
+    "checkpoints, or choose a new --output_dir"
+  )
 
 
 @pytest.mark.slow
 def test_cli_checkpoint_of_another_algorithm(previous_run, tmp_path):
   # FedAvgM's server keeps a momentum buffer that FedAvg's state has not.
-  config = _run_with_copied_checkpoints(previous_run, tmp_path,
-                                        algorithm="fedavgm")
+  config = _run_with_copied_checkpoints(previous_run, tmp_path, algorithm="fedavgm")
   before = snapshot(config.output_dir)
   line = cli_error(run_cli(config, "--resume"))
   assert line == f"error: {_mismatch_message(config)}"
@@ -389,8 +451,9 @@ def test_cli_checkpoint_of_another_algorithm(previous_run, tmp_path):
 
 
 def test_checkpoint_of_another_model(previous_run, tmp_path):
-  config = _run_with_copied_checkpoints(previous_run, tmp_path,
-                                        model="cnn_ppd_student", resume=True)
+  config = _run_with_copied_checkpoints(
+    previous_run, tmp_path, model="cnn_ppd_student", resume=True
+  )
   before = snapshot(config.output_dir)
   with pytest.raises(training.UsageError) as error:
     training.run_experiment(config)
@@ -401,23 +464,24 @@ def test_checkpoint_of_another_model(previous_run, tmp_path):
 # Checkpoints of the same nesting, and the run's config.json, through the
 # run's outputs (`training._Outputs`) with small states.
 
-STATE = {"bias": np.zeros([3], np.float32),
-         "kernel": np.ones([2, 3], np.float32),
-         "round": np.int32(4)}
+STATE = {
+  "bias": np.zeros([3], np.float32),
+  "kernel": np.ones([2, 3], np.float32),
+  "round": np.int32(4),
+}
 
 
 def _outputs(output_dir, state):
   return training._Outputs(  # pylint: disable=protected-access
-      training.ExperimentConfig(output_dir=str(output_dir), resume=True),
-      state)
+    training.ExperimentConfig(output_dir=str(output_dir), resume=True), state
+  )
 
 
 @pytest.fixture
 def saved_state(tmp_path):
   """An output dir whose round-1 checkpoint holds STATE + 1."""
   outputs = _outputs(tmp_path, STATE)
-  outputs.save_checkpoint(1, {k: v + np.ones_like(v)
-                             for k, v in STATE.items()})
+  outputs.save_checkpoint(1, {k: v + np.ones_like(v) for k, v in STATE.items()})
   outputs.close()
   return tmp_path
 
@@ -432,22 +496,29 @@ def test_checkpoint_that_fits_is_resumed(saved_state):
     assert state[key].dtype == value.dtype
 
 
-@pytest.mark.parametrize("state, mismatch", [
-    ({**STATE, "kernel": np.ones([2, 5], np.float32)},
-     "tensor 1 is float32 [2, 3] where this run has float32 [2, 5]"),
-    ({**STATE, "bias": np.zeros([3], np.int32)},
-     "tensor 0 is float32 [3] where this run has int32 [3]"),
+@pytest.mark.parametrize(
+  "state, mismatch",
+  [
+    (
+      {**STATE, "kernel": np.ones([2, 5], np.float32)},
+      "tensor 1 is float32 [2, 3] where this run has float32 [2, 5]",
+    ),
+    (
+      {**STATE, "bias": np.zeros([3], np.int32)},
+      "tensor 0 is float32 [3] where this run has int32 [3]",
+    ),
     ({**STATE, "momentum": np.zeros([3], np.float32)}, "its nesting differs"),
-])
-def test_checkpoint_that_does_not_fit_is_refused(saved_state, state,
-                                                 mismatch):
+  ],
+)
+def test_checkpoint_that_does_not_fit_is_refused(saved_state, state, mismatch):
   before = snapshot(saved_state)
   with pytest.raises(training.UsageError) as error:
     _outputs(saved_state, state)
   assert str(error.value) == (
-      f"checkpoint {saved_state}/checkpoints/round_1 does not fit the state "
-      f"of --algorithm=fedavg --model=cnn ({mismatch}): another run wrote "
-      "it; restore this run's own checkpoints, or choose a new --output_dir")
+    f"checkpoint {saved_state}/checkpoints/round_1 does not fit the state "
+    f"of --algorithm=fedavg --model=cnn ({mismatch}): another run wrote "
+    "it; restore this run's own checkpoints, or choose a new --output_dir"
+  )
   assert snapshot(saved_state) == before
 
 
@@ -459,22 +530,22 @@ def test_unreadable_checkpoint_is_refused(saved_state):
   with pytest.raises(training.UsageError) as error:
     _outputs(saved_state, STATE)
   message = str(error.value)
-  assert message.startswith(
-      f"cannot read checkpoint {saved_state}/checkpoints/round_1 (")
-  assert message.endswith("): delete it to resume from the one before it, "
-                          "or choose a new --output_dir")
+  assert message.startswith(f"cannot read checkpoint {saved_state}/checkpoints/round_1 (")
+  assert message.endswith(
+    "): delete it to resume from the one before it, or choose a new --output_dir"
+  )
   assert "\n" not in message
   assert snapshot(saved_state) == before
 
 
-@pytest.mark.parametrize("content", [b"", b'{"rounds": 1', b"[1, 2]",
-                                     b"\xff\xfe"])
+@pytest.mark.parametrize("content", [b"", b'{"rounds": 1', b"[1, 2]", b"\xff\xfe"])
 def test_damaged_config_json_is_refused(saved_state, content):
   (saved_state / training.CONFIG_FILE).write_bytes(content)
   before = snapshot(saved_state)
   with pytest.raises(training.UsageError) as error:
     _outputs(saved_state, STATE)
   assert str(error.value) == (
-      f"{saved_state}/config.json is not a run's config (a JSON object of "
-      "its flags): restore it, or choose a new --output_dir")
+    f"{saved_state}/config.json is not a run's config (a JSON object of "
+    "its flags): restore it, or choose a new --output_dir"
+  )
   assert snapshot(saved_state) == before

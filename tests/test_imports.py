@@ -29,8 +29,7 @@ def project_modules() -> list[str]:
   modules = []
   for package in PACKAGES:
     modules.append(package)
-    for info in pkgutil.walk_packages([str(REPO_ROOT / package)],
-                                      prefix=f"{package}."):
+    for info in pkgutil.walk_packages([str(REPO_ROOT / package)], prefix=f"{package}."):
       modules.append(info.name)
   return sorted(modules)
 
@@ -49,20 +48,20 @@ def test_project_module_imports(name):
 # Import name -> (distribution, version prefix). The prefixes are the locked
 # versions (uv.lock).
 THIRD_PARTY = {
-    "numpy": ("numpy", "1.25."),
-    "tensorflow": ("tensorflow", "2.14."),
-    "tensorflow_federated": ("tensorflow-federated", "0.87."),
-    "tensorflow_privacy": ("tensorflow-privacy", "0.9."),
-    "tensorflow_model_optimization": ("tensorflow-model-optimization", "0.7."),
-    "larq": ("larq", "0.13."),
-    "larq_compute_engine": ("larq-compute-engine", "0.13."),
-    "tflite_runtime.interpreter": ("tflite-runtime", "2.14."),
-    "jax": ("jax", "0.4."),
-    "dp_accounting": ("dp-accounting", "0.4."),
-    "tensorflow_datasets": ("tensorflow-datasets", "4.9."),
-    # Its protos: the protobuf they need must be one TF 2.14 imports too.
-    "tensorflow_metadata.proto.v0.schema_pb2": ("tensorflow-metadata", "1.16."),
-    "matplotlib.pyplot": ("matplotlib", "3.11."),
+  "numpy": ("numpy", "1.25."),
+  "tensorflow": ("tensorflow", "2.14."),
+  "tensorflow_federated": ("tensorflow-federated", "0.87."),
+  "tensorflow_privacy": ("tensorflow-privacy", "0.9."),
+  "tensorflow_model_optimization": ("tensorflow-model-optimization", "0.7."),
+  "larq": ("larq", "0.13."),
+  "larq_compute_engine": ("larq-compute-engine", "0.13."),
+  "tflite_runtime.interpreter": ("tflite-runtime", "2.14."),
+  "jax": ("jax", "0.4."),
+  "dp_accounting": ("dp-accounting", "0.4."),
+  "tensorflow_datasets": ("tensorflow-datasets", "4.9."),
+  # Its protos: the protobuf they need must be one TF 2.14 imports too.
+  "tensorflow_metadata.proto.v0.schema_pb2": ("tensorflow-metadata", "1.16."),
+  "matplotlib.pyplot": ("matplotlib", "3.11."),
 }
 
 _IMPORT_ALL = textwrap.dedent("""
@@ -88,15 +87,19 @@ _IMPORT_ALL = textwrap.dedent("""
 def third_party_imports() -> dict:
   """{import name: versions or error}, from one fresh interpreter."""
   argument = json.dumps({k: d for k, (d, _) in THIRD_PARTY.items()})
-  run = subprocess.run([sys.executable, "-c", _IMPORT_ALL, argument],
-                       capture_output=True, text=True, timeout=300,
-                       cwd=REPO_ROOT,
-                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-                            "MPLBACKEND": "Agg"})
-  lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+  run = subprocess.run(
+    [sys.executable, "-c", _IMPORT_ALL, argument],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=REPO_ROOT,
+    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "MPLBACKEND": "Agg"},
+  )
+  lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
   assert run.returncode == 0 and lines, (
-      f"the import subprocess failed ({run.returncode}):\n{run.stderr[-3000:]}")
-  return json.loads(lines[-1][len("RESULT "):])
+    f"the import subprocess failed ({run.returncode}):\n{run.stderr[-3000:]}"
+  )
+  return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.mark.parametrize("name", sorted(THIRD_PARTY))
@@ -106,7 +109,8 @@ def test_third_party_imports(third_party_imports, name):
   distribution, prefix = THIRD_PARTY[name]
   version = result["distribution_version"]
   assert version.startswith(prefix), (
-      f"{distribution} {version} is installed, the lock has {prefix}*")
+    f"{distribution} {version} is installed, the lock has {prefix}*"
+  )
   if result["module_version"] is not None:
     assert result["module_version"] == version
 

@@ -25,16 +25,25 @@ NAMES = ("dense", "bn")
 
 def _config(drop_worst=True, keep_initial_student=False):
   return sd.ServerDistillationConfig(
-      method="feddf", distill=distillation.feddf_config(
-          20, batch_size=8, patience=10, eval_every=5,
-          keep_initial_student=keep_initial_student), drop_worst=drop_worst,
-      seed=3)
+    method="feddf",
+    distill=distillation.feddf_config(
+      20, batch_size=8, patience=10, eval_every=5, keep_initial_student=keep_initial_student
+    ),
+    drop_worst=drop_worst,
+    seed=3,
+  )
 
 
 def _build(drop_worst=True, keep_initial_student=False):
   return mp.build_heterogeneous_feddf(
-      MODEL_FNS, NAMES, SPEC, LOCAL, SERVER,
-      _config(drop_worst, keep_initial_student), clients_per_round=4)
+    MODEL_FNS,
+    NAMES,
+    SPEC,
+    LOCAL,
+    SERVER,
+    _config(drop_worst, keep_initial_student),
+    clients_per_round=4,
+  )
 
 
 def test_pack_and_unpack_round_trip_with_padding_and_stacking():
@@ -43,8 +52,7 @@ def test_pack_and_unpack_round_trip_with_padding_and_stacking():
   packed = mp.pack(weights, size)
   assert packed.shape == (size,)
   np.testing.assert_array_equal(packed[-7:], np.zeros(7))
-  for a, b in zip(tf.nest.flatten(mp.unpack(packed, weights)),
-                  tf.nest.flatten(weights)):
+  for a, b in zip(tf.nest.flatten(mp.unpack(packed, weights)), tf.nest.flatten(weights)):
     np.testing.assert_array_equal(a, b)
   stacked = mp.unpack(tf.stack([packed, 2 * packed]), weights)
   for a, b in zip(tf.nest.flatten(stacked), tf.nest.flatten(weights)):
@@ -53,8 +61,7 @@ def test_pack_and_unpack_round_trip_with_padding_and_stacking():
 
 def test_mean_logits_across_prototypes_weights_each_by_its_teachers():
   a, b = np.array([[1.0, 2.0]]), np.array([[4.0, -1.0]])
-  mean = mp.mean_logits_across([{"mean_logits": a}, {"mean_logits": b}],
-                               [3.0, 1.0])
+  mean = mp.mean_logits_across([{"mean_logits": a}, {"mean_logits": b}], [3.0, 1.0])
   np.testing.assert_allclose(mean, (3 * a + b) / 4)
 
 
@@ -65,14 +72,14 @@ def test_a_client_trains_its_own_prototype_as_fedavg_would():
   start = ModelWeights.from_model(model)
   data = one_batch(*CLIENT_DATA[1])
   work = mp.build_prototype_client_work(MODEL_FNS, SPEC, LOCAL, size)
-  result, _ = work.client_update((mp.pack(start, size).numpy(), np.int32(1)),
-                                 data, 0.5)
+  result, _ = work.client_update((mp.pack(start, size).numpy(), np.int32(1)), data, 0.5)
   packed_update, prototype = result.update
   assert prototype == 1
   plain = client_work.build_client_work(MODEL_FNS[1], SPEC, LOCAL)
   expected, _ = plain.client_update(start, data, 0.5)
-  for a, b in zip(tf.nest.flatten(mp.unpack(packed_update, start)),
-                  tf.nest.flatten(expected.update)):
+  for a, b in zip(
+    tf.nest.flatten(mp.unpack(packed_update, start)), tf.nest.flatten(expected.update)
+  ):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   assert result.update_weight == expected.update_weight == 3
 
@@ -87,16 +94,15 @@ def test_one_round_distills_every_prototype_from_all_clients():
   finalizer = metrics["finalizer"]
   for name in NAMES:
     assert 0.0 <= finalizer[f"student_validation_accuracy_{name}"] <= 1.0
-  assert (finalizer["student_validation_accuracy"] ==
-          finalizer["student_validation_accuracy_dense"])
+  assert finalizer["student_validation_accuracy"] == finalizer["student_validation_accuracy_dense"]
   assert finalizer["dropped_clients"] == 0
   assert finalizer["distill_steps"] >= 2
   for before, after in zip(state["prototypes"], new_state["prototypes"]):
-    assert any(not np.allclose(a, b) for a, b in
-               zip(tf.nest.flatten(after), tf.nest.flatten(before)))
+    assert any(
+      not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before))
+    )
   again, _ = process.next(state, datasets, [0, 1, 2])
-  for a, b in zip(tf.nest.flatten(again["prototypes"]),
-                  tf.nest.flatten(new_state["prototypes"])):
+  for a, b in zip(tf.nest.flatten(again["prototypes"]), tf.nest.flatten(new_state["prototypes"])):
     np.testing.assert_array_equal(a, b)
 
 
@@ -109,8 +115,7 @@ def test_a_prototype_no_client_ran_is_distilled_from_the_others():
   state = built.process.initialize()
   model = MODEL_FNS[1]()
   distillation.assign_weights(model, state["prototypes"][1])
-  before = distillation.accuracy(model(SERVER.validation_x),
-                                 SERVER.validation_y)
+  before = distillation.accuracy(model(SERVER.validation_x), SERVER.validation_y)
   datasets = [one_batch(*CLIENT_DATA[0]), one_batch(*CLIENT_DATA[1])]
   _, metrics = built.process.next(state, datasets, [0, 2])
   assert metrics["aggregator"]["clients_collected"] == 2
@@ -126,29 +131,32 @@ def test_teachers_are_the_avglogits_of_every_clients_model():
   state = built.process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   images = SERVER.validation_x
-  teachers = built.teacher_probabilities(state, datasets, [0, 1, 2],
-                                         images)["probabilities"]
+  teachers = built.teacher_probabilities(state, datasets, [0, 1, 2], images)["probabilities"]
   logits = []
   for i, data in enumerate(datasets):
     model_fn, start = MODEL_FNS[i % 2], state["prototypes"][i % 2]
-    result, _ = client_work.build_client_work(
-        model_fn, SPEC, LOCAL).client_update(start, data, 0.5)
+    result, _ = client_work.build_client_work(model_fn, SPEC, LOCAL).client_update(start, data, 0.5)
     model = model_fn()
-    distillation.assign_weights(model, tf.nest.map_structure(
-        lambda w, u: w - u, start, result.update))
+    distillation.assign_weights(
+      model, tf.nest.map_structure(lambda w, u: w - u, start, result.update)
+    )
     logits.append(model(images, training=False))
-  np.testing.assert_allclose(teachers, tf.nn.softmax(np.mean(logits, 0)),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(teachers, tf.nn.softmax(np.mean(logits, 0)), rtol=1e-5, atol=1e-6)
 
 
 def test_algorithm_reports_one_model_download_of_the_largest_prototype():
   algorithm = algorithms.build_algorithm(
-      "feddf", lambda k=0: MODEL_FNS[0](), SPEC, LOCAL, server_data=SERVER,
-      server_config=_config(), clients_per_round=4,
-      prototypes=tuple(zip(NAMES, MODEL_FNS)))
+    "feddf",
+    lambda k=0: MODEL_FNS[0](),
+    SPEC,
+    LOCAL,
+    server_data=SERVER,
+    server_config=_config(),
+    clients_per_round=4,
+    prototypes=tuple(zip(NAMES, MODEL_FNS)),
+  )
   # FedAvg's bytes for the larger prototype, plus the prototype's index.
-  fedavg = algorithms.build_algorithm("fedavg", lambda k=0: MODEL_FNS[1](),
-                                      SPEC, LOCAL)
+  fedavg = algorithms.build_algorithm("fedavg", lambda k=0: MODEL_FNS[1](), SPEC, LOCAL)
   down, up = fedavg.bytes_per_client_round()
   assert algorithm.bytes_per_client_round() == (down + 4, up + 4)
   state = algorithm.process.initialize()
@@ -158,14 +166,19 @@ def test_algorithm_reports_one_model_download_of_the_largest_prototype():
 def test_rejects_one_prototype_and_other_methods():
   with pytest.raises(ValueError, match="FedDF's, not fedppd's"):
     algorithms.build_algorithm(
-        "fedppd", lambda k=0: MODEL_FNS[0](), SPEC, LOCAL,
-        prototypes=tuple(zip(NAMES, MODEL_FNS)))
+      "fedppd", lambda k=0: MODEL_FNS[0](), SPEC, LOCAL, prototypes=tuple(zip(NAMES, MODEL_FNS))
+    )
   with pytest.raises(ValueError, match="two or more"):
-    mp.build_heterogeneous_feddf(MODEL_FNS[:1], NAMES[:1], SPEC, LOCAL, SERVER,
-                                 _config(), clients_per_round=4)
+    mp.build_heterogeneous_feddf(
+      MODEL_FNS[:1], NAMES[:1], SPEC, LOCAL, SERVER, _config(), clients_per_round=4
+    )
   with pytest.raises(ValueError, match="FedDF"):
     mp.build_heterogeneous_feddf(
-        MODEL_FNS, NAMES, SPEC, LOCAL, SERVER,
-        sd.ServerDistillationConfig(method="fedbe",
-                                    distill=distillation.fedbe_config(25)),
-        clients_per_round=4)
+      MODEL_FNS,
+      NAMES,
+      SPEC,
+      LOCAL,
+      SERVER,
+      sd.ServerDistillationConfig(method="fedbe", distill=distillation.fedbe_config(25)),
+      clients_per_round=4,
+    )

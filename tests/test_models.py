@@ -80,15 +80,18 @@ def test_group_norm_variant(name):
 
 
 def test_resnet_is_task_independent():
-  model = resnet.build_resnet(8, input_shape=(32, 32, 3), num_classes=10, width=8,
-                              norm="group", group_norm_groups=4)
+  model = resnet.build_resnet(
+    8, input_shape=(32, 32, 3), num_classes=10, width=8, norm="group", group_norm_groups=4
+  )
   assert model.output_shape == (None, 10)
   assert model(tf.zeros((1, 32, 32, 3))).shape == (1, 10)
   assert max(c.filters for c in _layers_of(model, tf.keras.layers.Conv2D)) == 32
 
 
 def test_unknown_model_name():
-  with pytest.raises(ValueError, match="unknown model .vgg.: choose one of cnn, cnn_ppd_student, resnet8, resnet20"):
+  with pytest.raises(
+    ValueError, match="unknown model .vgg.: choose one of cnn, cnn_ppd_student, resnet8, resnet20"
+  ):
     femnist.build_model("vgg")
 
 

@@ -9,21 +9,26 @@ from tff_ens import personalization
 
 
 class TestPersonalizationWeights:
-
   def test_hand_example(self):
     # softmax(-[1, 2, 3] / 1) = [1, e^-1, e^-2] / (1 + e^-1 + e^-2).
     z = 1 + math.exp(-1) + math.exp(-2)
     np.testing.assert_allclose(
-        personalization.personalization_weights(np.array([1.0, 2.0, 3.0]), 1.0),
-        [1 / z, math.exp(-1) / z, math.exp(-2) / z], rtol=1e-12)
+      personalization.personalization_weights(np.array([1.0, 2.0, 3.0]), 1.0),
+      [1 / z, math.exp(-1) / z, math.exp(-2) / z],
+      rtol=1e-12,
+    )
     np.testing.assert_allclose(
-        personalization.personalization_weights(np.array([1.0, 2.0, 3.0]), 1.0),
-        [0.66524096, 0.24472847, 0.09003057], rtol=1e-7)
+      personalization.personalization_weights(np.array([1.0, 2.0, 3.0]), 1.0),
+      [0.66524096, 0.24472847, 0.09003057],
+      rtol=1e-7,
+    )
     # tau = 2 halves the loss gaps: [1, e^-0.5, e^-1] / sum.
     z2 = 1 + math.exp(-0.5) + math.exp(-1)
     np.testing.assert_allclose(
-        personalization.personalization_weights([1.0, 2.0, 3.0], 2.0),
-        [1 / z2, math.exp(-0.5) / z2, math.exp(-1) / z2], rtol=1e-12)
+      personalization.personalization_weights([1.0, 2.0, 3.0], 2.0),
+      [1 / z2, math.exp(-0.5) / z2, math.exp(-1) / z2],
+      rtol=1e-12,
+    )
 
   def test_rows_sum_to_one_and_lower_loss_weighs_more(self):
     losses = np.array([[0.3, 2.0, 1.1], [5.0, 4.0, 4.5], [1.0, 1.0, 1.0]])
@@ -37,8 +42,7 @@ class TestPersonalizationWeights:
     np.testing.assert_allclose(alpha[2], [1 / 3] * 3)
 
   def test_infinite_temperature_is_uniform(self):
-    alpha = personalization.personalization_weights(np.array([0.1, 7.0, 3.0, 1e9]),
-                                                    float("inf"))
+    alpha = personalization.personalization_weights(np.array([0.1, 7.0, 3.0, 1e9]), float("inf"))
     np.testing.assert_array_equal(alpha, [0.25] * 4)
 
   def test_small_temperature_picks_the_argmin(self):
@@ -63,22 +67,25 @@ class TestPersonalizationWeights:
 
 def test_member_losses_hand():
   # K = 2 members, n = 2 examples, 3 classes; labels 0 and 2.
-  member_probs = np.array([
+  member_probs = np.array(
+    [
       [[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]],
-      [[0.2, 0.4, 0.4], [0.0, 1.0, 0.0]],   # Probability 0: clipped to 1e-12.
-  ])
+      [[0.2, 0.4, 0.4], [0.0, 1.0, 0.0]],  # Probability 0: clipped to 1e-12.
+    ]
+  )
   y = np.array([0, 2])
   np.testing.assert_allclose(
-      personalization.member_losses(member_probs, y),
-      [-(math.log(0.5) + math.log(0.8)) / 2,
-       -(math.log(0.2) + math.log(1e-12)) / 2], rtol=1e-12)
+    personalization.member_losses(member_probs, y),
+    [-(math.log(0.5) + math.log(0.8)) / 2, -(math.log(0.2) + math.log(1e-12)) / 2],
+    rtol=1e-12,
+  )
 
 
 def test_weighted_probabilities():
   member_probs = np.array([[[1.0, 0.0]], [[0.0, 1.0]]])
   np.testing.assert_allclose(
-      personalization.weighted_probabilities(member_probs, np.array([0.25, 0.75])),
-      [[0.25, 0.75]])
+    personalization.weighted_probabilities(member_probs, np.array([0.25, 0.75])), [[0.25, 0.75]]
+  )
 
 
 def _client(n, label, wrong, other, right_member, k=2):
@@ -92,7 +99,6 @@ def _client(n, label, wrong, other, right_member, k=2):
 
 
 class TestChooseTemperature:
-
   def test_small_temperature_when_each_client_has_its_own_best_member(self):
     # Member 0 is right only on client "a", member 1 only on client "b".
     a_probs, a_y = _client(6, label=0, wrong=1, other=2, right_member=0)
@@ -103,8 +109,7 @@ class TestChooseTemperature:
     # tau < 2.4849 / ln(0.85 / 0.30) = 2.386. So 0.01 ... 1.0 all score 1 on
     # both clients, 3, 10 and inf score 0, and ties go to the largest: 1.0.
     assert math.log(12) / math.log(0.85 / 0.30) == pytest.approx(2.386, abs=1e-3)
-    tau = personalization.choose_temperature(
-        {"a": a_probs, "b": b_probs}, {"a": a_y, "b": b_y})
+    tau = personalization.choose_temperature({"a": a_probs, "b": b_probs}, {"a": a_y, "b": b_y})
     assert tau == 1.0
     # The uniform ensemble would be wrong everywhere here.
     uniform = personalization.weighted_probabilities(a_probs, np.array([0.5, 0.5]))

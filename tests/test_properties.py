@@ -40,8 +40,9 @@ ModelWeights = tff.learning.models.ModelWeights
 
 # Derandomized: the same examples on every run, so a failure reproduces.
 NUMPY_SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
-TF_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
-                       suppress_health_check=[HealthCheck.too_slow])
+TF_SETTINGS = settings(
+  max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -50,14 +51,16 @@ seeds = st.integers(0, 2**31 - 1)
 def labels_and_config(draw, schemes=partition.PARTITIONS):
   """Labels of a small dataset and a PartitionConfig (one of `schemes`)."""
   num_classes = draw(st.integers(1, 6))
-  labels = np.asarray(draw(st.lists(st.integers(0, num_classes - 1),
-                                    min_size=1, max_size=120)), np.int64)
+  labels = np.asarray(
+    draw(st.lists(st.integers(0, num_classes - 1), min_size=1, max_size=120)), np.int64
+  )
   config = partition.PartitionConfig(
-      partition=draw(st.sampled_from(schemes)),
-      num_clients=draw(st.integers(1, min(12, len(labels)))),
-      alpha=draw(st.floats(0.05, 50.0)),
-      classes_per_client=draw(st.integers(1, 4)),
-      step_minor_examples=draw(st.integers(0, 3)))
+    partition=draw(st.sampled_from(schemes)),
+    num_clients=draw(st.integers(1, min(12, len(labels)))),
+    alpha=draw(st.floats(0.05, 50.0)),
+    classes_per_client=draw(st.integers(1, 4)),
+    step_minor_examples=draw(st.integers(0, 3)),
+  )
   return labels, config
 
 
@@ -98,27 +101,28 @@ def test_partition_is_a_seeded_split_into_non_empty_parts(case, seed):
 @given(st.integers(1, 500), st.integers(1, 40), seeds)
 def test_iid_sizes_differ_by_at_most_one(n, num_clients, seed):
   assume(num_clients <= n)
-  parts = partition.partition(np.zeros(n, np.int64), partition.PartitionConfig(
-      num_clients=num_clients), seed)
+  parts = partition.partition(
+    np.zeros(n, np.int64), partition.PartitionConfig(num_clients=num_clients), seed
+  )
   sizes = [len(p) for p in parts]
   assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n
 
 
 @NUMPY_SETTINGS
 @given(st.integers(1, 8), st.integers(1, 4), st.integers(1, 5), st.data())
-def test_classes_gives_n_labels_when_the_shards_tile_the_classes(
-    num_clients, n, shard_size, data):
+def test_classes_gives_n_labels_when_the_shards_tile_the_classes(num_clients, n, shard_size, data):
   # Classes whose sizes are multiples of the shard size: no shard straddles
   # two classes, so a client of N shards has at most N labels.
   shards = num_clients * n
-  num_classes = data.draw(st.sampled_from(
-      [d for d in range(1, shards + 1) if shards % d == 0]))
+  num_classes = data.draw(st.sampled_from([d for d in range(1, shards + 1) if shards % d == 0]))
   per_class = shard_size * shards // num_classes
   labels = np.repeat(np.arange(num_classes), per_class)
   labels = np.random.default_rng(data.draw(seeds)).permutation(labels)
-  parts = partition.partition(labels, partition.PartitionConfig(
-      partition="classes", num_clients=num_clients, classes_per_client=n),
-                              data.draw(seeds))
+  parts = partition.partition(
+    labels,
+    partition.PartitionConfig(partition="classes", num_clients=num_clients, classes_per_client=n),
+    data.draw(seeds),
+  )
   for p in parts:
     assert len(p) == n * shard_size
     assert len(np.unique(labels[p])) <= n
@@ -131,8 +135,7 @@ def test_classes_and_step_client_sizes(case, seed):
   assume(not _too_small(labels, config))
   parts = partition.partition(labels, config, seed)
   classes = np.unique(labels)
-  counts = partition.class_counts([labels[p] for p in parts],
-                                  int(labels.max()) + 1)[:, classes]
+  counts = partition.class_counts([labels[p] for p in parts], int(labels.max()) + 1)[:, classes]
   minor = config.step_minor_examples if config.partition == "step" else 0
   assert (counts >= minor).all()  # Step: `minor` of every class.
   # The rest is cut into num_clients * N near-equal shards, N per client.
@@ -144,16 +147,17 @@ def test_classes_and_step_client_sizes(case, seed):
 
 
 @NUMPY_SETTINGS
-@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=15),
-                min_size=1, max_size=6),
-       st.lists(st.integers(0, 6), max_size=80), seeds)
+@given(
+  st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=15), min_size=1, max_size=6),
+  st.lists(st.integers(0, 6), max_size=80),
+  seeds,
+)
 def test_split_like_sends_each_class_only_to_its_clients(train, test, seed):
   train = [np.asarray(t, np.int64) for t in train]
   test = np.asarray(test, np.int64)
   parts = partition.split_like(train, test, seed)
   assert len(parts) == len(train)
-  np.testing.assert_array_equal(np.sort(np.concatenate(parts)),
-                                np.arange(len(test)))
+  np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(test)))
   for t, p in zip(train, parts):
     for c in np.unique(test[p]):
       # A class goes to the clients that train on it; to anyone if none does.
@@ -167,19 +171,24 @@ def _dump(path: pathlib.Path, content: dict):
     pickle.dump(content, f, protocol=2)
 
 
-def _write_cifar10(root: pathlib.Path, train_images, train_labels,
-                   test_images, test_labels):
+def _write_cifar10(root: pathlib.Path, train_images, train_labels, test_images, test_labels):
   """cifar-10-batches-py/ (the upstream pickles) holding the given images."""
   directory = root / cifar.CIFAR10_ARCHIVE.directory
   directory.mkdir()
   for name, images, labels in zip(
-      cifar.CIFAR10_ARCHIVE.train_files,
-      np.array_split(train_images, 5), np.array_split(train_labels, 5)):
+    cifar.CIFAR10_ARCHIVE.train_files,
+    np.array_split(train_images, 5),
+    np.array_split(train_labels, 5),
+  ):
     _dump(directory / name, {b"data": images, b"labels": labels.tolist()})
-  _dump(directory / cifar.CIFAR10_ARCHIVE.test_file,
-        {b"data": test_images, b"labels": test_labels.tolist()})
-  _dump(directory / cifar.CIFAR10_ARCHIVE.meta_file, {
-      b"label_names": [n.encode() for n in cifar.CIFAR10_LABELS]})
+  _dump(
+    directory / cifar.CIFAR10_ARCHIVE.test_file,
+    {b"data": test_images, b"labels": test_labels.tolist()},
+  )
+  _dump(
+    directory / cifar.CIFAR10_ARCHIVE.meta_file,
+    {b"label_names": [n.encode() for n in cifar.CIFAR10_LABELS]},
+  )
 
 
 def _rows(images: np.ndarray) -> list[bytes]:
@@ -187,22 +196,31 @@ def _rows(images: np.ndarray) -> list[bytes]:
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
-@given(st.integers(60, 120), st.integers(0, 10), st.integers(0, 20),
-       st.integers(0, 10), st.sampled_from(partition.PARTITIONS), seeds)
+@given(
+  st.integers(60, 120),
+  st.integers(0, 10),
+  st.integers(0, 20),
+  st.integers(0, 10),
+  st.sampled_from(partition.PARTITIONS),
+  seeds,
+)
 def test_cifar_server_examples_reach_no_client_and_no_test_image(
-    num_train, copied_test, unlabeled, validation, scheme, seed):
+  num_train, copied_test, unlabeled, validation, scheme, seed
+):
   rng = np.random.default_rng(seed)
   test = rng.integers(0, 256, (20, 3072), dtype=np.uint8)
   train = rng.integers(0, 256, (num_train, 3072), dtype=np.uint8)
   train[:copied_test] = test[:copied_test]  # Training copies of test images.
   train_labels = rng.integers(0, 10, num_train)
   config = partition.PartitionConfig(
-      partition=scheme, num_clients=3, step_minor_examples=0,
-      server_unlabeled_examples=unlabeled,
-      server_validation_examples=validation)
+    partition=scheme,
+    num_clients=3,
+    step_minor_examples=0,
+    server_unlabeled_examples=unlabeled,
+    server_validation_examples=validation,
+  )
   with tempfile.TemporaryDirectory() as root:
-    _write_cifar10(pathlib.Path(root), train, train_labels, test,
-                   rng.integers(0, 10, 20))
+    _write_cifar10(pathlib.Path(root), train, train_labels, test, rng.integers(0, 10, 20))
     try:
       data = cifar.CIFAR10.load_data(root, partition=config, seed=seed)
     except cifar.DataError as e:
@@ -217,14 +235,14 @@ def test_cifar_server_examples_reach_no_client_and_no_test_image(
     assert len(data.server.unlabeled) == unlabeled
     assert len(data.server.validation_y) == validation
   # Every training image once: at a client or at the server, never both.
-  everything = _rows(cifar.CIFAR10.standardize(
-      train.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)))
+  everything = _rows(cifar.CIFAR10.standardize(train.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)))
   assert sorted(clients + server) == sorted(everything)
   test_rows = set(_rows(data.test.concatenated()[0]))
   assert not set(server) & test_rows
 
 
 # Aggregation math ------------------------------------------------------------
+
 
 def _vectors(size):
   return st.lists(st.floats(-10, 10, width=32), min_size=size, max_size=size)
@@ -235,22 +253,25 @@ def ensemble_round(draw):
   """K members of 3 weights, and clients' (update, weight, key)."""
   k = draw(st.integers(1, 4))
   members = [np.asarray(draw(_vectors(3)), np.float32) for _ in range(k)]
-  clients = draw(st.lists(st.tuples(
-      _vectors(3), st.sampled_from([0.0, 1.0, 2.5, 7.0, 40.0]),
-      st.integers(0, k - 1)), max_size=6))
-  return members, [(np.asarray(u, np.float32), w, key)
-                   for u, w, key in clients]
+  clients = draw(
+    st.lists(
+      st.tuples(_vectors(3), st.sampled_from([0.0, 1.0, 2.5, 7.0, 40.0]), st.integers(0, k - 1)),
+      max_size=6,
+    )
+  )
+  return members, [(np.asarray(u, np.float32), w, key) for u, w, key in clients]
 
 
 def _aggregate(members, clients):
-  accumulator = (tuple(tf.zeros([3]) for _ in members),
-                 tf.zeros([len(members)]))
+  accumulator = (tuple(tf.zeros([3]) for _ in members), tf.zeros([len(members)]))
   for update, weight, key in clients:
     accumulator = fed_ensemble.scatter_add_update(
-        accumulator, tf.constant(update), tf.constant(weight, tf.float32),
-        tf.constant(key, tf.int32))
-  return [m.numpy() for m in fed_ensemble.apply_slot_means(
-      tuple(tf.constant(m) for m in members), *accumulator)]
+      accumulator, tf.constant(update), tf.constant(weight, tf.float32), tf.constant(key, tf.int32)
+    )
+  return [
+    m.numpy()
+    for m in fed_ensemble.apply_slot_means(tuple(tf.constant(m) for m in members), *accumulator)
+  ]
 
 
 @TF_SETTINGS
@@ -276,21 +297,20 @@ def client_models(draw):
   """N clients' models (a 2x2 and a 3-vector tensor) and weights |D_i|."""
   n = draw(st.integers(1, 6))
   values = st.floats(-10, 10, width=32)
-  kernels = np.asarray(draw(st.lists(st.lists(values, min_size=4, max_size=4),
-                                     min_size=n, max_size=n)),
-                       np.float32).reshape(n, 2, 2)
-  biases = np.asarray(draw(st.lists(_vectors(3), min_size=n, max_size=n)),
-                      np.float32)
-  sizes = np.asarray(draw(st.lists(st.floats(0.5, 500.0), min_size=n,
-                                   max_size=n)), np.float32)
+  kernels = np.asarray(
+    draw(st.lists(st.lists(values, min_size=4, max_size=4), min_size=n, max_size=n)), np.float32
+  ).reshape(n, 2, 2)
+  biases = np.asarray(draw(st.lists(_vectors(3), min_size=n, max_size=n)), np.float32)
+  sizes = np.asarray(draw(st.lists(st.floats(0.5, 500.0), min_size=n, max_size=n)), np.float32)
   return (kernels, biases), sizes
 
 
 def _gaussian(stacked, sizes):
   """FedBE's mean and variance from the summed `moment_terms`."""
-  terms = [weight_posterior.moment_terms(
-      tuple(tf.constant(t[i]) for t in stacked), sizes[i])
-           for i in range(len(sizes))]
+  terms = [
+    weight_posterior.moment_terms(tuple(tf.constant(t[i]) for t in stacked), sizes[i])
+    for i in range(len(sizes))
+  ]
   summed = tf.nest.map_structure(lambda *t: tf.add_n(t), *terms)
   mean, variance = weight_posterior.gaussian_from_moments(*summed)
   return [m.numpy() for m in mean], [v.numpy() for v in variance]
@@ -318,52 +338,54 @@ def test_fedbe_gaussian_is_the_weighted_mean_and_variance(case):
 
 
 @TF_SETTINGS
-@given(client_models(), st.floats(-10, 10, width=32),
-       st.floats(0.01, 100.0))
+@given(client_models(), st.floats(-10, 10, width=32), st.floats(0.01, 100.0))
 def test_fedbe_variance_ignores_shifts_and_weight_scale(case, shift, scale):
   # The server fits the Gaussian to the updates w0 - w_i, not to w_i
   # (moment_terms' docstring): the variance must not change.
   stacked, sizes = case
   _, variance = _gaussian(stacked, sizes)
-  _, shifted = _gaussian(tuple(np.float32(shift) - t for t in stacked),
-                         sizes * np.float32(scale))
+  _, shifted = _gaussian(tuple(np.float32(shift) - t for t in stacked), sizes * np.float32(scale))
   atol = _gaussian_tolerance(stacked) + _gaussian_tolerance(
-      tuple(np.float32(shift) - t for t in stacked))
+    tuple(np.float32(shift) - t for t in stacked)
+  )
   for a, b in zip(variance, shifted):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
 
 
 @TF_SETTINGS
-@given(st.lists(st.sampled_from([0.0, 0.0, 1.0, 3.0, 20.0, 600.0]),
-                min_size=1, max_size=8),
-       st.floats(1e-4, 100.0), st.integers(1, 20),
-       st.tuples(seeds, seeds))
-def test_fedbe_dirichlet_coefficients_lie_on_the_simplex(
-    client_weights, alpha, num_samples, seed):
+@given(
+  st.lists(st.sampled_from([0.0, 0.0, 1.0, 3.0, 20.0, 600.0]), min_size=1, max_size=8),
+  st.floats(1e-4, 100.0),
+  st.integers(1, 20),
+  st.tuples(seeds, seeds),
+)
+def test_fedbe_dirichlet_coefficients_lie_on_the_simplex(client_weights, alpha, num_samples, seed):
   assume(any(client_weights))
   gamma = weight_posterior.sample_dirichlet_coefficients(
-      client_weights, alpha, num_samples, seed).numpy()
+    client_weights, alpha, num_samples, seed
+  ).numpy()
   weights = np.asarray(client_weights)
   assert gamma.shape == (num_samples, len(weights))
   assert np.isfinite(gamma).all() and (gamma >= 0).all()
   np.testing.assert_allclose(gamma.sum(1), 1.0, atol=1e-5)
   assert (gamma[:, weights == 0] == 0).all()  # No weight, no coefficient.
-  concentration = weight_posterior.dirichlet_concentration(
-      client_weights, alpha).numpy()
+  concentration = weight_posterior.dirichlet_concentration(client_weights, alpha).numpy()
   # alpha_i = alpha * N * p_i over the N clients present: mean p.
-  np.testing.assert_allclose(concentration,
-                             alpha * np.count_nonzero(weights) * weights /
-                             weights.sum(), rtol=1e-5)
+  np.testing.assert_allclose(
+    concentration, alpha * np.count_nonzero(weights) * weights / weights.sum(), rtol=1e-5
+  )
 
 
 @st.composite
 def client_update(draw):
   """A ModelWeights update, maybe with a NaN/Inf, and a max_norm."""
-  trainable = [np.asarray(draw(_vectors(n)), np.float32)
-               for n in draw(st.lists(st.integers(1, 4), min_size=1,
-                                      max_size=3))]
-  non_trainable = [np.asarray(draw(_vectors(2)), np.float32)
-                   for _ in range(draw(st.integers(0, 1)))]
+  trainable = [
+    np.asarray(draw(_vectors(n)), np.float32)
+    for n in draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+  ]
+  non_trainable = [
+    np.asarray(draw(_vectors(2)), np.float32) for _ in range(draw(st.integers(0, 1)))
+  ]
   tensors = trainable + non_trainable
   bad = draw(st.sampled_from([None, np.nan, np.inf, -np.inf]))
   if bad is not None:
@@ -375,8 +397,7 @@ def client_update(draw):
 
 @TF_SETTINGS
 @given(client_update(), st.floats(0.0, 1000.0, width=32))
-def test_reject_bad_update_rejects_exactly_non_finite_or_too_large(
-    case, weight):
+def test_reject_bad_update_rejects_exactly_non_finite_or_too_large(case, weight):
   trainable, non_trainable, max_norm = case
   finite = all(np.isfinite(t).all() for t in trainable + non_trainable)
   norm = np.sqrt(sum(np.sum(t.astype(np.float64) ** 2) for t in trainable))
@@ -384,12 +405,12 @@ def test_reject_bad_update_rejects_exactly_non_finite_or_too_large(
     assume(abs(norm - max_norm) > 1e-4 * max_norm)  # Not float32-close.
   rejected = not finite or bool(max_norm and norm > max_norm)
   update, got_weight, got_rejected = client_work.reject_bad_update(
-      ModelWeights([tf.constant(t) for t in trainable],
-                   [tf.constant(t) for t in non_trainable]),
-      tf.constant(weight, tf.float32), max_norm)
+    ModelWeights([tf.constant(t) for t in trainable], [tf.constant(t) for t in non_trainable]),
+    tf.constant(weight, tf.float32),
+    max_norm,
+  )
   assert float(got_rejected) == float(rejected)
   assert float(got_weight) == (0.0 if rejected else np.float32(weight))
-  for got, original in zip(tf.nest.flatten(update),
-                           trainable + non_trainable):
+  for got, original in zip(tf.nest.flatten(update), trainable + non_trainable):
     want = np.zeros_like(original) if rejected else original
     np.testing.assert_array_equal(got.numpy(), want)

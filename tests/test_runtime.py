@@ -48,8 +48,7 @@ def _doubles_at_clients(xs):
 
 def test_worker_binary_path_is_the_one_in_the_tff_wheel():
   path = runtime.worker_binary_path()
-  assert path.endswith(os.path.join('tensorflow_federated', 'data',
-                                    'worker_binary'))
+  assert path.endswith(os.path.join("tensorflow_federated", "data", "worker_binary"))
   assert os.access(path, os.X_OK)
 
 
@@ -61,10 +60,11 @@ def test_local_context_runs_computations_and_stops_its_worker():
     (worker,) = worker_processes.descendants()
     # Its output goes to /dev/null, not to pytest's pipes.
     for fd in (1, 2):
-      assert os.readlink(f'/proc/{worker.pid}/fd/{fd}') == '/dev/null'
+      assert os.readlink(f"/proc/{worker.pid}/fd/{fd}") == "/dev/null"
     # It runs with few malloc arenas, unless the caller chose a number.
-    assert worker.environ().get('MALLOC_ARENA_MAX') == os.environ.get(
-        'MALLOC_ARENA_MAX', runtime.WORKER_MALLOC_ARENAS)
+    assert worker.environ().get("MALLOC_ARENA_MAX") == os.environ.get(
+      "MALLOC_ARENA_MAX", runtime.WORKER_MALLOC_ARENAS
+    )
   assert worker_processes.is_gone(worker.pid)
   assert not worker_processes.descendants()
 
@@ -87,13 +87,13 @@ def test_previous_context_is_restored():
   assert tff.framework.get_context_stack().current is before
 
 
-@pytest.mark.parametrize('error', [ValueError, KeyboardInterrupt])
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
 def test_exception_in_block_stops_worker(error):
   with worker_processes.deadline(120), pytest.raises(error):
     with runtime.execution_context(max_concurrent_computation_calls=1):
       assert worker_processes.sum_of_doubles([4, 5]) == 18
       (worker,) = worker_processes.descendants()
-      raise error('boom')
+      raise error("boom")
   assert worker_processes.is_gone(worker.pid)
 
 
@@ -102,7 +102,7 @@ def test_computation_fails_instead_of_hanging_when_worker_dies():
     assert worker_processes.sum_of_doubles([1]) == 2
     (worker,) = worker_processes.descendants()
     worker.kill()
-    with pytest.raises(RuntimeError, match='exited with code'):
+    with pytest.raises(RuntimeError, match="exited with code"):
       # Same cardinality: the cached executor fails first.
       worker_processes.sum_of_doubles([5])
 
@@ -143,27 +143,31 @@ def _child_in_block(body: str):
   Yields the child (stdout piped) and its worker's pid, which the child prints
   before running `body`; kills the child at the end.
   """
-  code = _CHILD_PREAMBLE + textwrap.dedent("""
+  code = (
+    _CHILD_PREAMBLE
+    + textwrap.dedent("""
       with runtime.execution_context():
         assert total([1, 2, 3]) == 6
         (worker,) = [c for c in psutil.Process().children()
                      if 'data/worker_binary' in ' '.join(c.cmdline())]
         print(worker.pid, flush=True)
-  """) + textwrap.indent(textwrap.dedent(body), '  ')
+  """)
+    + textwrap.indent(textwrap.dedent(body), "  ")
+  )
   with tempfile.TemporaryFile() as child_stderr:
     child = subprocess.Popen(
-        [sys.executable, '-c', code],
-        cwd=_REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=child_stderr,
-        text=True,
+      [sys.executable, "-c", code],
+      cwd=_REPO_ROOT,
+      stdout=subprocess.PIPE,
+      stderr=child_stderr,
+      text=True,
     )
     try:
       with worker_processes.deadline(180):
         line = child.stdout.readline()
       if not line:
         child_stderr.seek(0)
-        pytest.fail(f'child failed: {child_stderr.read()[-3000:]!r}')
+        pytest.fail(f"child failed: {child_stderr.read()[-3000:]!r}")
       worker_pid = int(line)
       worker_processes.SEEN_PIDS.add(worker_pid)
       assert worker_processes.is_worker(psutil.Process(worker_pid))
@@ -176,7 +180,7 @@ def _child_in_block(body: str):
 
 @pytest.mark.slow
 def test_worker_dies_when_its_parent_is_sigkilled():
-  with _child_in_block('time.sleep(600)') as (child, worker_pid):
+  with _child_in_block("time.sleep(600)") as (child, worker_pid):
     child.kill()
     child.wait()
     assert worker_processes.wait_gone(worker_pid, timeout_s=5)
@@ -203,7 +207,7 @@ def test_sigint_during_a_computation_stops_the_worker():
     time.sleep(1)  # Let the computation start.
     child.send_signal(signal.SIGINT)
     with worker_processes.deadline(30):
-      assert child.stdout.read() == 'interrupted\nworker gone\n'
+      assert child.stdout.read() == "interrupted\nworker gone\n"
       child.wait()
     assert child.returncode != 0
     assert worker_processes.is_gone(worker_pid)
@@ -220,8 +224,7 @@ def test_two_workers_split_clients_and_agree_with_local(two_workers):
     workers = [psutil.Process(p.pid) for p in processes]
     cpu_before = [sum(w.cpu_times()[:2]) for w in workers]
     assert _busy_sum_of_doubles(clients) == local
-    cpu_used = [sum(w.cpu_times()[:2]) - b
-                for w, b in zip(workers, cpu_before)]
+    cpu_used = [sum(w.cpu_times()[:2]) - b for w, b in zip(workers, cpu_before)]
     assert worker_processes.double(5) == 10
   # Each worker computed some of the clients.
   assert min(cpu_used) > 0.2 * max(cpu_used), cpu_used
@@ -232,7 +235,7 @@ def test_two_workers_split_clients_and_agree_with_local(two_workers):
 def test_two_workers_refuse_clients_placed_results(two_workers):
   addresses, _ = two_workers
   with worker_processes.deadline(60), runtime.execution_context(workers=addresses):
-    with pytest.raises(ValueError, match='CLIENTS-placed'):
+    with pytest.raises(ValueError, match="CLIENTS-placed"):
       _doubles_at_clients([1, 2, 3])
   with worker_processes.deadline(60), runtime.execution_context(workers=addresses[:1]):
     assert _doubles_at_clients([1, 2, 3]) == [2, 4, 6]
@@ -243,28 +246,33 @@ def test_two_workers_run_a_tff_learning_round_like_local(two_workers):
   addresses, _ = two_workers
 
   def model_fn():
-    keras_model = tf.keras.Sequential([
+    keras_model = tf.keras.Sequential(
+      [
         tf.keras.layers.Input((4,)),
         tf.keras.layers.Dense(3),
-    ])
+      ]
+    )
     return tff.learning.models.from_keras_model(
-        keras_model,
-        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        input_spec=collections.OrderedDict(
-            x=tf.TensorSpec([None, 4], tf.float32),
-            y=tf.TensorSpec([None], tf.int32),
-        ),
+      keras_model,
+      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      input_spec=collections.OrderedDict(
+        x=tf.TensorSpec([None, 4], tf.float32),
+        y=tf.TensorSpec([None], tf.int32),
+      ),
     )
 
   def client_data(seed):
     rng = np.random.default_rng(seed)
-    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+    return tf.data.Dataset.from_tensor_slices(
+      collections.OrderedDict(
         x=rng.normal(size=(12, 4)).astype(np.float32),
         y=rng.integers(0, 3, 12).astype(np.int32),
-    )).batch(4)
+      )
+    ).batch(4)
 
   process = tff.learning.algorithms.build_weighted_fed_avg(
-      model_fn, client_optimizer_fn=tff.learning.optimizers.build_sgdm(0.1))
+    model_fn, client_optimizer_fn=tff.learning.optimizers.build_sgdm(0.1)
+  )
   data = [client_data(i) for i in range(5)]
   # `get_model_weights` is a computation too: outside a block it would run in
   # TFF's default context, which starts a worker of its own.
@@ -276,104 +284,103 @@ def test_two_workers_run_a_tff_learning_round_like_local(two_workers):
     merged = process.next(state, data)
     merged_weights = process.get_model_weights(merged.state).trainable
   tf.nest.map_structure(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-      local_weights, merged_weights,
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    local_weights,
+    merged_weights,
   )
-  assert (local.metrics['client_work']['train']['num_examples']
-          == merged.metrics['client_work']['train']['num_examples'] == 60)
+  assert (
+    local.metrics["client_work"]["train"]["num_examples"]
+    == merged.metrics["client_work"]["train"]["num_examples"]
+    == 60
+  )
 
 
 def test_unreachable_worker_gives_one_line_error_quickly():
-  address = f'127.0.0.1:{portpicker.pick_unused_port()}'
+  address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   start = time.monotonic()
   with worker_processes.deadline(60):
     with pytest.raises(RuntimeError) as error:
       with runtime.execution_context(workers=[address]):
-        pytest.fail('entered the block without a worker')
+        pytest.fail("entered the block without a worker")
   assert time.monotonic() - start < 30
   message = str(error.value)
   assert address in message
-  assert '\n' not in message
+  assert "\n" not in message
 
 
 def test_concurrency_limit_is_for_local_workers_only(two_workers):
   addresses, _ = two_workers
-  with pytest.raises(ValueError, match='start_worker'):
-    with runtime.execution_context(workers=addresses,
-                                   max_concurrent_computation_calls=2):
+  with pytest.raises(ValueError, match="start_worker"):
+    with runtime.execution_context(workers=addresses, max_concurrent_computation_calls=2):
       pass
 
 
 _COUNTER_STATE = tff.FederatedType(
-    collections.OrderedDict(rounds=np.int32,
-                            totals=tff.TensorType(np.float32, [3])),
-    tff.SERVER)
+  collections.OrderedDict(rounds=np.int32, totals=tff.TensorType(np.float32, [3])), tff.SERVER
+)
 
 
 @tff.tensorflow.computation(_COUNTER_STATE.member, np.int32)
 def _count(state, total):
   return collections.OrderedDict(
-      rounds=state['rounds'] + 1,
-      totals=state['totals'] * 0.5 + tf.cast(total, tf.float32))
+    rounds=state["rounds"] + 1, totals=state["totals"] * 0.5 + tf.cast(total, tf.float32)
+  )
 
 
-@tff.federated_computation(_COUNTER_STATE,
-                           tff.FederatedType(np.int32, tff.CLIENTS))
+@tff.federated_computation(_COUNTER_STATE, tff.FederatedType(np.int32, tff.CLIENTS))
 def _counter_next(state, xs):
   """A stateful round: rounds + 1, totals halved plus sum(2 x) over clients."""
   total = tff.federated_sum(tff.federated_map(worker_processes.double, xs))
   metrics = collections.OrderedDict(total=total)
-  return (tff.federated_map(_count, (state, total)),
-          tff.federated_zip(metrics))
+  return (tff.federated_map(_count, (state, total)), tff.federated_zip(metrics))
 
 
 _INITIAL_COUNTER = collections.OrderedDict(
-    rounds=np.int32(0), totals=np.array([1.0, -2.0, 0.25], np.float32))
+  rounds=np.int32(0), totals=np.array([1.0, -2.0, 0.25], np.float32)
+)
 
 
 def _plain_rounds(cohorts):
   state, totals = _INITIAL_COUNTER, []
   for xs in cohorts:
     state, metrics = _counter_next(state, xs)
-    totals.append(metrics['total'])
+    totals.append(metrics["total"])
   return state, totals
 
 
-@pytest.mark.parametrize('several_workers', [False, True])
-def test_resident_state_matches_state_through_python(several_workers,
-                                                     two_workers):
+@pytest.mark.parametrize("several_workers", [False, True])
+def test_resident_state_matches_state_through_python(several_workers, two_workers):
   # Cohort sizes change (the state moves to a new executor), and the state
   # is read between rounds, as the CLI does for checkpoints.
   cohorts = [[1, 2], [3, 4, 5], [6, 7, 8], [1, 2], [9]]
   addresses = two_workers[0] if several_workers else ()
   with worker_processes.deadline(120), runtime.execution_context():
     expected_state, expected_totals = _plain_rounds(cohorts)
-  with worker_processes.deadline(120), runtime.execution_context(
-      workers=addresses):
+  with worker_processes.deadline(120), runtime.execution_context(workers=addresses):
     held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER)
     totals, read = [], []
     for i, xs in enumerate(cohorts):
-      totals.append(held.next(xs)['total'])
+      totals.append(held.next(xs)["total"])
       if i in (1, 2):
-        read.append(held.value['rounds'])
+        read.append(held.value["rounds"])
     state = held.value
   assert totals == expected_totals == [6, 24, 42, 6, 18]
   assert read == [2, 3]
   assert isinstance(state, collections.OrderedDict)
-  assert state['rounds'] == expected_state['rounds'] == 5
-  np.testing.assert_array_equal(state['totals'], expected_state['totals'])
-  assert state['totals'].dtype == np.float32
+  assert state["rounds"] == expected_state["rounds"] == 5
+  np.testing.assert_array_equal(state["totals"], expected_state["totals"])
+  assert state["totals"].dtype == np.float32
 
 
 def test_resident_state_with_a_dead_worker_gives_one_line_error():
   with worker_processes.deadline(60), runtime.execution_context():
     held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER)
-    assert held.next([1, 2])['total'] == 6
+    assert held.next([1, 2])["total"] == 6
     (worker,) = worker_processes.descendants()
     worker.kill()
-    with pytest.raises(runtime.WorkerError, match='exited with code') as error:
+    with pytest.raises(runtime.WorkerError, match="exited with code") as error:
       held.next([3, 4])
-  assert '\n' not in str(error.value)
+  assert "\n" not in str(error.value)
 
 
 _BIG = 2_500_000  # float32s: 10 MB.
@@ -401,8 +408,9 @@ def _held_run(max_growth_bytes, rounds):
   """(worker's RSS after each held round, final state, the cut's period)."""
   with worker_processes.deadline(120), runtime.execution_context():
     (worker,) = worker_processes.descendants()
-    held = runtime.ResidentState(_big_next, np.zeros(_BIG, np.float32),
-                                 max_growth_bytes=max_growth_bytes)
+    held = runtime.ResidentState(
+      _big_next, np.zeros(_BIG, np.float32), max_growth_bytes=max_growth_bytes
+    )
     rss = []
     for _ in range(rounds):
       held.next([1, 2, 3])

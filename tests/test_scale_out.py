@@ -21,10 +21,11 @@ import portpicker
 import psutil
 import pytest
 import tensorflow as tf
-import tensorflow_federated as tff
 
 from tests import worker_processes
-from tests.femnist_runs import QUICK, ROOT, read_metrics
+from tests.femnist_runs import QUICK
+from tests.femnist_runs import ROOT
+from tests.femnist_runs import read_metrics
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import main as cli
@@ -41,11 +42,10 @@ two_workers = worker_processes.two_workers
 
 # Four tiny clients of different sizes; two workers get two each.
 CLIENT_DATA = [
-    ([[1.0, 0.0, -1.0, 2.0], [0.5, -0.5, 1.0, 0.0]], [0, 2]),
-    ([[-1.0, 2.0, 0.0, 1.0], [2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 1.0, 3.0]],
-     [1, 1, 0]),
-    ([[0.0, 1.0, 1.0, -2.0], [1.0, 1.0, 1.0, 1.0]], [2, 0]),
-    ([[3.0, -1.0, 0.5, 0.0]], [1]),
+  ([[1.0, 0.0, -1.0, 2.0], [0.5, -0.5, 1.0, 0.0]], [0, 2]),
+  ([[-1.0, 2.0, 0.0, 1.0], [2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 1.0, 3.0]], [1, 1, 0]),
+  ([[0.0, 1.0, 1.0, -2.0], [1.0, 1.0, 1.0, 1.0]], [2, 0]),
+  ([[3.0, -1.0, 0.5, 0.0]], [1]),
 ]
 
 
@@ -58,9 +58,13 @@ def _cpu_seconds(process) -> float:
 def test_two_workers_round_equals_local_round(name, two_workers):
   addresses, processes = two_workers
   algorithm = algorithms.build_algorithm(
-      name, lambda k=0: tiny_model(seed=10 * k, batch_norm=True), SPEC,
-      client_work.LocalTrainingConfig(learning_rate=0.5), ensemble_size=2,
-      seed=1)  # Fed-ensemble: clients 5, 2 train member 0; 1, 7 member 1.
+    name,
+    lambda k=0: tiny_model(seed=10 * k, batch_norm=True),
+    SPEC,
+    client_work.LocalTrainingConfig(learning_rate=0.5),
+    ensemble_size=2,
+    seed=1,
+  )  # Fed-ensemble: clients 5, 2 train member 0; 1, 7 member 1.
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   clients = np.array([5, 1, 7, 2])
   with worker_processes.deadline(120), runtime.execution_context():
@@ -75,17 +79,22 @@ def test_two_workers_round_equals_local_round(name, two_workers):
   # Both workers computed (the clients were split, not sent to one).
   assert all(_cpu_seconds(p) > b for p, b in zip(processes, cpu_before))
   tf.nest.map_structure(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-5),
-      local_models, split_models)
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-5), local_models, split_models
+  )
   # The round changed every model, so the comparison is not vacuous.
   flat = lambda weights: np.concatenate([np.ravel(t) for t in weights])
   for before, after in zip(initial_models, local_models):
     assert not np.allclose(flat(before.trainable), flat(after.trainable))
-  assert (split_metrics["client_work"]["num_examples"] ==
-          local_metrics["client_work"]["num_examples"] == 8)
-  np.testing.assert_allclose(split_metrics["client_work"]["train_loss"],
-                             local_metrics["client_work"]["train_loss"],
-                             rtol=1e-5)
+  assert (
+    split_metrics["client_work"]["num_examples"]
+    == local_metrics["client_work"]["num_examples"]
+    == 8
+  )
+  np.testing.assert_allclose(
+    split_metrics["client_work"]["train_loss"],
+    local_metrics["client_work"]["train_loss"],
+    rtol=1e-5,
+  )
 
 
 def _checkpoints(output_dir) -> list[str]:
@@ -96,12 +105,16 @@ def _checkpoints(output_dir) -> list[str]:
 
 
 @pytest.mark.slow
-def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(
-    two_workers, tmp_path):
+def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_workers, tmp_path):
   addresses, processes = two_workers
   config = dataclasses.replace(
-      QUICK, rounds=3, checkpoint_every=1, eval_every=3,
-      output_dir=str(tmp_path), workers=",".join(addresses))
+    QUICK,
+    rounds=3,
+    checkpoint_every=1,
+    eval_every=3,
+    output_dir=str(tmp_path),
+    workers=",".join(addresses),
+  )
   killed_at = []
 
   def kill_after_first_checkpoint():
@@ -130,8 +143,7 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(
 
   # The run continues on this machine, on a local worker.
   with worker_processes.deadline(300):
-    summary = training.run_experiment(
-        dataclasses.replace(config, workers="", resume=True))
+    summary = training.run_experiment(dataclasses.replace(config, workers="", resume=True))
   rows = read_metrics(tmp_path)
   assert [int(r["round"]) for r in rows] == [1, 2, 3]
   # Rounds up to the checkpoint were kept, not trained again.
@@ -140,12 +152,15 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(
   assert (tmp_path / training.SUMMARY_FILE).exists()
 
 
-@pytest.mark.parametrize("workers, message", [
+@pytest.mark.parametrize(
+  "workers, message",
+  [
     ("localhost", "'localhost' is not host:port"),
     ("10.0.0.2:8000,:8001", "':8001' is not host:port"),
     ("10.0.0.2:99999", "'10.0.0.2:99999' is not host:port"),
     ("10.0.0.2:8000,10.0.0.2:8000", "10.0.0.2:8000 is named twice"),
-])
+  ],
+)
 def test_bad_workers_flag_is_refused(workers, message):
   config = dataclasses.replace(QUICK, workers=workers)
   with pytest.raises(training.UsageError, match=message) as error:
@@ -159,23 +174,19 @@ def test_cli_flag_is_the_config_field():
 
 
 def test_concurrency_limit_with_workers_is_refused():
-  config = dataclasses.replace(QUICK, workers="10.0.0.2:8000",
-                               max_concurrent_clients=2)
-  with pytest.raises(training.UsageError,
-                     match="tff_ens.worker --max_concurrent_clients"):
+  config = dataclasses.replace(QUICK, workers="10.0.0.2:8000", max_concurrent_clients=2)
+  with pytest.raises(training.UsageError, match="tff_ens.worker --max_concurrent_clients"):
     config.validate()
 
 
 @pytest.mark.slow
 def test_unreachable_worker_is_a_usage_error_naming_the_flag(tmp_path):
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
-  config = dataclasses.replace(QUICK, workers=address,
-                               output_dir=str(tmp_path / "out"))
+  config = dataclasses.replace(QUICK, workers=address, output_dir=str(tmp_path / "out"))
   with worker_processes.deadline(120), pytest.raises(training.UsageError) as error:
     training.run_experiment(config)
   message = str(error.value)
-  assert message.startswith(f"--workers={address}: TFF worker at {address} "
-                            "is unreachable")
+  assert message.startswith(f"--workers={address}: TFF worker at {address} is unreachable")
   assert "python -m tff_ens.worker --port=" in message
   assert "\n" not in message
   assert not (tmp_path / "out").exists()  # Nothing written.
@@ -192,15 +203,20 @@ def worker_clis():
   with socket.socket() as busy:
     busy.bind(("", 0))
     busy.listen()
-    ports = {"free": portpicker.pick_unused_port(),
-             "busy": busy.getsockname()[1]}
+    ports = {"free": portpicker.pick_unused_port(), "busy": busy.getsockname()[1]}
     started = {}
     try:
       for name, port in ports.items():
-        started[name] = (subprocess.Popen(
+        started[name] = (
+          subprocess.Popen(
             [sys.executable, "-m", "tff_ens.worker", f"--port={port}"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True), port)
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+          ),
+          port,
+        )
       yield started
     finally:
       for process, _ in started.values():
@@ -216,11 +232,9 @@ def test_worker_cli_serves_and_stops_on_sigterm(worker_clis):
     line = cli.stdout.readline()
   assert f"serving on port {port}" in line, cli.stderr.read()[-2000:]
   assert f"--workers=THIS_HOST:{port}" in line
-  (worker,) = [c for c in psutil.Process(cli.pid).children()
-               if worker_processes.is_worker(c)]
+  (worker,) = [c for c in psutil.Process(cli.pid).children() if worker_processes.is_worker(c)]
   worker_processes.SEEN_PIDS.add(worker.pid)
-  with worker_processes.deadline(60), runtime.execution_context(
-      workers=[f"127.0.0.1:{port}"]):
+  with worker_processes.deadline(60), runtime.execution_context(workers=[f"127.0.0.1:{port}"]):
     assert worker_processes.sum_of_doubles([1, 2, 3]) == 12
   cli.send_signal(signal.SIGTERM)
   with worker_processes.deadline(30):
@@ -233,6 +247,4 @@ def test_worker_cli_on_a_busy_port_fails_with_one_line(worker_clis):
   with worker_processes.deadline(180):
     _, stderr = cli.communicate()
   assert cli.returncode == 2
-  assert stderr.strip().splitlines()[-1] == (
-      f"error: port {port} is in use: choose another --port")
-
+  assert stderr.strip().splitlines()[-1] == (f"error: port {port} is in use: choose another --port")

@@ -60,11 +60,14 @@ def test_a_source_with_test_images_is_refused(data, tmp_path):
     server_data.server_split(data, femnist, seed=0, unlabeled_path=path)
 
 
-@pytest.mark.parametrize("arrays, message", [
+@pytest.mark.parametrize(
+  "arrays, message",
+  [
     ({"images": np.zeros((2, 28, 28, 1))}, "no array 'x'"),
     ({"x": np.zeros((2, 28, 28))}, "shape"),
     ({"x": np.full((2, 28, 28, 1), np.nan)}, "NaN"),
-])
+  ],
+)
 def test_bad_npz_sources_get_one_line_errors(data, tmp_path, arrays, message):
   path = str(tmp_path / "bad.npz")
   np.savez(path, **arrays)
@@ -76,5 +79,4 @@ def test_bad_npz_sources_get_one_line_errors(data, tmp_path, arrays, message):
 
 def test_missing_npz_is_named(data, tmp_path):
   with pytest.raises(tasks.DataError, match="does not exist"):
-    server_data.server_split(data, femnist, seed=0,
-                             unlabeled_path=str(tmp_path / "none.npz"))
+    server_data.server_split(data, femnist, seed=0, unlabeled_path=str(tmp_path / "none.npz"))

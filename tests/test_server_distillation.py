@@ -28,14 +28,16 @@ def _weights(value):
 
 def test_collect_fills_slots_in_arrival_order():
   capacity = 4
-  accumulator = (tuple(_weights([0.0, 0.0]) for _ in range(capacity)),
-                 tf.zeros([capacity]), tf.constant(0))
+  accumulator = (
+    tuple(_weights([0.0, 0.0]) for _ in range(capacity)),
+    tf.zeros([capacity]),
+    tf.constant(0),
+  )
   for update, weight in (([1.0, 2.0], 3.0), ([5.0, 6.0], 0.0), ([7.0, 8.0], 2.0)):
     accumulator = sd.collect_update(accumulator, _weights(update), weight)
   slots, weights, count = accumulator
   assert int(count) == 3
-  np.testing.assert_array_equal([s.trainable[0] for s in slots],
-                                [[1, 2], [5, 6], [7, 8], [0, 0]])
+  np.testing.assert_array_equal([s.trainable[0] for s in slots], [[1, 2], [5, 6], [7, 8], [0, 0]])
   np.testing.assert_array_equal(weights, [3, 0, 2, 0])
   accumulator = sd.collect_update(accumulator, _weights([9.0, 9.0]), 1.0)
   with pytest.raises(tf.errors.InvalidArgumentError, match="collect slots"):
@@ -44,26 +46,25 @@ def test_collect_fills_slots_in_arrival_order():
 
 def test_merge_appends_the_second_partial_after_the_first():
   def partial(rows, count):
-    return (tuple(_weights([float(r)]) for r in rows),
-            tf.constant([float(r) for r in rows]) * tf.cast(
-                tf.range(len(rows)) < count, tf.float32), tf.constant(count))
+    return (
+      tuple(_weights([float(r)]) for r in rows),
+      tf.constant([float(r) for r in rows]) * tf.cast(tf.range(len(rows)) < count, tf.float32),
+      tf.constant(count),
+    )
 
-  slots, weights, count = sd.merge_collected(partial([1, 2, 0, 0], 2),
-                                             partial([3, 0, 0, 0], 1))
+  slots, weights, count = sd.merge_collected(partial([1, 2, 0, 0], 2), partial([3, 0, 0, 0], 1))
   assert int(count) == 3
   np.testing.assert_array_equal([s.trainable[0][0] for s in slots], [1, 2, 3, 0])
   np.testing.assert_array_equal(weights, [1, 2, 3, 0])
 
 
 def test_collect_aggregator_returns_every_client_update():
-  update_type = tff.types.tensorflow_to_type(
-      ModelWeights([tf.TensorSpec([2], tf.float32)], []))
+  update_type = tff.types.tensorflow_to_type(ModelWeights([tf.TensorSpec([2], tf.float32)], []))
   process = sd.build_collect_aggregator(update_type, capacity=4)
   updates = [_weights(v) for v in ([1.0, 2.0], [3.0, 4.0], [5.0, 6.0])]
   output = process.next(process.initialize(), updates, [1.0, 2.0, 3.0])
   stacked, weights = output.result
-  np.testing.assert_array_equal(stacked.trainable[0],
-                                [[1, 2], [3, 4], [5, 6], [0, 0]])
+  np.testing.assert_array_equal(stacked.trainable[0], [[1, 2], [3, 4], [5, 6], [0, 0]])
   np.testing.assert_array_equal(weights, [1, 2, 3, 0])
   assert output.measurements["clients_collected"] == 3
 
@@ -72,8 +73,7 @@ def test_collect_aggregator_returns_every_client_update():
 
 
 def _collected(updates, weights):
-  return (tf.nest.map_structure(lambda *t: tf.stack(t), *updates),
-          tf.constant(weights, tf.float32))
+  return (tf.nest.map_structure(lambda *t: tf.stack(t), *updates), tf.constant(weights, tf.float32))
 
 
 def _validation():
@@ -84,20 +84,27 @@ def test_fedbe_teachers_are_average_clients_and_gaussian_samples():
   model = tiny_model()
   global_weights = ModelWeights.from_model(model)
   global_weights = tf.nest.map_structure(tf.convert_to_tensor, global_weights)
-  updates = [tf.nest.map_structure(lambda t, s=s: tf.fill(t.shape, s), global_weights)
-             for s in (0.1, -0.3, 7.0)]
+  updates = [
+    tf.nest.map_structure(lambda t, s=s: tf.fill(t.shape, s), global_weights)
+    for s in (0.1, -0.3, 7.0)
+  ]
   # The third client was rejected (weight 0): no teacher, not in the average.
   config = sd.ServerDistillationConfig(
-      method="fedbe", distill=distillation.fedbe_config(25), num_samples=4)
+    method="fedbe", distill=distillation.fedbe_config(25), num_samples=4
+  )
   stack, weights, average, dropped, informative = sd.teachers(
-      model, global_weights, _collected(updates, [1.0, 3.0, 0.0]),
-      tf.constant([1, 2], tf.int64), config, _validation())
+    model,
+    global_weights,
+    _collected(updates, [1.0, 3.0, 0.0]),
+    tf.constant([1, 2], tf.int64),
+    config,
+    _validation(),
+  )
   assert int(dropped) == 0 and bool(informative)
   assert stack.trainable[0].shape[0] == 1 + 3 + 4  # A, C (all slots), S.
   np.testing.assert_array_equal(weights, [1, 1, 1, 0, 1, 1, 1, 1])
   # A = w - (1 * 0.1 + 3 * -0.3) / 4 = w + 0.2.
-  np.testing.assert_allclose(average.trainable[0], global_weights.trainable[0] + 0.2,
-                             rtol=1e-6)
+  np.testing.assert_allclose(average.trainable[0], global_weights.trainable[0] + 0.2, rtol=1e-6)
   np.testing.assert_allclose(stack.trainable[0][0], average.trainable[0])
   np.testing.assert_allclose(stack.trainable[0][2], global_weights.trainable[0] + 0.3)
   # Samples: the mean model plus noise of std sqrt(var) = sqrt(0.12) per entry.
@@ -114,14 +121,18 @@ def test_feddf_drops_clients_at_chance_and_averages_the_others():
   collapsed = ModelWeights([tf.zeros([4, 3]), tf.constant([5.0, 0.0, 0.0])], [])
   images = np.eye(4, dtype=np.float32)[[0, 1, 2, 0, 1, 2]].reshape(6, 2, 2, 1)
   validation = (tf.constant(images), tf.constant([0, 1, 2, 0, 1, 2], tf.int32))
-  updates = [tf.nest.map_structure(tf.zeros_like, good),
-             tf.nest.map_structure(tf.subtract, good, collapsed)]
+  updates = [
+    tf.nest.map_structure(tf.zeros_like, good),
+    tf.nest.map_structure(tf.subtract, good, collapsed),
+  ]
   config = sd.ServerDistillationConfig(
-      method="feddf", distill=distillation.feddf_config(20, patience=10, eval_every=5),
-      drop_worst=True)
+    method="feddf",
+    distill=distillation.feddf_config(20, patience=10, eval_every=5),
+    drop_worst=True,
+  )
   stack, weights, average, dropped, informative = sd.teachers(
-      model, good, _collected(updates, [2.0, 5.0]), tf.constant([1, 2], tf.int64),
-      config, validation)
+    model, good, _collected(updates, [2.0, 5.0]), tf.constant([1, 2], tf.int64), config, validation
+  )
   assert int(dropped) == 1 and bool(informative)
   np.testing.assert_array_equal(weights, [1, 0])
   # The average is over the kept client only.
@@ -133,12 +144,14 @@ def test_feddf_drops_clients_at_chance_and_averages_the_others():
   # the average of the received clients (a FedAvg step).
   other = ModelWeights([tf.zeros([4, 3]), tf.constant([0.0, 5.0, 0.0])], [])
   updates = [tf.nest.map_structure(tf.subtract, good, m) for m in (collapsed, other)]
-  *_, informative = sd.teachers(model, good, _collected(updates, [1.0, 3.0]),
-                                tf.constant([1, 2], tf.int64), config, validation)
+  *_, informative = sd.teachers(
+    model, good, _collected(updates, [1.0, 3.0]), tf.constant([1, 2], tf.int64), config, validation
+  )
   assert not bool(informative)
   data = server_data_lib.ServerData(SERVER.unlabeled, images, validation[1].numpy(), "test")
-  new, measurements = sd.server_update(tiny_model, good, _collected(updates, [1.0, 3.0]),
-                                       0, data, config)
+  new, measurements = sd.server_update(
+    tiny_model, good, _collected(updates, [1.0, 3.0]), 0, data, config
+  )
   np.testing.assert_allclose(new.trainable[1], [1.25, 3.75, 0.0], rtol=1e-6)  # (1, 3) / 4 x 5
   assert int(measurements["distilled"]) == 0
   assert int(measurements["distill_steps"]) == 0  # No student to discard.
@@ -156,16 +169,20 @@ def test_drop_worst_rule_decides_which_clients_feddf_keeps():
   kernel[2] = [10, 0, 0]
   worse = ModelWeights([tf.constant(kernel, tf.float32), tf.zeros([3])], [])
   updates = [tf.nest.map_structure(tf.zeros_like, good)] * 4 + [
-      tf.nest.map_structure(tf.subtract, good, worse)]
+    tf.nest.map_structure(tf.subtract, good, worse)
+  ]
   collected = _collected(updates, [1.0] * 5)
   kept = {}
   for rule in distillation.DROP_WORST_RULES:
     config = sd.ServerDistillationConfig(
-        method="feddf", distill=distillation.feddf_config(20, eval_every=5),
-        drop_worst=True, drop_worst_rule=rule)
+      method="feddf",
+      distill=distillation.feddf_config(20, eval_every=5),
+      drop_worst=True,
+      drop_worst_rule=rule,
+    )
     _, weights, _, dropped, informative = sd.teachers(
-        model, good, collected, tf.constant([1, 2], tf.int64), config,
-        validation)
+      model, good, collected, tf.constant([1, 2], tf.int64), config, validation
+    )
     assert bool(informative)
     kept[rule] = (weights.numpy(), int(dropped))
   np.testing.assert_array_equal(kept["guess_or_outliers"][0], [1, 1, 1, 1, 0])
@@ -177,28 +194,30 @@ def test_drop_worst_rule_decides_which_clients_feddf_keeps():
 def test_distillation_targets_sharpen_with_the_configured_temperature():
   logits = np.array([[2.0, 1.0, 0.0], [0.0, 0.5, 1.5]], np.float32)
   p = np.array([[0.5, 0.3, 0.2], [0.25, 0.25, 0.5]], np.float32)
-  predictions = {"mean_logits": tf.constant(logits),
-                 "mean_probabilities": tf.constant(p)}
+  predictions = {"mean_logits": tf.constant(logits), "mean_probabilities": tf.constant(p)}
   squared = p**2 / np.sum(p**2, -1, keepdims=True)
 
   def targets(method, **kwargs):
-    distill = (distillation.feddf_config(20, eval_every=5) if method == "feddf"
-               else distillation.fedbe_config(25))
-    return sd.distillation_targets(sd.ServerDistillationConfig(
-        method=method, distill=distill, **kwargs), predictions)
+    distill = (
+      distillation.feddf_config(20, eval_every=5)
+      if method == "feddf"
+      else distillation.fedbe_config(25)
+    )
+    return sd.distillation_targets(
+      sd.ServerDistillationConfig(method=method, distill=distill, **kwargs), predictions
+    )
 
   # The papers': FedBE's mean probabilities, v-Distillation's p^2 / sum p^2.
   np.testing.assert_allclose(targets("fedbe"), p, rtol=1e-6)
   np.testing.assert_allclose(targets("vdistill"), squared, rtol=1e-6)
   # The authors' code's T = 0.5 for FedBE; T = 1 for v-Distillation.
-  np.testing.assert_allclose(targets("fedbe", sharpen_temperature=0.5),
-                             squared, rtol=1e-6)
-  np.testing.assert_allclose(targets("vdistill", sharpen_temperature=1.0), p,
-                             rtol=1e-6)
+  np.testing.assert_allclose(targets("fedbe", sharpen_temperature=0.5), squared, rtol=1e-6)
+  np.testing.assert_allclose(targets("vdistill", sharpen_temperature=1.0), p, rtol=1e-6)
   # FedDF: softmax of the mean logits, whatever the temperature.
   e = np.exp(logits - logits.max(-1, keepdims=True))
-  np.testing.assert_allclose(targets("feddf", sharpen_temperature=0.5),
-                             e / e.sum(-1, keepdims=True), rtol=1e-6)
+  np.testing.assert_allclose(
+    targets("feddf", sharpen_temperature=0.5), e / e.sum(-1, keepdims=True), rtol=1e-6
+  )
 
 
 # ------------------------------------------------------------------ process
@@ -213,11 +232,16 @@ def test_one_round_distills_from_the_cohort(method):
     distill = distillation.fedbe_config(25, batch_size=8, swa=method == "fedbe")
   # Without drop-worst: these tiny clients are at chance level, and a round
   # of only such clients skips distillation (test above).
-  config = sd.ServerDistillationConfig(method=method, distill=distill, num_samples=2,
-                                       seed=3)
+  config = sd.ServerDistillationConfig(method=method, distill=distill, num_samples=2, seed=3)
   algorithm = algorithms.build_algorithm(
-      method, lambda k=0: tiny_model(), SPEC, local, server_data=SERVER,
-      server_config=config, clients_per_round=3)
+    method,
+    lambda k=0: tiny_model(),
+    SPEC,
+    local,
+    server_data=SERVER,
+    server_config=config,
+    clients_per_round=3,
+  )
   process = algorithm.process
   state = process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
@@ -231,8 +255,7 @@ def test_one_round_distills_from_the_cohort(method):
   assert finalizer["server_seconds"] > 0.0
   before = process.get_model_weights(state)
   after = process.get_model_weights(output.state)
-  assert any(not np.allclose(a, b) for a, b in
-             zip(tf.nest.flatten(after), tf.nest.flatten(before)))
+  assert any(not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before)))
   # The teachers' probabilities of that round: one distribution per image,
   # and their members' mean entropy, at least 0 and at most the entropy of
   # the mean (the mutual information is >= 0 for a mixture, not AVGLOGITS).
@@ -246,18 +269,22 @@ def test_one_round_distills_from_the_cohort(method):
     assert (teacher["mean_entropy"] <= entropy + 1e-5).all()
   # Same state and data, same round: the process is deterministic.
   again = process.next(state, datasets)
-  for a, b in zip(tf.nest.flatten(process.get_model_weights(again.state)),
-                  tf.nest.flatten(after)):
+  for a, b in zip(tf.nest.flatten(process.get_model_weights(again.state)), tf.nest.flatten(after)):
     np.testing.assert_array_equal(a, b)
 
 
 def test_upload_is_one_model_as_fedavg():
   local = client_work.LocalTrainingConfig(learning_rate=0.5)
-  config = sd.ServerDistillationConfig(method="fedbe",
-                                       distill=distillation.fedbe_config(25))
-  fedbe = algorithms.build_algorithm("fedbe", lambda k=0: tiny_model(), SPEC, local,
-                                     server_data=SERVER, server_config=config,
-                                     clients_per_round=3)
+  config = sd.ServerDistillationConfig(method="fedbe", distill=distillation.fedbe_config(25))
+  fedbe = algorithms.build_algorithm(
+    "fedbe",
+    lambda k=0: tiny_model(),
+    SPEC,
+    local,
+    server_data=SERVER,
+    server_config=config,
+    clients_per_round=3,
+  )
   fedavg = algorithms.build_algorithm("fedavg", lambda k=0: tiny_model(), SPEC, local)
   assert fedbe.bytes_per_client_round() == fedavg.bytes_per_client_round()
 
@@ -266,13 +293,16 @@ def test_config_rejects_unknown_values():
   with pytest.raises(ValueError, match="method"):
     sd.ServerDistillationConfig(method="fedx", distill=distillation.fedbe_config(25))
   with pytest.raises(ValueError, match="targets"):
-    sd.ServerDistillationConfig(method="fedbe", distill=distillation.fedbe_config(25),
-                                targets="C+S")
+    sd.ServerDistillationConfig(
+      method="fedbe", distill=distillation.fedbe_config(25), targets="C+S"
+    )
   with pytest.raises(ValueError, match="eval_every"):
     sd.ServerDistillationConfig(method="feddf", distill=distillation.fedbe_config(25))
   with pytest.raises(ValueError, match="sharpen_temperature must be > 0"):
-    sd.ServerDistillationConfig(method="fedbe", distill=distillation.fedbe_config(25),
-                                sharpen_temperature=0.0)
+    sd.ServerDistillationConfig(
+      method="fedbe", distill=distillation.fedbe_config(25), sharpen_temperature=0.0
+    )
   with pytest.raises(ValueError, match="unknown drop_worst_rule 'chance'"):
-    sd.ServerDistillationConfig(method="feddf", distill=distillation.feddf_config(20),
-                                drop_worst_rule="chance")
+    sd.ServerDistillationConfig(
+      method="feddf", distill=distillation.feddf_config(20), drop_worst_rule="chance"
+    )

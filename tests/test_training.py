@@ -13,21 +13,26 @@ import time
 import numpy as np
 import pytest
 
-from tests.femnist_runs import DATA_DIR, QUICK, ROOT, read_metrics
+from tests.femnist_runs import DATA_DIR
+from tests.femnist_runs import QUICK
+from tests.femnist_runs import ROOT
+from tests.femnist_runs import read_metrics
 from tff_ens import training
-
 
 
 def run_cli(*args, timeout=600):
   return subprocess.run(
-      [sys.executable, "-m", "tff_ens.main", *args], cwd=ROOT,
-      capture_output=True, text=True, timeout=timeout)
+    [sys.executable, "-m", "tff_ens.main", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 @pytest.fixture(scope="module")
 def fedavg_run(tmp_path_factory):
-  config = dataclasses.replace(
-      QUICK, output_dir=str(tmp_path_factory.mktemp("fedavg")))
+  config = dataclasses.replace(QUICK, output_dir=str(tmp_path_factory.mktemp("fedavg")))
   return config, training.run_experiment(config)
 
 
@@ -38,18 +43,31 @@ def test_fedavg_learns_and_writes_outputs(fedavg_run):
   assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
   assert rows[1]["test_accuracy"] and not rows[0]["test_accuracy"]
   assert summary["test_accuracy"] > 3 / 62  # well above chance
-  for key in ("task", "algorithm", "rounds", "seed", "test_accuracy",
-              "test_loss", "ece", "per_client_accuracy",
-              "new_client_accuracy", "bytes_down_per_client_round",
-              "bytes_up_per_client_round", "seconds_per_round", "config"):
+  for key in (
+    "task",
+    "algorithm",
+    "rounds",
+    "seed",
+    "test_accuracy",
+    "test_loss",
+    "ece",
+    "per_client_accuracy",
+    "new_client_accuracy",
+    "bytes_down_per_client_round",
+    "bytes_up_per_client_round",
+    "seconds_per_round",
+    "config",
+  ):
     assert key in summary, key
   with open(os.path.join(config.output_dir, training.SUMMARY_FILE)) as f:
     assert json.load(f)["test_accuracy"] == summary["test_accuracy"]
   assert os.path.exists(os.path.join(config.output_dir, "model.keras"))
   assert os.listdir(os.path.join(config.output_dir, "tensorboard"))
   # The two latest checkpoints are kept.
-  assert sorted(os.listdir(os.path.join(
-      config.output_dir, training.CHECKPOINT_DIR))) == ["round_2", "round_4"]
+  assert sorted(os.listdir(os.path.join(config.output_dir, training.CHECKPOINT_DIR))) == [
+    "round_2",
+    "round_4",
+  ]
 
 
 def test_bytes_per_round_are_the_model_size(fedavg_run):
@@ -64,10 +82,8 @@ def test_bytes_per_round_are_the_model_size(fedavg_run):
 @pytest.mark.slow
 def test_same_seed_same_numbers(fedavg_run, tmp_path):
   config, summary = fedavg_run
-  again = training.run_experiment(
-      dataclasses.replace(config, output_dir=str(tmp_path / "again")))
-  assert again["test_accuracy"] == pytest.approx(summary["test_accuracy"],
-                                                 abs=1e-3)
+  again = training.run_experiment(dataclasses.replace(config, output_dir=str(tmp_path / "again")))
+  assert again["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=1e-3)
   first = [float(r["train_loss"]) for r in read_metrics(config.output_dir)]
   second = [float(r["train_loss"]) for r in read_metrics(tmp_path / "again")]
   np.testing.assert_allclose(first, second, rtol=1e-4)
@@ -76,47 +92,52 @@ def test_same_seed_same_numbers(fedavg_run, tmp_path):
 def test_sampling_is_a_function_of_seed_and_round():
   a = training.sample_clients(105, 10, seed=1, round_num=7)
   assert len(set(a)) == 10
-  np.testing.assert_array_equal(
-      a, training.sample_clients(105, 10, seed=1, round_num=7))
-  assert not np.array_equal(
-      a, training.sample_clients(105, 10, seed=2, round_num=7))
-  assert not np.array_equal(
-      a, training.sample_clients(105, 10, seed=1, round_num=8))
+  np.testing.assert_array_equal(a, training.sample_clients(105, 10, seed=1, round_num=7))
+  assert not np.array_equal(a, training.sample_clients(105, 10, seed=2, round_num=7))
+  assert not np.array_equal(a, training.sample_clients(105, 10, seed=1, round_num=8))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedprox", "fedavgm"])
 def test_variants_learn(algorithm, tmp_path):
-  summary = training.run_experiment(dataclasses.replace(
-      QUICK, algorithm=algorithm, rounds=3, output_dir=str(tmp_path)))
+  summary = training.run_experiment(
+    dataclasses.replace(QUICK, algorithm=algorithm, rounds=3, output_dir=str(tmp_path))
+  )
   assert summary["algorithm"] == algorithm
   assert summary["test_accuracy"] > 2 / 62
 
 
 @pytest.mark.slow
 def test_fedensemble_run_reports_ensemble_metrics(tmp_path):
-  summary = training.run_experiment(dataclasses.replace(
-      QUICK, algorithm="fedensemble", ensemble_size=2, rounds=2,
-      output_dir=str(tmp_path)))
+  summary = training.run_experiment(
+    dataclasses.replace(
+      QUICK, algorithm="fedensemble", ensemble_size=2, rounds=2, output_dir=str(tmp_path)
+    )
+  )
   assert summary["ensemble_size"] == 2
   assert len(summary["member_test_accuracy"]) == 2
-  for key in ("personalized_accuracy", "entropy_error_auroc",
-              "personalization_temperature"):
+  for key in ("personalized_accuracy", "entropy_error_auroc", "personalization_temperature"):
     assert key in summary
-  assert sorted(os.listdir(tmp_path / "members")) == [
-      "member_0.keras", "member_1.keras"]
+  assert sorted(os.listdir(tmp_path / "members")) == ["member_0.keras", "member_1.keras"]
 
 
 @pytest.mark.slow
 def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
-  summary = training.run_experiment(dataclasses.replace(
-      QUICK, algorithm="fedensemble", ensemble_size=2, rounds=2,
-      classes="digits", output_dir=str(tmp_path)))
+  summary = training.run_experiment(
+    dataclasses.replace(
+      QUICK,
+      algorithm="fedensemble",
+      ensemble_size=2,
+      rounds=2,
+      classes="digits",
+      output_dir=str(tmp_path),
+    )
+  )
   from tasks import femnist  # pylint: disable=g-import-not-at-top
+
   data = femnist.DIGITS.load_data(DATA_DIR)
   assert sum(summary["reliability"]["count"]) == data.test.num_examples()
-  for key in ("ood_auroc_entropy", "ood_auroc_mutual_information",
-              "shift_accuracy", "shift_ece"):
+  for key in ("ood_auroc_entropy", "ood_auroc_mutual_information", "shift_accuracy", "shift_ece"):
     assert 0.0 <= summary[key] <= 1.0, key
   assert summary["shift_accuracy"] == summary["new_client_accuracy"]
   with open(tmp_path / "uncertainty.png", "rb") as f:
@@ -128,24 +149,39 @@ def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
 def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path):
   # A small unlabeled set (test-only writers' images) keeps the server fast.
   from tasks import femnist  # pylint: disable=g-import-not-at-top
+
   unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:96]
   np.savez(tmp_path / "server.npz", x=unlabeled)
-  summary = training.run_experiment(dataclasses.replace(
-      QUICK, algorithm=algorithm, rounds=2, eval_every=1, distill_steps=25,
-      distill_batch_size=32, distill_eval_every=2, distill_patience=4,
-      fedbe_samples=2, server_data=str(tmp_path / "server.npz"),
+  summary = training.run_experiment(
+    dataclasses.replace(
+      QUICK,
+      algorithm=algorithm,
+      rounds=2,
+      eval_every=1,
+      distill_steps=25,
+      distill_batch_size=32,
+      distill_eval_every=2,
+      distill_patience=4,
+      fedbe_samples=2,
+      server_data=str(tmp_path / "server.npz"),
       classes="digits",
       # Two rounds' clients are at chance: drop-worst would skip the student.
-      drop_worst=False, output_dir=str(tmp_path / "out")))
+      drop_worst=False,
+      output_dir=str(tmp_path / "out"),
+    )
+  )
   assert summary["test_accuracy"] == summary["distilled_test_accuracy"]
   assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
   # The student is one model; the teachers are an ensemble.
   assert summary["ood_auroc_mutual_information"] is None
-  for key in ("ood_auroc_entropy", "teacher_ood_auroc_entropy",
-              "teacher_ood_auroc_mutual_information", "teacher_shift_accuracy"):
+  for key in (
+    "ood_auroc_entropy",
+    "teacher_ood_auroc_entropy",
+    "teacher_ood_auroc_mutual_information",
+    "teacher_shift_accuracy",
+  ):
     assert 0.0 <= summary[key] <= 1.0, key
-  assert (sum(summary["teacher_reliability"]["count"]) ==
-          sum(summary["reliability"]["count"]))
+  assert sum(summary["teacher_reliability"]["count"]) == sum(summary["reliability"]["count"])
   assert summary["server_device"] == "/CPU:0"
   assert summary["server_seconds_per_round"] > 0
   assert summary["distill_examples_per_second"] > 0
@@ -157,34 +193,45 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
 @pytest.mark.slow
 def test_feddf_over_two_prototypes_reports_each(tmp_path):
   from tasks import femnist  # pylint: disable=g-import-not-at-top
+
   unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:64]
   np.savez(tmp_path / "server.npz", x=unlabeled)
-  summary = training.run_experiment(dataclasses.replace(
-      QUICK, algorithm="feddf", prototypes="cnn,resnet8", rounds=1,
-      clients_per_round=2, distill_steps=4, distill_batch_size=32,
-      distill_eval_every=2, server_data=str(tmp_path / "server.npz"),
-      output_dir=str(tmp_path / "out")))
+  summary = training.run_experiment(
+    dataclasses.replace(
+      QUICK,
+      algorithm="feddf",
+      prototypes="cnn,resnet8",
+      rounds=1,
+      clients_per_round=2,
+      distill_steps=4,
+      distill_batch_size=32,
+      distill_eval_every=2,
+      server_data=str(tmp_path / "server.npz"),
+      output_dir=str(tmp_path / "out"),
+    )
+  )
   accuracies = summary["prototype_test_accuracy"]
   assert sorted(accuracies) == ["cnn", "resnet8"]
   assert accuracies["cnn"] == summary["test_accuracy"]
   assert 0.0 <= accuracies["resnet8"] <= 1.0
   # The teachers: both clients' models, one of each architecture.
   assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
-  assert sorted(os.listdir(tmp_path / "out" / "prototypes")) == [
-      "cnn.keras", "resnet8.keras"]
+  assert sorted(os.listdir(tmp_path / "out" / "prototypes")) == ["cnn.keras", "resnet8.keras"]
   (row,) = read_metrics(tmp_path / "out")
   assert 0 <= float(row["student_validation_accuracy_resnet8"]) <= 1
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(algorithm="fedavg", prototypes="cnn,resnet8"),
-     "--prototypes is FedDF's"),
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (dict(algorithm="fedavg", prototypes="cnn,resnet8"), "--prototypes is FedDF's"),
     (dict(algorithm="feddf", prototypes="cnn"), "two or more different"),
     (dict(algorithm="feddf", prototypes="cnn,vgg"), "unknown model vgg"),
-    (dict(algorithm="feddf", prototypes="resnet8,cnn"),
-     "starts with resnet8 but --model=cnn"),
-    (dict(algorithm="feddf", distill_min_improvement=-0.1),
-     "--distill_min_improvement must be >= 0"),
+    (dict(algorithm="feddf", prototypes="resnet8,cnn"), "starts with resnet8 but --model=cnn"),
+    (
+      dict(algorithm="feddf", distill_min_improvement=-0.1),
+      "--distill_min_improvement must be >= 0",
+    ),
     (dict(rounds=0), "--rounds must be a positive integer"),
     (dict(algorithm="feddf", server_device="tpu"), "--server_device='tpu'"),
     (dict(algorithm="fedbe", distill_steps=10), "--distill_steps=10 is shorter"),
@@ -193,17 +240,21 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
     (dict(model="vgg"), "unknown --model=vgg"),
     (dict(clients_per_round=106), "exceeds the 105 training writers"),
     (dict(lr_schedule="cosine"), "unknown lr_schedule"),
-    (dict(local_objective="feddyn"),
-     "built for --algorithm=fedensemble, not fedavg"),
-    (dict(algorithm="fedensemble", local_objective="feddyn",
-          feddyn_alpha=0.0), "--feddyn_alpha must be > 0"),
-    (dict(algorithm="fedensemble", local_objective="feddyn",
-          dp_noise_multiplier=1.0, dp_clip_norm=1.0),
-     "does not combine with DP"),
-])
+    (dict(local_objective="feddyn"), "built for --algorithm=fedensemble, not fedavg"),
+    (
+      dict(algorithm="fedensemble", local_objective="feddyn", feddyn_alpha=0.0),
+      "--feddyn_alpha must be > 0",
+    ),
+    (
+      dict(
+        algorithm="fedensemble", local_objective="feddyn", dp_noise_multiplier=1.0, dp_clip_norm=1.0
+      ),
+      "does not combine with DP",
+    ),
+  ],
+)
 def test_bad_flags_raise_one_line_errors(change, message, tmp_path):
-  config = dataclasses.replace(QUICK, output_dir=str(tmp_path / "out"),
-                               **change)
+  config = dataclasses.replace(QUICK, output_dir=str(tmp_path / "out"), **change)
   with pytest.raises(training.UsageError, match=message) as error:
     training.run_experiment(config)
   assert "\n" not in str(error.value)
@@ -214,8 +265,7 @@ def test_a_config_saved_before_issue_24_keeps_what_its_run_did():
   old = dataclasses.asdict(training.ExperimentConfig(algorithm="fedensemble"))
   for name in ("member_average", "drop_worst_rule", "student_minibatch"):
     del old[name]
-  old.update(partition="iid", server_unlabeled_examples=10_000,
-             server_validation_examples=1_000)
+  old.update(partition="iid", server_unlabeled_examples=10_000, server_validation_examples=1_000)
   saved = training.saved_config(old)
   assert saved["member_average"] == "examples"
   assert saved["drop_worst_rule"] == "majority"
@@ -245,50 +295,74 @@ def test_run_from_before_a_new_flag_resumes_at_its_default(tmp_path):
   (tmp_path / training.CONFIG_FILE).write_text(json.dumps(old))
   with pytest.raises(training.UsageError, match="it has --active_budget=10\\)"):
     training._Outputs(  # pylint: disable=protected-access
-        dataclasses.replace(config, active_budget=3), None)
+      dataclasses.replace(config, active_budget=3), None
+    )
 
 
 @pytest.mark.slow
 def test_max_update_norm_rejects_larger_updates(tmp_path):
-  config = dataclasses.replace(QUICK, rounds=1, eval_every=1,
-                               max_update_norm=1e-6, output_dir=str(tmp_path))
+  config = dataclasses.replace(
+    QUICK, rounds=1, eval_every=1, max_update_norm=1e-6, output_dir=str(tmp_path)
+  )
   training.run_experiment(config)
-  row, = read_metrics(tmp_path)
+  (row,) = read_metrics(tmp_path)
   assert float(row["rejected_updates"]) == config.clients_per_round
   assert float(row["train_loss"]) == 0.0  # Rejected clients' metrics drop.
 
 
 def test_cli_missing_data_dir_is_one_line(tmp_path):
-  result = run_cli("--task=femnist", f"--data_dir={tmp_path}/nowhere",
-                   f"--output_dir={tmp_path}/out")
+  result = run_cli(
+    "--task=femnist", f"--data_dir={tmp_path}/nowhere", f"--output_dir={tmp_path}/out"
+  )
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].startswith("error: ")
   assert "nowhere" in result.stderr.strip().splitlines()[-1]
 
 
 # A line of TensorFlow's C++ log: "2026-11-24 22:02:46.860114: I tensorflow/...".
-CPP_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] ",
-                          re.MULTILINE)
+CPP_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] ", re.MULTILINE)
 
 
 @pytest.mark.slow
 def test_cli_is_quiet_unless_verbosity_asks(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
   quiet = subprocess.run(
-      [sys.executable, "-m", "tff_ens.main", f"--data_dir={DATA_DIR}",
-       "--rounds=2", "--clients_per_round=2", "--eval_every=1",
-       f"--output_dir={tmp_path}/quiet"], cwd=ROOT, env=env,
-      capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "-m",
+      "tff_ens.main",
+      f"--data_dir={DATA_DIR}",
+      "--rounds=2",
+      "--clients_per_round=2",
+      "--eval_every=1",
+      f"--output_dir={tmp_path}/quiet",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert quiet.returncode == 0, quiet.stderr[-2000:]
-  assert not CPP_LOG_LINE.search(quiet.stderr), CPP_LOG_LINE.findall(
-      quiet.stderr)[:3]
+  assert not CPP_LOG_LINE.search(quiet.stderr), CPP_LOG_LINE.findall(quiet.stderr)[:3]
   assert "round 2/2" in quiet.stderr  # The per-round log line stays.
   # Asked for, TensorFlow's log is there from the import on (a run that
   # stops at its data shows it as well as a whole run).
   verbose = subprocess.run(
-      [sys.executable, "-m", "tff_ens.main", "--verbosity=1",
-       f"--data_dir={tmp_path}/nowhere", f"--output_dir={tmp_path}/v"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "-m",
+      "tff_ens.main",
+      "--verbosity=1",
+      f"--data_dir={tmp_path}/nowhere",
+      f"--output_dir={tmp_path}/v",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert verbose.returncode == 2
   assert CPP_LOG_LINE.search(verbose.stderr)
 
@@ -298,12 +372,19 @@ def _start_and_await(config, output_dir, path):
 
   Returns the process and the run's flags.
   """
-  flags = [f"--{k}={v}" for k, v in dataclasses.asdict(config).items()
-           if k not in ("output_dir", "resume") and v is not None]
+  flags = [
+    f"--{k}={v}"
+    for k, v in dataclasses.asdict(config).items()
+    if k not in ("output_dir", "resume") and v is not None
+  ]
   process = subprocess.Popen(
-      [sys.executable, "-m", "tff_ens.main", *flags,
-       f"--output_dir={output_dir}"], cwd=ROOT, start_new_session=True,
-      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    [sys.executable, "-m", "tff_ens.main", *flags, f"--output_dir={output_dir}"],
+    cwd=ROOT,
+    start_new_session=True,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   deadline = time.time() + 300
   while not path() and time.time() < deadline:
     if process.poll() is not None:
@@ -317,8 +398,7 @@ def _resume_matches(flags, output_dir, summary):
   assert result.returncode == 0, result.stderr[-2000:]
   with open(output_dir / training.SUMMARY_FILE) as f:
     resumed = json.load(f)
-  assert resumed["test_accuracy"] == pytest.approx(summary["test_accuracy"],
-                                                   abs=0.005)
+  assert resumed["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.005)
   assert [int(r["round"]) for r in read_metrics(output_dir)] == [1, 2, 3, 4]
 
 
@@ -327,8 +407,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
   config, summary = fedavg_run
   output_dir = tmp_path / "killed"
   first_checkpoint = output_dir / training.CHECKPOINT_DIR / "round_2"
-  process, flags = _start_and_await(config, output_dir,
-                                    first_checkpoint.exists)
+  process, flags = _start_and_await(config, output_dir, first_checkpoint.exists)
   process.send_signal(signal.SIGKILL)
   process.wait()
   assert not (output_dir / training.SUMMARY_FILE).exists()
@@ -341,28 +420,34 @@ def test_feddyn_client_states_resume_from_the_checkpoint(tmp_path):
   # killed after round 3 wrote states but before round 4's checkpoint must
   # resume from round 2's checkpoint *and* round 2's client states.
   config = dataclasses.replace(
-      QUICK, algorithm="fedensemble", ensemble_size=2,
-      local_objective="feddyn", feddyn_alpha=0.1,
-      output_dir=str(tmp_path / "uninterrupted"))
+    QUICK,
+    algorithm="fedensemble",
+    ensemble_size=2,
+    local_objective="feddyn",
+    feddyn_alpha=0.1,
+    output_dir=str(tmp_path / "uninterrupted"),
+  )
   summary = training.run_experiment(config)
   states = tmp_path / "killed" / "client_states"
   process, flags = _start_and_await(
-      config, tmp_path / "killed",
-      lambda: states.is_dir() and any("round0000003" in name
-                                      for name in os.listdir(states)))
+    config,
+    tmp_path / "killed",
+    lambda: states.is_dir() and any("round0000003" in name for name in os.listdir(states)),
+  )
   process.send_signal(signal.SIGKILL)
   process.wait()
-  assert not (tmp_path / "killed" / training.CHECKPOINT_DIR /
-              "round_4").exists(), "killed too late to test the resume"
+  assert not (tmp_path / "killed" / training.CHECKPOINT_DIR / "round_4").exists(), (
+    "killed too late to test the resume"
+  )
   _resume_matches(flags, tmp_path / "killed", summary)
   expected_dir = tmp_path / "uninterrupted" / "client_states"
   names = sorted(os.listdir(expected_dir))
   assert sorted(os.listdir(states)) == names
   assert any("round0000004" in name for name in names)
   for name in names:
-    np.testing.assert_allclose(np.load(states / name),
-                               np.load(expected_dir / name), rtol=1e-5,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+      np.load(states / name), np.load(expected_dir / name), rtol=1e-5, atol=1e-7
+    )
 
 
 @pytest.mark.slow
@@ -373,7 +458,8 @@ def test_sigterm_checkpoints_the_round_and_stops(fedavg_run, tmp_path):
   # to the whole process group, TFF's worker included, as systemd sends it.
   config = dataclasses.replace(config, checkpoint_every=4)
   process, flags = _start_and_await(
-      config, output_dir, lambda: len(_metrics_or_empty(output_dir)) >= 1)
+    config, output_dir, lambda: len(_metrics_or_empty(output_dir)) >= 1
+  )
   os.killpg(process.pid, signal.SIGTERM)
   _, stderr = process.communicate(timeout=120)
   assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]

@@ -6,21 +6,24 @@ import tensorflow as tf
 from tff_ens import server_data
 
 # Batches of 2x2x1 images and int32 labels of 3 classes.
-SPEC = (tf.TensorSpec([None, 2, 2, 1], tf.float32),
-        tf.TensorSpec([None], tf.int32))
+SPEC = (tf.TensorSpec([None, 2, 2, 1], tf.float32), tf.TensorSpec([None], tf.int32))
 
 
 _RNG = np.random.default_rng(0)
 # A server's data for tiny models: 24 unlabeled 2x2 images and 6 labeled
 # validation ones.
 SERVER = server_data.ServerData(
-    unlabeled=_RNG.random((24, 2, 2, 1), dtype=np.float32),
-    validation_x=_RNG.random((6, 2, 2, 1), dtype=np.float32),
-    validation_y=np.array([0, 1, 2, 0, 1, 2], np.int32), source="test")
+  unlabeled=_RNG.random((24, 2, 2, 1), dtype=np.float32),
+  validation_x=_RNG.random((6, 2, 2, 1), dtype=np.float32),
+  validation_y=np.array([0, 1, 2, 0, 1, 2], np.int32),
+  source="test",
+)
 # Three clients' (rows, labels), for `one_batch`.
-CLIENT_DATA = [([[1, 0, 0, 0], [0, 1, 0, 0]], [0, 1]),
-               ([[0, 0, 1, 0], [0, 0, 0, 1], [1, 1, 0, 0]], [2, 0, 1]),
-               ([[0, 1, 1, 0]], [2])]
+CLIENT_DATA = [
+  ([[1, 0, 0, 0], [0, 1, 0, 0]], [0, 1]),
+  ([[0, 0, 1, 0], [0, 0, 0, 1], [1, 1, 0, 0]], [2, 0, 1]),
+  ([[0, 1, 1, 0]], [2]),
+]
 
 
 def tiny_model(seed=0, batch_norm=False):
@@ -28,17 +31,18 @@ def tiny_model(seed=0, batch_norm=False):
   layers = [tf.keras.layers.Input((2, 2, 1)), tf.keras.layers.Flatten()]
   if batch_norm:
     layers.append(tf.keras.layers.BatchNormalization())
-  layers.append(tf.keras.layers.Dense(
+  layers.append(
+    tf.keras.layers.Dense(
       3,
-      kernel_initializer=tf.keras.initializers.RandomNormal(
-          stddev=0.5, seed=seed),
-      bias_initializer=tf.keras.initializers.RandomNormal(
-          stddev=0.5, seed=seed + 1)))
+      kernel_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed),
+      bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed + 1),
+    )
+  )
   return tf.keras.Sequential(layers)
 
 
 def one_batch(x, y):
   """A dataset of one batch of rows `x` (4 values each) and labels `y`."""
   return tf.data.Dataset.from_tensors(
-      (np.asarray(x, np.float32).reshape(-1, 2, 2, 1),
-       np.asarray(y, np.int32)))
+    (np.asarray(x, np.float32).reshape(-1, 2, 2, 1), np.asarray(y, np.int32))
+  )

@@ -28,6 +28,7 @@ def sum_of_doubles(xs):
   """The sum over the clients of 2 x, with any number of clients."""
   return tff.federated_sum(tff.federated_map(double, xs))
 
+
 # Every worker pid a test saw, checked once more when its module ends.
 SEEN_PIDS = set()
 
@@ -41,8 +42,7 @@ def is_worker(proc: psutil.Process) -> bool:
 
 def descendants() -> list[psutil.Process]:
   """Live worker_binary processes descending from this process."""
-  workers = [c for c in psutil.Process().children(recursive=True)
-             if is_worker(c)]
+  workers = [c for c in psutil.Process().children(recursive=True) if is_worker(c)]
   SEEN_PIDS.update(w.pid for w in workers)
   return workers
 

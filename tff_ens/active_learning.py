@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from tff_ens import evaluation
+from tff_ens import metrics
 
 SELECTIONS = ("entropy", "random")
 POOL_FILE = "active_learning.json"
@@ -49,23 +49,23 @@ class ActiveLearningConfig:
 
   def __post_init__(self):
     if self.phases < 0:
-      raise ValueError(f"--active_learning_rounds must be >= 0, got "
-                       f"{self.phases}")
+      raise ValueError(f"--active_learning_rounds must be >= 0, got {self.phases}")
     if not self.phases:
       return
     if self.budget <= 0:
       raise ValueError(f"--active_budget must be positive, got {self.budget}")
     if not 0 < self.initial_fraction <= 1:
-      raise ValueError(f"--active_initial_fraction must be in (0, 1], got "
-                       f"{self.initial_fraction}")
+      raise ValueError(f"--active_initial_fraction must be in (0, 1], got {self.initial_fraction}")
     if self.selection not in SELECTIONS:
-      raise ValueError(f"unknown --active_selection={self.selection}: choose "
-                       f"one of {', '.join(SELECTIONS)}")
+      raise ValueError(
+        f"unknown --active_selection={self.selection}: choose one of {', '.join(SELECTIONS)}"
+      )
     if self.rounds % (self.phases + 1):
       raise ValueError(
-          f"--rounds={self.rounds} does not split into "
-          f"--active_learning_rounds+1={self.phases + 1} equal phases: use a "
-          "multiple of it")
+        f"--rounds={self.rounds} does not split into "
+        f"--active_learning_rounds+1={self.phases + 1} equal phases: use a "
+        "multiple of it"
+      )
 
   @property
   def enabled(self) -> bool:
@@ -78,8 +78,9 @@ class ActiveLearningConfig:
     return [length * k for k in range(1, self.phases + 2)]
 
 
-def select(scores: np.ndarray, labeled: np.ndarray, budget: int,
-           selection: str, rng: np.random.Generator) -> np.ndarray:
+def select(
+  scores: np.ndarray, labeled: np.ndarray, budget: int, selection: str, rng: np.random.Generator
+) -> np.ndarray:
   """Indices of the (at most) `budget` unlabeled inputs to annotate.
 
   Args:
@@ -134,13 +135,17 @@ class Pool:
 
   def rewind(self, round_num: int) -> None:
     """Forgets what happened after `round_num` (a resumed run's start)."""
-    self.acquisitions = [a for a in self.acquisitions
-                         if a["round"] <= round_num]
+    self.acquisitions = [a for a in self.acquisitions if a["round"] <= round_num]
     self.curve = [p for p in self.curve if p["round"] <= round_num]
 
-  def acquire(self, round_num: int, probabilities: dict[str, np.ndarray],
-              sizes: dict[str, int], config: ActiveLearningConfig,
-              seed: int) -> int:
+  def acquire(
+    self,
+    round_num: int,
+    probabilities: dict[str, np.ndarray],
+    sizes: dict[str, int],
+    config: ActiveLearningConfig,
+    seed: int,
+  ) -> int:
     """Annotates B inputs per client; returns how many were revealed.
 
     Args:
@@ -155,8 +160,9 @@ class Pool:
     added = {}
     for k, client in enumerate(sorted(sizes)):
       rng = np.random.default_rng([seed, k, round_num])
-      picked = select(evaluation.entropy(probabilities[client]),
-                      masks[client], config.budget, config.selection, rng)
+      picked = select(
+        metrics.entropy(probabilities[client]), masks[client], config.budget, config.selection, rng
+      )
       if len(picked):
         added[client] = picked
     self.acquisitions.append({"round": round_num, "added": added})
@@ -165,13 +171,13 @@ class Pool:
   def save(self, directory: str) -> None:
     """Writes the pool atomically to `directory/POOL_FILE`."""
     value = {
-        "initial": {c: v.tolist() for c, v in self.initial.items()},
-        "acquisitions": [
-            {"round": a["round"],
-             "added": {c: np.asarray(v).tolist()
-                       for c, v in a["added"].items()}}
-            for a in self.acquisitions],
-        "curve": self.curve}
+      "initial": {c: v.tolist() for c, v in self.initial.items()},
+      "acquisitions": [
+        {"round": a["round"], "added": {c: np.asarray(v).tolist() for c, v in a["added"].items()}}
+        for a in self.acquisitions
+      ],
+      "curve": self.curve,
+    }
     path = os.path.join(directory, POOL_FILE)
     with open(f"{path}.tmp", "w") as f:
       json.dump(value, f)
@@ -186,6 +192,8 @@ class Pool:
     with open(path) as f:
       value = json.load(f)
     as_arrays = lambda d: {c: np.asarray(v, np.int64) for c, v in d.items()}
-    return cls(as_arrays(value["initial"]),
-               [{"round": a["round"], "added": as_arrays(a["added"])}
-                for a in value["acquisitions"]], value["curve"])
+    return cls(
+      as_arrays(value["initial"]),
+      [{"round": a["round"], "added": as_arrays(a["added"])} for a in value["acquisitions"]],
+      value["curve"],
+    )

@@ -26,14 +26,17 @@ from tff_ens import server_distillation
 ModelWeights = tff.learning.models.ModelWeights
 
 FEDPPD_METHODS = ("fedppd", "fedppd_distill")
-ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble") + (
-    server_distillation.METHODS) + FEDPPD_METHODS
+ALGORITHMS = (
+  ("fedavg", "fedprox", "fedavgm", "fedensemble") + (server_distillation.METHODS) + FEDPPD_METHODS
+)
 LOCAL_OBJECTIVES = ("sgd", "fedprox", "feddyn")
 # Algorithms whose server step uses the server's data.
 SERVER_DATA_ALGORITHMS = server_distillation.METHODS + ("fedppd_distill",)
 # Algorithms whose server only needs the mean of the clients' updates, so
 # DP-FedAvg's clipped and noised mean (`privacy`) can replace it.
 DP_ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble", "fedppd")
+# Those whose clients can train on their devices (`device_clients`): plain local SGD(M).
+ON_DEVICE_ALGORITHMS = ("fedavg", "fedavgm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +75,12 @@ class FederatedAlgorithm:
   teacher_fn: Callable[..., np.ndarray] | None = None
   server_device: str | None = None
   evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
-  prototypes_fn: Callable[[Any], list[tuple[str, Callable[
-      [], tf.keras.Model], ModelWeights]]] | None = None
+  prototypes_fn: (
+    Callable[[Any], list[tuple[str, Callable[[], tf.keras.Model], ModelWeights]]] | None
+  ) = None
   client_state: client_states.ClientStateSpec | None = None
 
-  def next_args(self, datasets: Sequence[tf.data.Dataset],
-                client_indices, states=None) -> tuple:
+  def next_args(self, datasets: Sequence[tf.data.Dataset], client_indices, states=None) -> tuple:
     """`process.next`'s arguments after the state, for one cohort.
 
     `client_indices` are the cohort's positions in the task's client list;
@@ -87,20 +90,20 @@ class FederatedAlgorithm:
     if self.indexed_clients:
       args += ([np.int32(i) for i in client_indices],)
     if self.client_state is not None:
-      args += (list(states) if states is not None else
-               [self.client_state.zeros() for _ in client_indices],)
+      args += (
+        list(states) if states is not None else [self.client_state.zeros() for _ in client_indices],
+      )
     return args
 
-  def next_fn(self, state, datasets: Sequence[tf.data.Dataset],
-              client_indices) -> tuple[Any, dict]:
+  def next_fn(self, state, datasets: Sequence[tf.data.Dataset], client_indices) -> tuple[Any, dict]:
     """`(state, metrics)` of one round through the execution context."""
     return runtime.state_and_metrics(
-        self.process.next(state, *self.next_args(datasets, client_indices)))
+      self.process.next(state, *self.next_args(datasets, client_indices))
+    )
 
   def bytes_per_client_round(self) -> tuple[int, int]:
     """(bytes down, bytes up) for one client in one round, from the types."""
-    return (type_size_bytes(self.download_type),
-            type_size_bytes(self.upload_type))
+    return (type_size_bytes(self.download_type), type_size_bytes(self.upload_type))
 
 
 def type_size_bytes(type_spec: tff.Type) -> int:
@@ -108,8 +111,7 @@ def type_size_bytes(type_spec: tff.Type) -> int:
   if isinstance(type_spec, tff.TensorType):
     if None in type_spec.shape:
       raise ValueError(f"cannot size a tensor of unknown shape: {type_spec}")
-    return int(np.prod(type_spec.shape, dtype=np.int64) *
-               np.dtype(type_spec.dtype).itemsize)
+    return int(np.prod(type_spec.shape, dtype=np.int64) * np.dtype(type_spec.dtype).itemsize)
   if isinstance(type_spec, tff.StructType):
     return sum(type_size_bytes(t) for t in type_spec)
   if isinstance(type_spec, tff.FederatedType):
@@ -119,31 +121,32 @@ def type_size_bytes(type_spec: tff.Type) -> int:
   raise TypeError(f"unexpected type in a client computation: {type_spec}")
 
 
-def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
-                    element_spec,
-                    local_config: client_work_lib.LocalTrainingConfig, *,
-                    proximal_mu: float = 0.01,
-                    local_objective: str = "sgd",
-                    server_learning_rate: float = 1.0,
-                    server_momentum: float = 0.9,
-                    ensemble_size: int = 5,
-                    assignment: str = "permutation",
-                    member_average: str = "clients",
-                    seed: int = 0,
-                    server_data=None,
-                    server_config: (
-                        server_distillation.ServerDistillationConfig | None
-                    ) = None,
-                    clients_per_round: int = 10,
-                    student_fn: Callable[[], tf.keras.Model] | None = None,
-                    posterior_config: fedppd.PosteriorConfig | None = None,
-                    distill_fedppd_teachers: bool = True,
-                    dp: privacy.DPConfig | None = None,
-                    prototypes: Sequence[tuple[str, Callable[
-                        [], tf.keras.Model]]] = (),
-                    feddyn_alpha: float = 0.01,
-                    num_clients: int = 0
-                    ) -> FederatedAlgorithm:
+def build_algorithm(
+  name: str,
+  model_fn: Callable[[int], tf.keras.Model],
+  element_spec,
+  local_config: client_work_lib.LocalTrainingConfig,
+  *,
+  proximal_mu: float = 0.01,
+  local_objective: str = "sgd",
+  server_learning_rate: float = 1.0,
+  server_momentum: float = 0.9,
+  ensemble_size: int = 5,
+  assignment: str = "permutation",
+  member_average: str = "clients",
+  seed: int = 0,
+  server_data=None,
+  server_config: (server_distillation.ServerDistillationConfig | None) = None,
+  clients_per_round: int = 10,
+  student_fn: Callable[[], tf.keras.Model] | None = None,
+  posterior_config: fedppd.PosteriorConfig | None = None,
+  distill_fedppd_teachers: bool = True,
+  dp: privacy.DPConfig | None = None,
+  prototypes: Sequence[tuple[str, Callable[[], tf.keras.Model]]] = (),
+  feddyn_alpha: float = 0.01,
+  num_clients: int = 0,
+  on_device: bool = False,
+) -> FederatedAlgorithm:
   """Builds algorithm `name`.
 
   Args:
@@ -179,142 +182,229 @@ def build_algorithm(name: str, model_fn: Callable[[int], tf.keras.Model],
       run's main model. Empty: every client runs `model_fn(0)`.
     feddyn_alpha: FedDyn's alpha (`local_objective="feddyn"`).
     num_clients: the population, FedDyn's m.
+    on_device: the clients train on their devices (`ON_DEVICE_ALGORITHMS`): their data are
+      the devices' results (`client_work.build_device_client_work`).
   """
   if name not in ALGORITHMS:
-    raise ValueError(f"unknown algorithm {name!r}: choose one of "
-                     f"{', '.join(ALGORITHMS)}")
+    raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
   if local_objective not in LOCAL_OBJECTIVES:
-    raise ValueError(f"unknown local objective {local_objective!r}: choose "
-                     f"one of {', '.join(LOCAL_OBJECTIVES)}")
+    raise ValueError(
+      f"unknown local objective {local_objective!r}: choose one of {', '.join(LOCAL_OBJECTIVES)}"
+    )
   if local_objective == "feddyn" and name != "fedensemble":
     raise ValueError(
-        f"the FedDyn local objective is built for fedensemble, not {name}: "
-        "for FedDyn on one model use fedensemble with ensemble_size=1")
+      f"the FedDyn local objective is built for fedensemble, not {name}: "
+      "for FedDyn on one model use fedensemble with ensemble_size=1"
+    )
+  if on_device and name not in ON_DEVICE_ALGORITHMS:
+    raise ValueError(
+      f"{name}'s clients cannot train on devices: use one of {', '.join(ON_DEVICE_ALGORITHMS)}"
+    )
   if prototypes and name != "feddf":
     raise ValueError(f"model prototypes are FedDF's, not {name}'s")
   if name == "fedprox" or local_objective == "fedprox":
     local_config = dataclasses.replace(local_config, proximal_mu=proximal_mu)
   if dp is not None and name not in DP_ALGORITHMS:
-    raise ValueError(f"{name} distills from each client's model: DP on the "
-                     f"mean does not apply; use one of "
-                     f"{', '.join(DP_ALGORITHMS)}")
+    raise ValueError(
+      f"{name} distills from each client's model: DP on the "
+      f"mean does not apply; use one of "
+      f"{', '.join(DP_ALGORITHMS)}"
+    )
   if name == "fedensemble":
     return _build_fed_ensemble(
-        model_fn, element_spec, local_config, ensemble_size, assignment, seed,
-        dp, feddyn_alpha if local_objective == "feddyn" else 0.0,
-        num_clients, member_average)
-  if name in SERVER_DATA_ALGORITHMS and (server_data is None or
-                                         server_config is None):
+      model_fn,
+      element_spec,
+      local_config,
+      ensemble_size,
+      assignment,
+      seed,
+      dp,
+      feddyn_alpha if local_objective == "feddyn" else 0.0,
+      num_clients,
+      member_average,
+    )
+  if name in SERVER_DATA_ALGORITHMS and (server_data is None or server_config is None):
     raise ValueError(f"{name} needs server_data and server_config")
   if name in FEDPPD_METHODS:
     if student_fn is None or posterior_config is None:
       raise ValueError(f"{name} needs student_fn and posterior_config")
     if name == "fedppd":
       built = fedppd.build_fedppd(
-          lambda: model_fn(0), student_fn, element_spec, posterior_config,
-          aggregator_factory=dp.aggregator_factory() if dp else None)
+        lambda: model_fn(0),
+        student_fn,
+        element_spec,
+        posterior_config,
+        aggregator_factory=dp.aggregator_factory() if dp else None,
+      )
     else:
       server_config = dataclasses.replace(server_config, method="fedbe")
       built = fedppd.build_fedppd_distill(
-          lambda: model_fn(0), student_fn, element_spec, posterior_config,
-          server_data, server_config, clients_per_round=clients_per_round,
-          teacher_server_config=(
-              dataclasses.replace(server_config, seed=server_config.seed + 1)
-              if distill_fedppd_teachers else None))
+        lambda: model_fn(0),
+        student_fn,
+        element_spec,
+        posterior_config,
+        server_data,
+        server_config,
+        clients_per_round=clients_per_round,
+        teacher_server_config=(
+          dataclasses.replace(server_config, seed=server_config.seed + 1)
+          if distill_fedppd_teachers
+          else None
+        ),
+      )
     return _fedppd_algorithm(name, built, student_fn, server_config)
   if prototypes:
     return _build_heterogeneous_feddf(
-        prototypes, element_spec, local_config, server_data,
-        dataclasses.replace(server_config, method=name), clients_per_round)
+      prototypes,
+      element_spec,
+      local_config,
+      server_data,
+      dataclasses.replace(server_config, method=name),
+      clients_per_round,
+    )
   if name in server_distillation.METHODS:
     return _build_server_distillation(
-        name, model_fn, element_spec, local_config, server_data,
-        dataclasses.replace(server_config, method=name), clients_per_round)
+      name,
+      model_fn,
+      element_spec,
+      local_config,
+      server_data,
+      dataclasses.replace(server_config, method=name),
+      clients_per_round,
+    )
   process, client_work = fedavg.build_fedavg(
-      lambda: model_fn(0), element_spec, local_config,
-      server_learning_rate=server_learning_rate,
-      server_momentum=server_momentum if name == "fedavgm" else 0.0,
-      aggregator_factory=dp.aggregator_factory() if dp else None)
+    lambda: model_fn(0),
+    element_spec,
+    local_config,
+    server_learning_rate=server_learning_rate,
+    server_momentum=server_momentum if name == "fedavgm" else 0.0,
+    aggregator_factory=dp.aggregator_factory() if dp else None,
+    on_device=on_device,
+  )
 
   # A client receives the client computation's parameters but for its own
   # data (a sequence, sized 0) and sends back the computation's result.
   client_update = client_work.client_update.type_signature
   return FederatedAlgorithm(
-      name=name, process=process, download_type=client_update.parameter,
-      upload_type=client_update.result,
-      indexed_clients=False,
-      models_fn=lambda state: [process.get_model_weights(state)])
+    name=name,
+    process=process,
+    download_type=client_update.parameter,
+    upload_type=client_update.result,
+    indexed_clients=False,
+    models_fn=lambda state: [process.get_model_weights(state)],
+  )
 
 
-def _build_fed_ensemble(model_fn, element_spec, local_config, ensemble_size,
-                        assignment, seed, dp, feddyn_alpha,
-                        num_clients, member_average) -> FederatedAlgorithm:
+def _build_fed_ensemble(
+  model_fn,
+  element_spec,
+  local_config,
+  ensemble_size,
+  assignment,
+  seed,
+  dp,
+  feddyn_alpha,
+  num_clients,
+  member_average,
+) -> FederatedAlgorithm:
   built = fed_ensemble.build_fed_ensemble(
-      model_fn, element_spec, local_config, ensemble_size=ensemble_size,
-      seed=seed, assignment=assignment, dp=dp, feddyn_alpha=feddyn_alpha,
-      num_clients=num_clients, member_average=member_average)
+    model_fn,
+    element_spec,
+    local_config,
+    ensemble_size=ensemble_size,
+    seed=seed,
+    assignment=assignment,
+    dp=dp,
+    feddyn_alpha=feddyn_alpha,
+    num_clients=num_clients,
+    member_average=member_average,
+  )
   spec = None
   if feddyn_alpha:
     state_type = built.process.next.type_signature.parameter[3].member
     spec = client_states.ClientStateSpec(
-        shape=tuple(state_type.shape), dtype=np.dtype(state_type.dtype),
-        models=lambda clients, round_num: [
-            int(fed_ensemble.assigned_model(seed, c, round_num, ensemble_size,
-                                            assignment)) for c in clients])
+      shape=tuple(state_type.shape),
+      dtype=np.dtype(state_type.dtype),
+      models=lambda clients, round_num: [
+        int(fed_ensemble.assigned_model(seed, c, round_num, ensemble_size, assignment))
+        for c in clients
+      ],
+    )
 
   return FederatedAlgorithm(
-      name="fedensemble", process=built.process,
-      download_type=built.download_type, upload_type=built.upload_type,
-      indexed_clients=True,
-      models_fn=lambda state: list(state["members"]), client_state=spec)
+    name="fedensemble",
+    process=built.process,
+    download_type=built.download_type,
+    upload_type=built.upload_type,
+    indexed_clients=True,
+    models_fn=lambda state: list(state["members"]),
+    client_state=spec,
+  )
 
 
-def _build_server_distillation(name, model_fn, element_spec, local_config,
-                               server_data, server_config,
-                               clients_per_round) -> FederatedAlgorithm:
+def _build_server_distillation(
+  name, model_fn, element_spec, local_config, server_data, server_config, clients_per_round
+) -> FederatedAlgorithm:
   built = server_distillation.build_server_distillation(
-      lambda: model_fn(0), element_spec, local_config, server_data,
-      server_config, clients_per_round=clients_per_round)
+    lambda: model_fn(0),
+    element_spec,
+    local_config,
+    server_data,
+    server_config,
+    clients_per_round=clients_per_round,
+  )
   process = built.process
 
   client_update = built.client_work.client_update.type_signature
   return FederatedAlgorithm(
-      name=name, process=process, download_type=client_update.parameter,
-      upload_type=client_update.result,
-      indexed_clients=False,
-      models_fn=lambda state: [process.get_model_weights(state)],
-      teacher_fn=built.teacher_probabilities,
-      server_device=server_config.device)
+    name=name,
+    process=process,
+    download_type=client_update.parameter,
+    upload_type=client_update.result,
+    indexed_clients=False,
+    models_fn=lambda state: [process.get_model_weights(state)],
+    teacher_fn=built.teacher_probabilities,
+    server_device=server_config.device,
+  )
 
 
-def _build_heterogeneous_feddf(prototypes, element_spec, local_config,
-                               server_data, server_config,
-                               clients_per_round) -> FederatedAlgorithm:
+def _build_heterogeneous_feddf(
+  prototypes, element_spec, local_config, server_data, server_config, clients_per_round
+) -> FederatedAlgorithm:
   names = [name for name, _ in prototypes]
   model_fns = [model_fn for _, model_fn in prototypes]
   built = model_prototypes.build_heterogeneous_feddf(
-      model_fns, names, element_spec, local_config, server_data,
-      server_config, clients_per_round=clients_per_round)
+    model_fns,
+    names,
+    element_spec,
+    local_config,
+    server_data,
+    server_config,
+    clients_per_round=clients_per_round,
+  )
 
   return FederatedAlgorithm(
-      name="feddf", process=built.process,
-      download_type=built.download_type, upload_type=built.upload_type,
-      indexed_clients=True,
-      models_fn=lambda state: [state["prototypes"][0]],
-      teacher_fn=built.teacher_probabilities,
-      server_device=server_config.device,
-      prototypes_fn=lambda state: list(zip(names, model_fns,
-                                           state["prototypes"])))
+    name="feddf",
+    process=built.process,
+    download_type=built.download_type,
+    upload_type=built.upload_type,
+    indexed_clients=True,
+    models_fn=lambda state: [state["prototypes"][0]],
+    teacher_fn=built.teacher_probabilities,
+    server_device=server_config.device,
+    prototypes_fn=lambda state: list(zip(names, model_fns, state["prototypes"])),
+  )
 
 
-def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn,
-                      server_config) -> FederatedAlgorithm:
+def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn, server_config) -> FederatedAlgorithm:
   client_update = built.client_work.client_update.type_signature
   return FederatedAlgorithm(
-      name=name, process=built.process,
-      download_type=client_update.parameter,
-      upload_type=client_update.result,
-      indexed_clients=False,
-      models_fn=lambda state: [built.student_weights(state)],
-      server_device=server_config.device if server_config else None,
-      evaluation_model_fn=student_fn)
+    name=name,
+    process=built.process,
+    download_type=client_update.parameter,
+    upload_type=client_update.result,
+    indexed_clients=False,
+    models_fn=lambda state: [built.student_weights(state)],
+    server_device=server_config.device if server_config else None,
+    evaluation_model_fn=student_fn,
+  )

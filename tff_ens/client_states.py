@@ -70,9 +70,7 @@ class ClientStateStore:
       rounds.sort()
 
   def _path(self, client: int, model: int, round_num: int) -> str:
-    return os.path.join(
-        self._dir, f"client{client:06d}_model{model:03d}_round{round_num:07d}"
-        ".npy")
+    return os.path.join(self._dir, f"client{client:06d}_model{model:03d}_round{round_num:07d}.npy")
 
   def load(self, client: int, model: int) -> np.ndarray:
     """The newest state of (client, model); zeros if it has none yet."""
@@ -84,23 +82,24 @@ class ClientStateStore:
       stored = np.load(path)
     except (OSError, ValueError) as e:
       raise ClientStateError(
-          f"cannot read client state {path} ({' '.join(str(e).split())[:200]})"
-          ": the run's client_states directory is damaged; start the run "
-          "again in a new --output_dir") from None
+        f"cannot read client state {path} ({' '.join(str(e).split())[:200]})"
+        ": the run's client_states directory is damaged; start the run "
+        "again in a new --output_dir"
+      ) from None
     spec = self._spec
     if stored.shape != spec.shape or stored.dtype != spec.dtype:
       raise ClientStateError(
-          f"client state {path} holds {stored.dtype}{list(stored.shape)}, the "
-          f"model needs {spec.dtype}{list(spec.shape)}: it was "
-          "written by another model; start the run again in a new "
-          "--output_dir")
+        f"client state {path} holds {stored.dtype}{list(stored.shape)}, the "
+        f"model needs {spec.dtype}{list(spec.shape)}: it was "
+        "written by another model; start the run again in a new "
+        "--output_dir"
+      )
     return stored
 
-  def save(self, round_num: int, client: int, model: int,
-           value: np.ndarray) -> None:
+  def save(self, round_num: int, client: int, model: int, value: np.ndarray) -> None:
     """Stores (client, model)'s state as written in round `round_num`."""
     path = self._path(client, model, round_num)
-    temporary = path[:-len(".npy")] + ".tmp.npy"
+    temporary = path[: -len(".npy")] + ".tmp.npy"
     np.save(temporary, np.asarray(value))
     os.replace(temporary, path)
     rounds = self._rounds[(client, model)]
@@ -117,8 +116,7 @@ class ClientStateStore:
   def prune(self, round_num: int) -> None:
     """Deletes versions older than the newest written at or before `round_num`."""
     for key, rounds in self._rounds.items():
-      kept = [r for r in rounds if r <= round_num][-1:] + [
-          r for r in rounds if r > round_num]
+      kept = [r for r in rounds if r <= round_num][-1:] + [r for r in rounds if r > round_num]
       for r in set(rounds) - set(kept):
         os.remove(self._path(*key, r))
       rounds[:] = kept

@@ -55,8 +55,8 @@ class LocalTrainingConfig:
   def __post_init__(self):
     if self.lr_schedule not in LR_SCHEDULES:
       raise ValueError(
-          f"unknown lr_schedule {self.lr_schedule!r}: choose one of "
-          f"{', '.join(LR_SCHEDULES)}")
+        f"unknown lr_schedule {self.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}"
+      )
     for name in ("learning_rate", "total_rounds"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -75,13 +75,13 @@ def learning_rate_at(round_num: tf.Tensor, config: LocalTrainingConfig):
   if config.lr_schedule == "constant":
     return base
   progress = tf.cast(round_num, tf.float32) / float(config.total_rounds)
-  decays = (tf.cast(progress >= 0.3, tf.float32) +
-            tf.cast(progress >= 0.6, tf.float32))
+  decays = tf.cast(progress >= 0.3, tf.float32) + tf.cast(progress >= 0.6, tf.float32)
   return base * tf.pow(0.1, decays)
 
 
-def local_objective_gradient(gradient, weight, initial_weight,
-                             config: LocalTrainingConfig, linear_term=None):
+def local_objective_gradient(
+  gradient, weight, initial_weight, config: LocalTrainingConfig, linear_term=None
+):
   """Gradient of the local objective for one weight tensor.
 
   h(w) = F(w) + weight_decay/2 ||w||^2 + mu/2 ||w - w0||^2 - <g, w>: with
@@ -114,21 +114,24 @@ def reject_bad_update(update: ModelWeights, weight, max_norm: float = 0.0):
   the norm). Returns the update, its weight and 1.0 if it was rejected (0.0
   otherwise).
   """
-  good = tf.reduce_all([
-      tf.reduce_all(tf.math.is_finite(t)) for t in tf.nest.flatten(update)])
+  good = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tf.nest.flatten(update)])
   if max_norm:
-    good = tf.logical_and(
-        good, tf.linalg.global_norm(list(update.trainable)) <= max_norm)
-  update = tf.nest.map_structure(
-      lambda t: tf.where(good, t, tf.zeros_like(t)), update)
+    good = tf.logical_and(good, tf.linalg.global_norm(list(update.trainable)) <= max_norm)
+  update = tf.nest.map_structure(lambda t: tf.where(good, t, tf.zeros_like(t)), update)
   weight = tf.where(good, weight, 0.0)
   return update, weight, 1.0 - tf.cast(good, tf.float32)
 
 
 @tf.function
-def train_locally(model: tf.keras.Model, optimizer, initial_weights,
-                  dataset: tf.data.Dataset, learning_rate,
-                  config: LocalTrainingConfig, linear_term=None):
+def train_locally(
+  model: tf.keras.Model,
+  optimizer,
+  initial_weights,
+  dataset: tf.data.Dataset,
+  learning_rate,
+  config: LocalTrainingConfig,
+  linear_term=None,
+):
   """Runs local SGD on `dataset` from `initial_weights` (FedAvg's ClientUpdate).
 
   McMahan et al., AISTATS 2017, Algorithm 1, ClientUpdate; with the FedProx
@@ -152,17 +155,15 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
     its other metrics are then 0).
   """
   model_weights = ModelWeights.from_model(model)
-  tf.nest.map_structure(lambda v, t: v.assign(t), model_weights,
-                        initial_weights)
+  tf.nest.map_structure(lambda v, t: v.assign(t), model_weights, initial_weights)
   trainable = model_weights.trainable
   specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable)
-  opt_state = optimizer.set_hparams(
-      optimizer.initialize(specs), {"learning_rate": learning_rate})
+  opt_state = optimizer.set_hparams(optimizer.initialize(specs), {"learning_rate": learning_rate})
   loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True, reduction=tf.keras.losses.Reduction.SUM)
+    from_logits=True, reduction=tf.keras.losses.Reduction.SUM
+  )
 
-  linear = (linear_term if linear_term is not None
-            else [None] * len(trainable))
+  linear = linear_term if linear_term is not None else [None] * len(trainable)
 
   def step(carry, batch):
     opt_state, loss_sum, correct, count = carry
@@ -173,39 +174,50 @@ def train_locally(model: tf.keras.Model, optimizer, initial_weights,
       n = tf.cast(tf.shape(y)[0], tf.float32)
       mean_loss = batch_loss / n
     grads = tape.gradient(mean_loss, trainable)
-    grads = [local_objective_gradient(g, w, w0, config, l)
-             for g, w, w0, l in zip(grads, trainable,
-                                    initial_weights.trainable, linear)]
-    opt_state, new_weights = optimizer.next(
-        opt_state, tuple(trainable), tuple(grads))
+    grads = [
+      local_objective_gradient(g, w, w0, config, linear_term)
+      for g, w, w0, linear_term in zip(grads, trainable, initial_weights.trainable, linear)
+    ]
+    opt_state, new_weights = optimizer.next(opt_state, tuple(trainable), tuple(grads))
     for v, t in zip(trainable, new_weights):
       # Keras applies a layer's kernel constraint after each optimizer step
       # (larq clips binarized layers' latent weights to [-1, 1] this way).
       v.assign(v.constraint(t) if v.constraint is not None else t)
-    hits = tf.reduce_sum(tf.cast(
-        tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
-                 tf.cast(y, tf.int32)), tf.float32))
+    hits = tf.reduce_sum(
+      tf.cast(
+        tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)), tf.float32
+      )
+    )
     return opt_state, loss_sum + batch_loss, correct + hits, count + n
 
   zero = tf.constant(0.0)
-  _, loss_sum, correct, count = dataset.reduce(
-      (opt_state, zero, zero, zero), step)
+  _, loss_sum, correct, count = dataset.reduce((opt_state, zero, zero, zero), step)
   final = tf.nest.map_structure(tf.identity, model_weights)
   update, weight, rejected = reject_bad_update(
-      weights_delta(initial_weights, final), count, config.max_update_norm)
+    weights_delta(initial_weights, final), count, config.max_update_norm
+  )
   # A rejected client's training metrics are dropped with its update (its
   # loss may be NaN, so it is selected away rather than multiplied by 0).
   accepted = 1.0 - rejected
   metrics = collections.OrderedDict(
-      loss=tf.where(accepted > 0, loss_sum, 0.0),
-      correct=correct * accepted, num_examples=count * accepted,
-      rejected=rejected)
+    loss=tf.where(accepted > 0, loss_sum, 0.0),
+    correct=correct * accepted,
+    num_examples=count * accepted,
+    rejected=rejected,
+  )
   return tff.learning.templates.ClientResult(update, weight), metrics
 
 
-def train_feddyn(model: tf.keras.Model, optimizer, initial_weights,
-                 dataset: tf.data.Dataset, learning_rate,
-                 config: LocalTrainingConfig, alpha: float, dyn_state):
+def train_feddyn(
+  model: tf.keras.Model,
+  optimizer,
+  initial_weights,
+  dataset: tf.data.Dataset,
+  learning_rate,
+  config: LocalTrainingConfig,
+  alpha: float,
+  dyn_state,
+):
   """FedDyn's client update (Acar et al., ICLR 2021, Algorithm 1, lines 7-8).
 
   Local SGD (`train_locally`) on F(w) - <g, w> + alpha/2 ||w - w0||^2, g
@@ -219,23 +231,28 @@ def train_feddyn(model: tf.keras.Model, optimizer, initial_weights,
     returned models unweighted (line 10).
   """
   result, metrics = train_locally(
-      model, optimizer, initial_weights, dataset, learning_rate,
-      dataclasses.replace(config, proximal_mu=alpha), linear_term=dyn_state)
-  new_state = [g + alpha * u
-               for g, u in zip(dyn_state, result.update.trainable)]
+    model,
+    optimizer,
+    initial_weights,
+    dataset,
+    learning_rate,
+    dataclasses.replace(config, proximal_mu=alpha),
+    linear_term=dyn_state,
+  )
+  new_state = [g + alpha * u for g, u in zip(dyn_state, result.update.trainable)]
   weight = 1.0 - metrics["rejected"]
-  return (tff.learning.templates.ClientResult(result.update, weight),
-          metrics, new_state)
+  return (tff.learning.templates.ClientResult(result.update, weight), metrics, new_state)
 
 
 def finalize_train_metrics(sums):
   """Turns summed client metrics into the round's training metrics."""
   n = tf.maximum(sums["num_examples"], 1.0)
   return collections.OrderedDict(
-      train_loss=sums["loss"] / n,
-      train_accuracy=sums["correct"] / n,
-      num_examples=sums["num_examples"],
-      rejected_updates=sums["rejected"])
+    train_loss=sums["loss"] / n,
+    train_accuracy=sums["correct"] / n,
+    num_examples=sums["num_examples"],
+    rejected_updates=sums["rejected"],
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,34 +275,34 @@ def weights_type_of(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
   """TFF type of `ModelWeights` of the model built by `model_fn`."""
   with tf.Graph().as_default():
     model = model_fn()
-    return tff.types.tensorflow_to_type(tf.nest.map_structure(
-        lambda v: tf.TensorSpec(v.shape, v.dtype),
-        ModelWeights.from_model(model)))
+    return tff.types.tensorflow_to_type(
+      tf.nest.map_structure(
+        lambda v: tf.TensorSpec(v.shape, v.dtype), ModelWeights.from_model(model)
+      )
+    )
 
 
-def check_data_fits_model(model_fn: Callable[[], tf.keras.Model],
-                          element_spec) -> None:
+def check_data_fits_model(model_fn: Callable[[], tf.keras.Model], element_spec) -> None:
   """Raises `TypeMismatchError` unless batches `(x, y)` fit the model."""
   with tf.Graph().as_default():
     model = model_fn()
   try:
     x_spec, y_spec = element_spec
   except (TypeError, ValueError):
-    raise TypeMismatchError(
-        f"client batches must be (x, y) pairs, got {element_spec}") from None
+    raise TypeMismatchError(f"client batches must be (x, y) pairs, got {element_spec}") from None
   expected = tf.TensorShape(model.input_shape[1:])
   if not expected.is_compatible_with(x_spec.shape[1:]):
     raise TypeMismatchError(
-        f"client inputs {x_spec} do not fit the model input "
-        f"{tuple(model.input_shape)}: the task and model disagree")
+      f"client inputs {x_spec} do not fit the model input "
+      f"{tuple(model.input_shape)}: the task and model disagree"
+    )
   if not y_spec.dtype.is_integer:
-    raise TypeMismatchError(
-        f"client labels {y_spec} must be integer class ids")
+    raise TypeMismatchError(f"client labels {y_spec} must be integer class ids")
 
 
-def build_client_work(model_fn: Callable[[], tf.keras.Model],
-                      element_spec,
-                      config: LocalTrainingConfig) -> ClientWork:
+def build_client_work(
+  model_fn: Callable[[], tf.keras.Model], element_spec, config: LocalTrainingConfig
+) -> ClientWork:
   """Builds the client-work stage: `train_locally` at every client.
 
   The stage's state is the 0-based round number (server-placed), from which
@@ -299,16 +316,14 @@ def build_client_work(model_fn: Callable[[], tf.keras.Model],
   check_data_fits_model(model_fn, element_spec)
 
   def local_update(initial_weights, dataset, learning_rate, optimizer):
-    return train_locally(model_fn(), optimizer, initial_weights, dataset,
-                         learning_rate, config)
+    return train_locally(model_fn(), optimizer, initial_weights, dataset, learning_rate, config)
 
-  return build_sgd_client_work(local_update, weights_type_of(model_fn),
-                               element_spec, config)
+  return build_sgd_client_work(local_update, weights_type_of(model_fn), element_spec, config)
 
 
-def build_sgd_client_work(local_update, download_type: tff.Type,
-                          element_spec,
-                          config: LocalTrainingConfig) -> ClientWork:
+def build_sgd_client_work(
+  local_update, download_type: tff.Type, element_spec, config: LocalTrainingConfig
+) -> ClientWork:
   """The client-work stage around one client's local SGD.
 
   `local_update(download, dataset, learning_rate, optimizer) ->
@@ -323,17 +338,59 @@ def build_sgd_client_work(local_update, download_type: tff.Type,
   def client_update(download, dataset, learning_rate):
     return local_update(download, dataset, learning_rate, optimizer)
 
-  return build_round_client_work(client_update, *_sgd_round_fns(
-      client_update, config))
+  return build_round_client_work(client_update, *_sgd_round_fns(client_update, config))
+
+
+def device_result_spec(weights_type: tff.Type) -> collections.OrderedDict:
+  """`tf.TensorSpec`s of what a device's local training returns (`tff_ens.device_clients`):
+  its trained weights (the trainable ones: the trainable file has no others) and sums over
+  its examples."""
+  return collections.OrderedDict(
+    trainable=tuple(tf.TensorSpec(t.shape, t.dtype) for t in weights_type.trainable),
+    loss=tf.TensorSpec([], tf.float32),
+    correct=tf.TensorSpec([], tf.float32),
+    num_examples=tf.TensorSpec([], tf.float32),
+  )
+
+
+def build_device_client_work(weights_type: tff.Type, config: LocalTrainingConfig) -> ClientWork:
+  """The client-work stage of clients that trained on their devices.
+
+  Each client's data is one element, `device_result_spec`: the weights its device reached by
+  local SGD from the broadcast ones (`export.trainable`, in LiteRT), and its sums of loss,
+  correct predictions and examples. The client's update is then `train_locally`'s:
+  initial - trained, weighted by its examples, rejected by `reject_bad_update`. The
+  learning rate is the device file's own, so the round's rate is not used.
+  """
+  data_type = tff.SequenceType(tff.types.tensorflow_to_type(device_result_spec(weights_type)))
+
+  @tff.tensorflow.computation(weights_type, data_type, tf.float32)
+  def client_update(initial_weights, device_result, learning_rate):
+    del learning_rate  # Fixed in the device's file.
+    result = device_result.get_single_element()
+    trained = ModelWeights(list(result["trainable"]), list(initial_weights.non_trainable))
+    update, weight, rejected = reject_bad_update(
+      weights_delta(initial_weights, trained), result["num_examples"], config.max_update_norm
+    )
+    accepted = 1.0 - rejected
+    metrics = collections.OrderedDict(
+      loss=tf.where(accepted > 0, result["loss"], 0.0),
+      correct=result["correct"] * accepted,
+      num_examples=result["num_examples"] * accepted,
+      rejected=rejected,
+    )
+    return tff.learning.templates.ClientResult(update, weight), metrics
+
+  return build_round_client_work(client_update, *_sgd_round_fns(client_update, config))
 
 
 def _sgd_optimizer(config: LocalTrainingConfig):
   return tff.learning.optimizers.build_sgdm(
-      learning_rate=config.learning_rate, momentum=config.momentum or None)
+    learning_rate=config.learning_rate, momentum=config.momentum or None
+  )
 
 
-def _sgd_round_fns(client_update: tff.Computation,
-                   config: LocalTrainingConfig):
+def _sgd_round_fns(client_update: tff.Computation, config: LocalTrainingConfig):
   """(round's learning rate, metrics finalizer) of local SGD's client work."""
 
   @tff.tensorflow.computation(tf.int32)
@@ -361,8 +418,9 @@ def round_counter() -> tuple[tff.Computation, tff.Computation]:
   return init_fn, increment
 
 
-def _round_stage(client_update: tff.Computation, round_input: tff.Computation,
-                 finalize: tff.Computation):
+def _round_stage(
+  client_update: tff.Computation, round_input: tff.Computation, finalize: tff.Computation
+):
   """`init_fn` and the body of a client-work stage whose state is the round.
 
   Returns `(init_fn, run)`; `run(state, weights, client_data, *client_state)`,
@@ -375,18 +433,16 @@ def _round_stage(client_update: tff.Computation, round_input: tff.Computation,
 
   def run(state, weights, client_data, *client_state):
     value = tff.federated_broadcast(tff.federated_map(round_input, state))
-    outputs = tff.federated_map(
-        client_update, (weights, client_data, value) + client_state)
-    measurements = tff.federated_map(finalize,
-                                     tff.federated_sum(outputs[1]))
+    outputs = tff.federated_map(client_update, (weights, client_data, value) + client_state)
+    measurements = tff.federated_map(finalize, tff.federated_sum(outputs[1]))
     return tff.federated_map(increment, state), outputs, measurements
 
   return init_fn, run
 
 
-def build_round_client_work(client_update: tff.Computation,
-                            round_input: tff.Computation,
-                            finalize: tff.Computation) -> ClientWork:
+def build_round_client_work(
+  client_update: tff.Computation, round_input: tff.Computation, finalize: tff.Computation
+) -> ClientWork:
   """A client-work stage whose state is the 0-based round number.
 
   Each round the server computes `round_input(round)` (the learning rate,
@@ -398,17 +454,15 @@ def build_round_client_work(client_update: tff.Computation,
   init_fn, run = _round_stage(client_update, round_input, finalize)
 
   @tff.federated_computation(
-      init_fn.type_signature.result,
-      tff.FederatedType(weights_type, tff.CLIENTS),
-      tff.FederatedType(data_type, tff.CLIENTS))
+    init_fn.type_signature.result,
+    tff.FederatedType(weights_type, tff.CLIENTS),
+    tff.FederatedType(data_type, tff.CLIENTS),
+  )
   def next_fn(state, weights, client_data):
     state, outputs, measurements = run(state, weights, client_data)
-    return tff.templates.MeasuredProcessOutput(state, outputs[0],
-                                               measurements)
+    return tff.templates.MeasuredProcessOutput(state, outputs[0], measurements)
 
-  return ClientWork(
-      tff.learning.templates.ClientWorkProcess(init_fn, next_fn),
-      client_update)
+  return ClientWork(tff.learning.templates.ClientWorkProcess(init_fn, next_fn), client_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,9 +485,9 @@ class StatefulClientWork:
     return self.client_update.type_signature.parameter[3]
 
 
-def build_feddyn_client_work(model_fn: Callable[[], tf.keras.Model],
-                             element_spec, config: LocalTrainingConfig,
-                             alpha: float) -> StatefulClientWork:
+def build_feddyn_client_work(
+  model_fn: Callable[[], tf.keras.Model], element_spec, config: LocalTrainingConfig, alpha: float
+) -> StatefulClientWork:
   """FedDyn's client work (`train_feddyn`) with coefficient `alpha`.
 
   A client's state is its g, one value per trainable weight of the model,
@@ -452,29 +506,27 @@ def build_feddyn_client_work(model_fn: Callable[[], tf.keras.Model],
     raise TypeError(f"FedDyn needs float32 trainable weights, got {specs}")
   sizes = [spec.shape.num_elements() for spec in specs]
 
-  @tff.tensorflow.computation(weights_type, data_type, tf.float32,
-                              tff.TensorType(np.float32, [sum(sizes)]))
+  @tff.tensorflow.computation(
+    weights_type, data_type, tf.float32, tff.TensorType(np.float32, [sum(sizes)])
+  )
   def client_update(download, dataset, learning_rate, dyn_state):
-    g = [tf.reshape(t, spec.shape)
-         for t, spec in zip(tf.split(dyn_state, sizes), specs)]
+    g = [tf.reshape(t, spec.shape) for t, spec in zip(tf.split(dyn_state, sizes), specs)]
     result, metrics, new_g = train_feddyn(
-        model_fn(), optimizer, download, dataset, learning_rate, config,
-        alpha, g)
-    return result, metrics, tf.concat([tf.reshape(t, [-1]) for t in new_g],
-                                      0)
+      model_fn(), optimizer, download, dataset, learning_rate, config, alpha, g
+    )
+    return result, metrics, tf.concat([tf.reshape(t, [-1]) for t in new_g], 0)
 
-  init_fn, run = _round_stage(client_update,
-                              *_sgd_round_fns(client_update, config))
-  state_type = tff.FederatedType(client_update.type_signature.parameter[3],
-                                 tff.CLIENTS)
+  init_fn, run = _round_stage(client_update, *_sgd_round_fns(client_update, config))
+  state_type = tff.FederatedType(client_update.type_signature.parameter[3], tff.CLIENTS)
 
   @tff.federated_computation(
-      init_fn.type_signature.result,
-      tff.FederatedType(weights_type, tff.CLIENTS),
-      tff.FederatedType(data_type, tff.CLIENTS), state_type)
+    init_fn.type_signature.result,
+    tff.FederatedType(weights_type, tff.CLIENTS),
+    tff.FederatedType(data_type, tff.CLIENTS),
+    state_type,
+  )
   def next_fn(state, weights, client_data, client_states):
-    state, outputs, measurements = run(state, weights, client_data,
-                                       client_states)
+    state, outputs, measurements = run(state, weights, client_data, client_states)
     return state, outputs[0], outputs[2], measurements
 
   return StatefulClientWork(init_fn, next_fn, client_update)

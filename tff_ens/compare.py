@@ -38,10 +38,11 @@ from matplotlib.backends import backend_agg
 import numpy as np
 import tensorflow as tf
 
+import tasks
 from tff_ens import algorithms
 from tff_ens import evaluation
+from tff_ens import metrics
 from tff_ens import training
-import tasks
 
 PER_CLIENT_ACCURACY_FILE = training.PER_CLIENT_ACCURACY_FILE
 ACCURACY_FIGURE = "test_accuracy_by_round.png"
@@ -52,44 +53,97 @@ _MEMBER_FILE = re.compile(r"member_(\d+)\.keras")
 
 # Flags that change where or how a run executes, not what it computes; seed
 # and rounds have their own columns.
-_UNSHOWN_FLAGS = ("data_dir", "output_dir", "eval_every", "checkpoint_every",
-                  "max_concurrent_clients", "workers", "resume",
-                  "server_device", "seed", "rounds")
-_FEDENSEMBLE_FLAGS = ("ensemble_size", "assignment", "member_average",
-                      "local_objective", "feddyn_alpha",
-                      "personalization_temperature")
+_UNSHOWN_FLAGS = (
+  "data_dir",
+  "output_dir",
+  "eval_every",
+  "checkpoint_every",
+  "max_concurrent_clients",
+  "workers",
+  "resume",
+  "server_device",
+  "device_processes",
+  "seed",
+  "rounds",
+)
+_FEDENSEMBLE_FLAGS = (
+  "ensemble_size",
+  "assignment",
+  "member_average",
+  "local_objective",
+  "feddyn_alpha",
+  "personalization_temperature",
+)
 _DISTILLATION_FLAGS = (
-    "server_data", "distill_steps", "distill_batch_size", "swa",
-    "fedbe_distribution", "fedbe_samples", "fedbe_targets", "dirichlet_alpha",
-    "fedbe_gaussian", "fedbe_var_scale", "fedbe_var_clamp", "fedbe_dirichlet",
-    "sharpen_temperature", "swa_warmup_fraction", "drop_worst",
-    "drop_worst_rule", "prototypes", "distill_patience", "distill_eval_every",
-    "distill_min_improvement", "distill_keep_initial", "distill_clip_norm")
-_FEDPPD_FLAGS = ("student_model", "teacher_lr", "sgld_temperature",
-                 "prior_precision", "student_lr", "student_momentum",
-                 "student_weight_decay", "sgld_scaling",
-                 "teacher_weight_decay", "teacher_step_decay",
-                 "teacher_step_decay_epochs", "teacher_round_decay",
-                 "student_round_decay", "student_minibatch",
-                 "distill_fedppd_teachers")
+  "server_data",
+  "distill_steps",
+  "distill_batch_size",
+  "swa",
+  "fedbe_distribution",
+  "fedbe_samples",
+  "fedbe_targets",
+  "dirichlet_alpha",
+  "fedbe_gaussian",
+  "fedbe_var_scale",
+  "fedbe_var_clamp",
+  "fedbe_dirichlet",
+  "sharpen_temperature",
+  "swa_warmup_fraction",
+  "drop_worst",
+  "drop_worst_rule",
+  "prototypes",
+  "distill_patience",
+  "distill_eval_every",
+  "distill_min_improvement",
+  "distill_keep_initial",
+  "distill_clip_norm",
+)
+_FEDPPD_FLAGS = (
+  "student_model",
+  "teacher_lr",
+  "sgld_temperature",
+  "prior_precision",
+  "student_lr",
+  "student_momentum",
+  "student_weight_decay",
+  "sgld_scaling",
+  "teacher_weight_decay",
+  "teacher_step_decay",
+  "teacher_step_decay_epochs",
+  "teacher_round_decay",
+  "student_round_decay",
+  "student_minibatch",
+  "distill_fedppd_teachers",
+)
 # Flags only some algorithms read: shown for those only.
 _ALGORITHM_FLAGS = {
-    "proximal_mu": ("fedprox", "fedensemble"),
-    "server_momentum": ("fedavgm",),
-    **dict.fromkeys(_FEDENSEMBLE_FLAGS, ("fedensemble",)),
-    **dict.fromkeys(_DISTILLATION_FLAGS, algorithms.SERVER_DATA_ALGORITHMS),
-    **dict.fromkeys(_FEDPPD_FLAGS, algorithms.FEDPPD_METHODS),
+  "proximal_mu": ("fedprox", "fedensemble"),
+  "server_momentum": ("fedavgm",),
+  **dict.fromkeys(_FEDENSEMBLE_FLAGS, ("fedensemble",)),
+  **dict.fromkeys(_DISTILLATION_FLAGS, algorithms.SERVER_DATA_ALGORITHMS),
+  **dict.fromkeys(_FEDPPD_FLAGS, algorithms.FEDPPD_METHODS),
 }
 # Flags that define an algorithm's variant: shown even at their default.
-_VARIANT_FLAGS = {"fedensemble": ("ensemble_size", "local_objective"),
-                  "fedbe": ("fedbe_targets",)}
-_DEFAULTS = {f.name: f.default
-             for f in dataclasses.fields(training.ExperimentConfig)}
+_VARIANT_FLAGS = {"fedensemble": ("ensemble_size", "local_objective"), "fedbe": ("fedbe_targets",)}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(training.ExperimentConfig)}
 
 # The table's columns (see `table_rows`); text is aligned left, numbers right.
-_HEADER = ("#", "run", "algorithm", "flags", "seed", "rounds", "accuracy",
-           "vs #1", "NLL", "ECE", "per-client", "personalized", "s/round",
-           "MB down/up")
+_HEADER = (
+  "#",
+  "run",
+  "algorithm",
+  "flags",
+  "seed",
+  "rounds",
+  "accuracy",
+  "vs #1",
+  "NLL",
+  "ECE",
+  "per-client",
+  "personalized",
+  "s/round",
+  "MB down/up",
+)
 _LEFT = ("run", "algorithm", "flags")
 # Marks an accuracy difference between runs of different seeds.
 SEED_DIFFERS = "*"
@@ -110,6 +164,7 @@ class Run:
     summary: its summary.json; `summary["config"]` holds the run's flags.
     metrics: its metrics.csv, a row (column -> text) per round.
   """
+
   path: str
   summary: dict
   metrics: list[dict[str, str]]
@@ -124,11 +179,10 @@ class Run:
 
   def experiment_config(self) -> training.ExperimentConfig:
     """The run's flags; a flag unknown to this version is left out."""
-    return training.ExperimentConfig(
-        **{k: v for k, v in self.config.items() if k in _DEFAULTS})
+    return training.ExperimentConfig(**{k: v for k, v in self.config.items() if k in _DEFAULTS})
 
   def key_flags(self) -> str:
-    """"k=v ..." of the flags that define the run beyond its algorithm, seed
+    """ "k=v ..." of the flags that define the run beyond its algorithm, seed
     and rounds: those that differ from their default and that its algorithm
     reads, and those naming its variant (e.g. Fed-ensemble's K)."""
     algorithm = self.config["algorithm"]
@@ -136,33 +190,35 @@ class Run:
     # In the order of `ExperimentConfig`, then flags it does not know.
     order = list(_DEFAULTS) + sorted(set(self.config) - set(_DEFAULTS))
     return " ".join(
-        f"{k}={self.config[k]}" for k in order
-        if k in self.config and k not in _UNSHOWN_FLAGS and
-        k != "algorithm" and
-        algorithm in _ALGORITHM_FLAGS.get(k, (algorithm,)) and
-        (k in variant or k not in _DEFAULTS or
-         self.config[k] != _DEFAULTS[k]))
+      f"{k}={self.config[k]}"
+      for k in order
+      if k in self.config
+      and k not in _UNSHOWN_FLAGS
+      and k != "algorithm"
+      and algorithm in _ALGORITHM_FLAGS.get(k, (algorithm,))
+      and (k in variant or k not in _DEFAULTS or self.config[k] != _DEFAULTS[k])
+    )
 
   def test_accuracy_by_round(self) -> tuple[list[int], list[float]]:
     """(rounds, test accuracies) of the metrics.csv rows that evaluated."""
     evaluated = [r for r in self.metrics if r.get("test_accuracy")]
-    return ([int(r["round"]) for r in evaluated],
-            [float(r["test_accuracy"]) for r in evaluated])
+    return ([int(r["round"]) for r in evaluated], [float(r["test_accuracy"]) for r in evaluated])
 
   def model_paths(self) -> list[str]:
     """`model.keras`, or the ensemble's `members/member_k.keras` in order."""
     members_dir = os.path.join(self.path, MEMBERS_DIR)
     numbered = sorted(
-        (int(m.group(1)), os.path.join(members_dir, m.group(0)))
-        for name in (os.listdir(members_dir) if os.path.isdir(members_dir)
-                     else ())
-        if (m := _MEMBER_FILE.fullmatch(name)))
+      (int(m.group(1)), os.path.join(members_dir, m.group(0)))
+      for name in (os.listdir(members_dir) if os.path.isdir(members_dir) else ())
+      if (m := _MEMBER_FILE.fullmatch(name))
+    )
     if numbered:
       return [path for _, path in numbered]
     single = os.path.join(self.path, MODEL_FILE)
     if not os.path.isfile(single):
-      raise CompareError(f"{self.path} has no {MODEL_FILE} or "
-                         f"{MEMBERS_DIR}/member_k.keras to evaluate")
+      raise CompareError(
+        f"{self.path} has no {MODEL_FILE} or {MEMBERS_DIR}/member_k.keras to evaluate"
+      )
     return [single]
 
 
@@ -171,8 +227,9 @@ def _read_json(path: str):
     with open(path) as f:
       return json.load(f)
   except (OSError, ValueError) as e:
-    raise CompareError(f"{path} cannot be read ({type(e).__name__}: "
-                       f"{' '.join(str(e).split())})") from None
+    raise CompareError(
+      f"{path} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
+    ) from None
 
 
 def _read_metrics(path: str) -> list[dict[str, str]]:
@@ -182,8 +239,9 @@ def _read_metrics(path: str) -> list[dict[str, str]]:
     for row in rows:
       int(row["round"])
   except (OSError, ValueError, KeyError, TypeError, csv.Error) as e:
-    raise CompareError(f"{path} is not a run's metrics ({type(e).__name__}: "
-                       f"{' '.join(str(e).split())})") from None
+    raise CompareError(
+      f"{path} is not a run's metrics ({type(e).__name__}: {' '.join(str(e).split())})"
+    ) from None
   return rows
 
 
@@ -204,45 +262,53 @@ def _in_progress_error(path: str, metrics_path: str) -> CompareError:
   config_path = os.path.join(path, training.CONFIG_FILE)
   config = _read_json(config_path) if os.path.isfile(config_path) else {}
   total = config.get("rounds") if isinstance(config, dict) else None
-  done = (f"has round{'s' if len(rounds) > 1 else ''} {_ranges(rounds)}"
-          if rounds else "has no round yet")
+  done = (
+    f"has round{'s' if len(rounds) > 1 else ''} {_ranges(rounds)}" if rounds else "has no round yet"
+  )
   return CompareError(
-      f"{path} is a run in progress (or stopped): its {training.METRICS_FILE} "
-      f"{done}{f' of {total}' if total else ''} and it has no "
-      f"{training.SUMMARY_FILE} yet: compare it when it has finished (a "
-      "stopped run continues with --resume)")
+    f"{path} is a run in progress (or stopped): its {training.METRICS_FILE} "
+    f"{done}{f' of {total}' if total else ''} and it has no "
+    f"{training.SUMMARY_FILE} yet: compare it when it has finished (a "
+    "stopped run continues with --resume)"
+  )
 
 
 def load_run(path: str) -> Run:
   """Reads a finished run; CompareError (one line) if `path` is not one."""
   if not os.path.exists(path):
-    raise CompareError(f"{path} does not exist: pass the --output_dir of a "
-                       "`python -m tff_ens.main` run")
+    raise CompareError(
+      f"{path} does not exist: pass the --output_dir of a `python -m tff_ens.main` run"
+    )
   if not os.path.isdir(path):
-    raise CompareError(f"{path} is not a directory: pass the --output_dir of "
-                       "a `python -m tff_ens.main` run")
+    raise CompareError(
+      f"{path} is not a directory: pass the --output_dir of a `python -m tff_ens.main` run"
+    )
   metrics_path = os.path.join(path, training.METRICS_FILE)
   summary_path = os.path.join(path, training.SUMMARY_FILE)
-  has_metrics, has_summary = (os.path.isfile(metrics_path),
-                              os.path.isfile(summary_path))
+  has_metrics, has_summary = (os.path.isfile(metrics_path), os.path.isfile(summary_path))
   if not has_metrics and not has_summary:
     raise CompareError(
-        f"{path} is not a run (no {training.METRICS_FILE} or "
-        f"{training.SUMMARY_FILE}): pass the --output_dir of a `python -m "
-        "tff_ens.main` run")
+      f"{path} is not a run (no {training.METRICS_FILE} or "
+      f"{training.SUMMARY_FILE}): pass the --output_dir of a `python -m "
+      "tff_ens.main` run"
+    )
   if not has_summary:
     raise _in_progress_error(path, metrics_path)
   if not has_metrics:
-    raise CompareError(f"{path} has a {training.SUMMARY_FILE} but no "
-                       f"{training.METRICS_FILE}: restore it")
-  summary = _read_json(summary_path)
-  if not (isinstance(summary, dict) and
-          all(k in summary for k in _SUMMARY_KEYS) and
-          isinstance(summary["config"], dict) and
-          "algorithm" in summary["config"]):
     raise CompareError(
-        f"{summary_path} is not a run's summary (a JSON object with "
-        f"{', '.join(_SUMMARY_KEYS)}): restore it or rerun the run")
+      f"{path} has a {training.SUMMARY_FILE} but no {training.METRICS_FILE}: restore it"
+    )
+  summary = _read_json(summary_path)
+  if not (
+    isinstance(summary, dict)
+    and all(k in summary for k in _SUMMARY_KEYS)
+    and isinstance(summary["config"], dict)
+    and "algorithm" in summary["config"]
+  ):
+    raise CompareError(
+      f"{summary_path} is not a run's summary (a JSON object with "
+      f"{', '.join(_SUMMARY_KEYS)}): restore it or rerun the run"
+    )
   return Run(path, summary, _read_metrics(metrics_path))
 
 
@@ -258,7 +324,8 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
   for index, run in enumerate(runs, 1):
     summary = run.summary
     first = index == 1
-    rows.append({
+    rows.append(
+      {
         "index": index,
         "run": run.name,
         "algorithm": run.config["algorithm"],
@@ -266,8 +333,9 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
         "seed": summary["seed"],
         "rounds": summary["rounds"],
         "test_accuracy": summary["test_accuracy"],
-        "accuracy_difference": None if first else (
-            summary["test_accuracy"] - reference["test_accuracy"]),
+        "accuracy_difference": None
+        if first
+        else (summary["test_accuracy"] - reference["test_accuracy"]),
         "seed_differs": not first and summary["seed"] != reference["seed"],
         "test_loss": summary.get("test_loss"),
         "ece": summary.get("ece"),
@@ -276,7 +344,8 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
         "seconds_per_round": summary.get("seconds_per_round"),
         "bytes_down": summary.get("bytes_down_per_client_round"),
         "bytes_up": summary.get("bytes_up_per_client_round"),
-    })
+      }
+    )
   return rows
 
 
@@ -291,15 +360,20 @@ def _megabytes(num_bytes) -> str:
 def _cells(row: dict) -> list[str]:
   difference = _number(row["accuracy_difference"], "+.4f")
   return [
-      str(row["index"]), row["run"], row["algorithm"], row["flags"] or "-",
-      str(row["seed"]), str(row["rounds"]),
-      _number(row["test_accuracy"], ".4f"),
-      difference + (SEED_DIFFERS if row["seed_differs"] else ""),
-      _number(row["test_loss"], ".4f"), _number(row["ece"], ".4f"),
-      _number(row["per_client_accuracy"], ".4f"),
-      _number(row["personalized_accuracy"], ".4f"),
-      _number(row["seconds_per_round"], ".2f"),
-      f"{_megabytes(row['bytes_down'])}/{_megabytes(row['bytes_up'])}",
+    str(row["index"]),
+    row["run"],
+    row["algorithm"],
+    row["flags"] or "-",
+    str(row["seed"]),
+    str(row["rounds"]),
+    _number(row["test_accuracy"], ".4f"),
+    difference + (SEED_DIFFERS if row["seed_differs"] else ""),
+    _number(row["test_loss"], ".4f"),
+    _number(row["ece"], ".4f"),
+    _number(row["per_client_accuracy"], ".4f"),
+    _number(row["personalized_accuracy"], ".4f"),
+    _number(row["seconds_per_round"], ".2f"),
+    f"{_megabytes(row['bytes_down'])}/{_megabytes(row['bytes_up'])}",
   ]
 
 
@@ -309,21 +383,32 @@ def table(runs: Sequence[Run]) -> str:
   lines = [_HEADER] + [_cells(r) for r in rows]
   widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
   text = [
-      "  ".join(cell.ljust(w) if name in _LEFT else cell.rjust(w)
-                for name, cell, w in zip(_HEADER, line, widths)).rstrip()
-      for line in lines]
+    "  ".join(
+      cell.ljust(w) if name in _LEFT else cell.rjust(w)
+      for name, cell, w in zip(_HEADER, line, widths)
+    ).rstrip()
+    for line in lines
+  ]
   if any(r["seed_differs"] for r in rows):
     text.append(
-        f"{SEED_DIFFERS} seed differs from #1's ({rows[0]['seed']}): the "
-        "difference mixes seed-to-seed variation with the runs' own; it is "
-        "not a paired comparison.")
+      f"{SEED_DIFFERS} seed differs from #1's ({rows[0]['seed']}): the "
+      "difference mixes seed-to-seed variation with the runs' own; it is "
+      "not a paired comparison."
+    )
   return "\n".join(text)
 
 
 def _label(index: int, run: Run) -> str:
-  return " ".join(filter(None, (
-      f"#{index} {run.name}: {run.config['algorithm']}", run.key_flags(),
-      f"(seed {run.summary['seed']})")))
+  return " ".join(
+    filter(
+      None,
+      (
+        f"#{index} {run.name}: {run.config['algorithm']}",
+        run.key_flags(),
+        f"(seed {run.summary['seed']})",
+      ),
+    )
+  )
 
 
 def _new_figure(width: float, height: float) -> figure.Figure:
@@ -348,17 +433,16 @@ def plot_accuracy(runs: Sequence[Run], path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def writer_accuracies(models: Sequence[tf.keras.Model],
-                      split) -> dict[str, float]:
+def writer_accuracies(models: Sequence[tf.keras.Model], split) -> dict[str, float]:
   """writer -> accuracy of the uniform average of `models`' probabilities."""
   x, _ = split.concatenated()
-  probs = np.mean([evaluation.predict_probabilities(m, x) for m in models],
-                  axis=0)
+  probs = np.mean([evaluation.predict_probabilities(m, x) for m in models], axis=0)
   counts = [split.num_examples(c) for c in split.client_ids]
-  return {c: evaluation.accuracy(p, split.y[c])
-          for c, p in zip(split.client_ids,
-                          evaluation.split_by_client(probs, counts))
-          if len(split.y[c])}
+  return {
+    c: metrics.accuracy(p, split.y[c])
+    for c, p in zip(split.client_ids, metrics.split_by_client(probs, counts))
+    if len(split.y[c])
+  }
 
 
 def load_models(run: Run) -> list[tf.keras.Model]:
@@ -367,22 +451,25 @@ def load_models(run: Run) -> list[tf.keras.Model]:
     try:
       models.append(tf.keras.models.load_model(path, compile=False))
     except (OSError, ValueError) as e:
-      raise CompareError(f"{path} cannot be loaded ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]})") from None
+      raise CompareError(
+        f"{path} cannot be loaded ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+      ) from None
   return models
 
 
 def _read_accuracies(path: str) -> dict[str, float]:
   """A `per_client_accuracy.json`: a JSON object, writer -> accuracy."""
   accuracies = _read_json(path)
-  if not (isinstance(accuracies, dict) and all(
-      isinstance(a, (int, float)) for a in accuracies.values())):
+  if not (
+    isinstance(accuracies, dict) and all(isinstance(a, (int, float)) for a in accuracies.values())
+  ):
     raise CompareError(f"{path} is not a JSON object of writer -> accuracy")
   return {c: float(a) for c, a in accuracies.items()}
 
 
-def per_writer_accuracies(runs: Sequence[Run], data_dir: str | None = None
-                          ) -> list[dict[str, float]]:
+def per_writer_accuracies(
+  runs: Sequence[Run], data_dir: str | None = None
+) -> list[dict[str, float]]:
   """Each run's accuracy on every test writer (writer -> accuracy).
 
   From the run's `per_client_accuracy.json` if it has one, else from its
@@ -402,41 +489,49 @@ def per_writer_accuracies(runs: Sequence[Run], data_dir: str | None = None
       continue
     config = run.experiment_config()
     task = config.task_module()
-    key = (task, data_dir or config.data_dir, config.partition_config(),
-           config.seed)
+    key = (task, data_dir or config.data_dir, config.partition_config(), config.seed)
     if key not in loaded:
-      loaded[key] = task.load_data(key[1], partition=key[2],
-                                   seed=config.seed).test
+      loaded[key] = task.load_data(key[1], partition=key[2], seed=config.seed).test
     accuracies.append(writer_accuracies(load_models(run), loaded[key]))
   return accuracies
 
 
-def plot_per_writer(runs: Sequence[Run], path: str,
-                    data_dir: str | None = None) -> None:
+def plot_per_writer(runs: Sequence[Run], path: str, data_dir: str | None = None) -> None:
   """Writes the distribution of each run's per-writer accuracy to `path`.
 
   See `per_writer_accuracies` for where they come from and what it raises.
   """
-  accuracies = [list(a.values())
-                for a in per_writer_accuracies(runs, data_dir)]
+  accuracies = [list(a.values()) for a in per_writer_accuracies(runs, data_dir)]
   fig = _new_figure(max(6, 2 + 1.6 * len(runs)), 5)
   axes = fig.add_subplot()
   positions = np.arange(1, len(runs) + 1)
-  axes.boxplot(accuracies, positions=positions, widths=0.5, showmeans=True,
-               showfliers=False, medianprops={"color": "black"},
-               meanprops={"marker": "D", "markerfacecolor": "white",
-                          "markeredgecolor": "black"})
+  axes.boxplot(
+    accuracies,
+    positions=positions,
+    widths=0.5,
+    showmeans=True,
+    showfliers=False,
+    medianprops={"color": "black"},
+    meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"},
+  )
   jitter = np.random.default_rng(0)
   for position, values in zip(positions, accuracies):
-    axes.scatter(position + jitter.uniform(-0.18, 0.18, len(values)), values,
-                 s=10, alpha=0.45, zorder=3)
+    axes.scatter(
+      position + jitter.uniform(-0.18, 0.18, len(values)), values, s=10, alpha=0.45, zorder=3
+    )
   axes.set_xticks(
-      positions, [f"#{i} {run.name}\n{run.config['algorithm']}, seed "
-                  f"{run.summary['seed']}\n{len(values)} writers"
-                  for i, (run, values) in enumerate(zip(runs, accuracies), 1)])
+    positions,
+    [
+      f"#{i} {run.name}\n{run.config['algorithm']}, seed "
+      f"{run.summary['seed']}\n{len(values)} writers"
+      for i, (run, values) in enumerate(zip(runs, accuracies), 1)
+    ],
+  )
   axes.set_ylabel("test accuracy of one writer")
-  axes.set_title("Accuracy per test writer\nbox: quartiles, line: median, "
-                 "diamond: mean (per-client accuracy)", fontsize="medium")
+  axes.set_title(
+    "Accuracy per test writer\nbox: quartiles, line: median, diamond: mean (per-client accuracy)",
+    fontsize="medium",
+  )
   axes.grid(axis="y", alpha=0.3)
   fig.savefig(path, dpi=120)
 
@@ -447,28 +542,29 @@ FLAGS = flags.FLAGS
 def define_flags():
   """The command's flags, defined only when it runs (as export.evaluate's):
   importing this module defines none, so none clashes with tff_ens.main's."""
-  flags.DEFINE_string("output", None,
-                      "Directory for the figures; without it, only the "
-                      "table is printed.")
-  flags.DEFINE_string("data_dir", None,
-                      "Task data for the per-writer figure; default: each "
-                      "run's --data_dir.")
+  flags.DEFINE_string(
+    "output", None, "Directory for the figures; without it, only the table is printed."
+  )
+  flags.DEFINE_string(
+    "data_dir", None, "Task data for the per-writer figure; default: each run's --data_dir."
+  )
 
 
 def main(argv):
   std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
   try:
     if len(argv) < 2:
-      raise CompareError("no run given: python -m tff_ens.compare RUN_DIR "
-                         "[RUN_DIR ...] [--output=DIR]")
+      raise CompareError(
+        "no run given: python -m tff_ens.compare RUN_DIR [RUN_DIR ...] [--output=DIR]"
+      )
     runs = [load_run(path) for path in argv[1:]]
     if FLAGS.output:
       try:
         os.makedirs(FLAGS.output, exist_ok=True)
       except OSError as e:
-        raise CompareError(f"cannot create --output={FLAGS.output} "
-                           f"({e.strerror}): choose a writable directory"
-                           ) from None
+        raise CompareError(
+          f"cannot create --output={FLAGS.output} ({e.strerror}): choose a writable directory"
+        ) from None
   except CompareError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -482,8 +578,7 @@ def main(argv):
   try:
     plot_per_writer(runs, per_writer_path, FLAGS.data_dir)
   except (CompareError, tasks.DataError) as e:
-    print(f"warning: {PER_WRITER_FIGURE} skipped: "
-          f"{' '.join(str(e).split())}", file=sys.stderr)
+    print(f"warning: {PER_WRITER_FIGURE} skipped: {' '.join(str(e).split())}", file=sys.stderr)
   else:
     print(f"wrote {per_writer_path}")
   return 0

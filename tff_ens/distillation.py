@@ -119,35 +119,54 @@ class DistillationConfig:
   clip_norm: float = 0.0
 
   def __post_init__(self):
-    for name, allowed in (("optimizer", OPTIMIZERS), ("loss", LOSSES),
-                          ("lr_schedule", LR_SCHEDULES)):
+    for name, allowed in (
+      ("optimizer", OPTIMIZERS),
+      ("loss", LOSSES),
+      ("lr_schedule", LR_SCHEDULES),
+    ):
       if getattr(self, name) not in allowed:
-        raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose "
-                         f"one of {', '.join(allowed)}")
+        raise ValueError(
+          f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}"
+        )
     for name in ("num_steps", "batch_size", "learning_rate", "cycle_steps"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-    for name in ("min_learning_rate", "momentum", "swa_warmup_steps",
-                 "eval_every", "patience", "min_improvement", "clip_norm"):
+    for name in (
+      "min_learning_rate",
+      "momentum",
+      "swa_warmup_steps",
+      "eval_every",
+      "patience",
+      "min_improvement",
+      "clip_norm",
+    ):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if self.swa and self.eval_every:
-      raise ValueError("swa and early stopping (eval_every > 0) exclude each "
-                       "other: the result would be the SWA average or the "
-                       "best student")
+      raise ValueError(
+        "swa and early stopping (eval_every > 0) exclude each "
+        "other: the result would be the SWA average or the "
+        "best student"
+      )
     if self.eval_every and self.patience <= 0:
       raise ValueError("early stopping (eval_every > 0) needs patience > 0")
     last_cycle_end = self.num_steps // self.cycle_steps * self.cycle_steps
     if self.swa and last_cycle_end <= self.swa_warmup_steps:
       raise ValueError(
-          f"swa collects a model at the end of each {self.cycle_steps}-step "
-          f"cycle after {self.swa_warmup_steps} warm-up steps: num_steps="
-          f"{self.num_steps} collects none; raise num_steps")
+        f"swa collects a model at the end of each {self.cycle_steps}-step "
+        f"cycle after {self.swa_warmup_steps} warm-up steps: num_steps="
+        f"{self.num_steps} collects none; raise num_steps"
+      )
 
 
-def fedbe_config(num_steps: int, *, swa: bool = True, batch_size: int = 128,
-                 swa_warmup_fraction: float = FEDBE_SWA_WARMUP_FRACTION,
-                 cycle_steps: int = 25) -> DistillationConfig:
+def fedbe_config(
+  num_steps: int,
+  *,
+  swa: bool = True,
+  batch_size: int = 128,
+  swa_warmup_fraction: float = FEDBE_SWA_WARMUP_FRACTION,
+  cycle_steps: int = 25,
+) -> DistillationConfig:
   """FedBE's distillation (Chen and Chao, Sec. 4, "distillation with SWA").
 
   SGD with momentum 0.9 (the authors' code, `models/Update.py`), cross-entropy
@@ -167,22 +186,33 @@ def fedbe_config(num_steps: int, *, swa: bool = True, batch_size: int = 128,
     cycle_steps: the SWA cycle (the paper's and the code's 25).
   """
   if not 0 <= swa_warmup_fraction < 1:
-    raise ValueError("swa_warmup_fraction must be in [0, 1), got "
-                     f"{swa_warmup_fraction}")
+    raise ValueError(f"swa_warmup_fraction must be in [0, 1), got {swa_warmup_fraction}")
   swa_warmup_steps = round(swa_warmup_fraction * num_steps)
   return DistillationConfig(
-      num_steps=num_steps, batch_size=batch_size, optimizer="sgd",
-      learning_rate=1e-3, min_learning_rate=4e-4,
-      lr_schedule="cyclical" if swa else "constant", cycle_steps=cycle_steps,
-      momentum=0.9, loss="cross_entropy", swa=swa,
-      swa_warmup_steps=swa_warmup_steps)
+    num_steps=num_steps,
+    batch_size=batch_size,
+    optimizer="sgd",
+    learning_rate=1e-3,
+    min_learning_rate=4e-4,
+    lr_schedule="cyclical" if swa else "constant",
+    cycle_steps=cycle_steps,
+    momentum=0.9,
+    loss="cross_entropy",
+    swa=swa,
+    swa_warmup_steps=swa_warmup_steps,
+  )
 
 
-def feddf_config(num_steps: int = 10_000, *, batch_size: int = 128,
-                 patience: int = 1_000, eval_every: int = 100,
-                 min_improvement: float = 0.0,
-                 keep_initial_student: bool = False,
-                 clip_norm: float = FEDDF_CLIP_NORM) -> DistillationConfig:
+def feddf_config(
+  num_steps: int = 10_000,
+  *,
+  batch_size: int = 128,
+  patience: int = 1_000,
+  eval_every: int = 100,
+  min_improvement: float = 0.0,
+  keep_initial_student: bool = False,
+  clip_norm: float = FEDDF_CLIP_NORM,
+) -> DistillationConfig:
   """FedDF's distillation (Lin et al., Sec. 4, experimental setup).
 
   Adam with step size 1e-3 annealed by a cosine schedule, AVGLOGITS KL, early
@@ -194,11 +224,20 @@ def feddf_config(num_steps: int = 10_000, *, batch_size: int = 128,
   (`DistillationConfig`) is this library's option.
   """
   return DistillationConfig(
-      num_steps=num_steps, batch_size=batch_size, optimizer="adam",
-      learning_rate=1e-3, lr_schedule="cosine", momentum=0.0, loss="kl",
-      swa=False, eval_every=eval_every, patience=patience,
-      min_improvement=min_improvement,
-      keep_initial_student=keep_initial_student, clip_norm=clip_norm)
+    num_steps=num_steps,
+    batch_size=batch_size,
+    optimizer="adam",
+    learning_rate=1e-3,
+    lr_schedule="cosine",
+    momentum=0.0,
+    loss="kl",
+    swa=False,
+    eval_every=eval_every,
+    patience=patience,
+    min_improvement=min_improvement,
+    keep_initial_student=keep_initial_student,
+    clip_norm=clip_norm,
+  )
 
 
 # Targets and losses ----------------------------------------------------------
@@ -242,11 +281,9 @@ def distillation_loss(kind: str, targets, student_logits):
   They differ by the targets' entropy, a constant for the student.
   """
   if kind == "kl":
-    return tf.keras.losses.KLDivergence()(
-        targets, tf.nn.softmax(student_logits))
+    return tf.keras.losses.KLDivergence()(targets, tf.nn.softmax(student_logits))
   if kind == "cross_entropy":
-    return tf.keras.losses.CategoricalCrossentropy(from_logits=True)(
-        targets, student_logits)
+    return tf.keras.losses.CategoricalCrossentropy(from_logits=True)(targets, student_logits)
   raise ValueError(f"unknown loss {kind!r}: choose one of {', '.join(LOSSES)}")
 
 
@@ -257,8 +294,8 @@ def avg_logits_kl(teacher_logits, student_logits):
   over the batch; `teacher_logits` [K, n, C], `student_logits` [n, C].
   """
   return distillation_loss(
-      "kl", avg_logits_targets(tf.reduce_mean(teacher_logits, axis=0)),
-      student_logits)
+    "kl", avg_logits_targets(tf.reduce_mean(teacher_logits, axis=0)), student_logits
+  )
 
 
 # Running models: teachers, validation ---------------------------------------
@@ -272,8 +309,7 @@ def assign_weights(model: tf.keras.Model, weights: ModelWeights) -> None:
   `tff.tensorflow.computation` traces has none, so there, assign and use the
   weights within one `tf.function` (as every function of this module does).
   """
-  tf.nest.map_structure(lambda v, t: v.assign(t),
-                        ModelWeights.from_model(model), weights)
+  tf.nest.map_structure(lambda v, t: v.assign(t), ModelWeights.from_model(model), weights)
 
 
 def predict_logits(model: tf.keras.Model, x, batch_size: int):
@@ -283,11 +319,10 @@ def predict_logits(model: tf.keras.Model, x, batch_size: int):
   outputs = tf.TensorArray(tf.float32, size=num_batches, infer_shape=False)
 
   def body(i, outputs):
-    logits = model(x[i * batch_size:(i + 1) * batch_size], training=False)
+    logits = model(x[i * batch_size : (i + 1) * batch_size], training=False)
     return i + 1, outputs.write(i, tf.cast(logits, tf.float32))
 
-  _, outputs = tf.while_loop(lambda i, _: i < num_batches, body,
-                             (tf.constant(0), outputs))
+  _, outputs = tf.while_loop(lambda i, _: i < num_batches, body, (tf.constant(0), outputs))
   num_classes = model.output_shape[-1]
   return tf.reshape(outputs.concat(), [n, num_classes])
 
@@ -301,9 +336,9 @@ def _num_members(stacked_weights):
 
 
 @tf.function
-def ensemble_predictions(model: tf.keras.Model, stacked_weights, x,
-                         member_weights=None,
-                         batch_size: int = EVAL_BATCH_SIZE):
+def ensemble_predictions(
+  model: tf.keras.Model, stacked_weights, x, member_weights=None, batch_size: int = EVAL_BATCH_SIZE
+):
   """Mean logits and mean probabilities of a stack of teachers on `x`.
 
   Each teacher is assigned to `model` in turn and run once over `x` (no
@@ -342,34 +377,36 @@ def ensemble_predictions(model: tf.keras.Model, stacked_weights, x,
       logits = predict_logits(model, x, batch_size)
       probabilities = tf.nn.softmax(logits)
       entropy = -tf.reduce_sum(probabilities * tf.nn.log_softmax(logits), -1)
-      return (logit_sum + weight * logits,
-              probability_sum + weight * probabilities,
-              entropy_sum + weight * entropy)
+      return (
+        logit_sum + weight * logits,
+        probability_sum + weight * probabilities,
+        entropy_sum + weight * entropy,
+      )
 
-    sums = tf.cond(weight > 0, add,
-                   lambda: (logit_sum, probability_sum, entropy_sum))
+    sums = tf.cond(weight > 0, add, lambda: (logit_sum, probability_sum, entropy_sum))
     return (m + 1, *sums)
 
   _, logit_sum, probability_sum, entropy_sum = tf.while_loop(
-      lambda m, *_: m < num_members, body,
-      (tf.constant(0), zeros, zeros, zeros[:, 0]))
+    lambda m, *_: m < num_members, body, (tf.constant(0), zeros, zeros, zeros[:, 0])
+  )
   total = tf.reduce_sum(member_weights)
   return collections.OrderedDict(
-      mean_logits=tf.math.divide_no_nan(logit_sum, total),
-      mean_probabilities=tf.math.divide_no_nan(probability_sum, total),
-      mean_entropy=tf.math.divide_no_nan(entropy_sum, total))
+    mean_logits=tf.math.divide_no_nan(logit_sum, total),
+    mean_probabilities=tf.math.divide_no_nan(probability_sum, total),
+    mean_entropy=tf.math.divide_no_nan(entropy_sum, total),
+  )
 
 
 def accuracy(logits, y):
   """Fraction of rows of `logits` whose argmax is `y`."""
-  hits = tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
-                  tf.cast(y, tf.int32))
+  hits = tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32))
   return tf.reduce_mean(tf.cast(hits, tf.float32))
 
 
 @tf.function
-def member_accuracies(model: tf.keras.Model, stacked_weights, x, y,
-                      batch_size: int = EVAL_BATCH_SIZE):
+def member_accuracies(
+  model: tf.keras.Model, stacked_weights, x, y, batch_size: int = EVAL_BATCH_SIZE
+):
   """Accuracy [M] of each model of the stack on labeled data `(x, y)`.
 
   For FedDF's drop-worst (Lin et al., Sec. 4) on server validation data.
@@ -379,12 +416,13 @@ def member_accuracies(model: tf.keras.Model, stacked_weights, x, y,
 
   def body(m, accuracies):
     assign_weights(model, _member(stacked_weights, m))
-    return m + 1, accuracies.write(
-        m, accuracy(predict_logits(model, x, batch_size), y))
+    return m + 1, accuracies.write(m, accuracy(predict_logits(model, x, batch_size), y))
 
   _, accuracies = tf.while_loop(
-      lambda m, _: m < num_members, body,
-      (tf.constant(0), tf.TensorArray(tf.float32, size=num_members)))
+    lambda m, _: m < num_members,
+    body,
+    (tf.constant(0), tf.TensorArray(tf.float32, size=num_members)),
+  )
   return accuracies.stack()
 
 
@@ -396,8 +434,7 @@ def chance_accuracy(y, num_classes: int):
   class reaches exactly that class's frequency, so anything up to the
   majority frequency is possible without looking at the input.
   """
-  counts = tf.math.bincount(tf.cast(y, tf.int32), minlength=num_classes,
-                            dtype=tf.float32)
+  counts = tf.math.bincount(tf.cast(y, tf.int32), minlength=num_classes, dtype=tf.float32)
   majority = tf.reduce_max(counts) / tf.maximum(tf.reduce_sum(counts), 1.0)
   return tf.maximum(majority, 1.0 / num_classes)
 
@@ -414,21 +451,20 @@ def outlier_mask(accuracies, members):
   members = tf.cast(members, tf.bool)
   accuracies = tf.cast(accuracies, tf.float32)
   best = tf.argmax(tf.where(members, accuracies, -1.0), output_type=tf.int32)
-  others = tf.logical_and(members, tf.logical_not(tf.cast(
-      tf.one_hot(best, tf.size(accuracies)), tf.bool)))
+  others = tf.logical_and(
+    members, tf.logical_not(tf.cast(tf.one_hot(best, tf.size(accuracies)), tf.bool))
+  )
   count = tf.reduce_sum(tf.cast(others, tf.float32))
-  mean = tf.math.divide_no_nan(
-      tf.reduce_sum(tf.where(others, accuracies, 0.0)), count)
+  mean = tf.math.divide_no_nan(tf.reduce_sum(tf.where(others, accuracies, 0.0)), count)
   variance = tf.math.divide_no_nan(
-      tf.reduce_sum(tf.where(others, tf.square(accuracies - mean), 0.0)),
-      count)
+    tf.reduce_sum(tf.where(others, tf.square(accuracies - mean), 0.0)), count
+  )
   # Accuracies are multiples of 1/n: the margin absorbs the mean's rounding.
   lower = mean - OUTLIER_STDS * tf.sqrt(variance) - 1e-6
   return tf.logical_and(members, accuracies >= lower)
 
 
-def drop_worst_mask(rule: str, accuracies, y, num_classes: int,
-                    members=None):
+def drop_worst_mask(rule: str, accuracies, y, num_classes: int, members=None):
   """FedDF's drop-worst: the models kept for averaging and distillation.
 
   Lin et al., Sec. 4 ("drop-worst"): models that are dummy predictors on
@@ -462,13 +498,12 @@ def drop_worst_mask(rule: str, accuracies, y, num_classes: int,
     keep = accuracies > chance_accuracy(y, num_classes)
   elif rule == "guess_or_outliers":
     above_guess = accuracies >= RANDOM_GUESS_FACTOR / num_classes
-    any_below = tf.reduce_any(
-        tf.logical_and(members, tf.logical_not(above_guess)))
-    keep = tf.cond(any_below, lambda: above_guess,
-                   lambda: outlier_mask(accuracies, members))
+    any_below = tf.reduce_any(tf.logical_and(members, tf.logical_not(above_guess)))
+    keep = tf.cond(any_below, lambda: above_guess, lambda: outlier_mask(accuracies, members))
   else:
-    raise ValueError(f"unknown drop-worst rule {rule!r}: choose one of "
-                     f"{', '.join(DROP_WORST_RULES)}")
+    raise ValueError(
+      f"unknown drop-worst rule {rule!r}: choose one of {', '.join(DROP_WORST_RULES)}"
+    )
   keep = tf.logical_and(members, keep)
   informative = tf.reduce_any(keep)
   return tf.where(informative, keep, members), informative
@@ -491,8 +526,7 @@ def learning_rate_at(step, config: DistillationConfig):
   if config.lr_schedule == "constant":
     return base
   if config.lr_schedule == "cosine":
-    return tf.keras.optimizers.schedules.CosineDecay(
-        config.learning_rate, config.num_steps)(step)
+    return tf.keras.optimizers.schedules.CosineDecay(config.learning_rate, config.num_steps)(step)
   c = config.cycle_steps
   t = tf.cast(step % c + 1, tf.float32) / c
   return (1.0 - t) * base + t * config.min_learning_rate
@@ -505,8 +539,7 @@ def is_swa_collection_step(step, config: DistillationConfig):
   """
   # tf.equal, not ==: in TF1 graphs (as TFF traces) == compares identity.
   done = step + 1
-  return tf.logical_and(tf.equal(done % config.cycle_steps, 0),
-                        done > config.swa_warmup_steps)
+  return tf.logical_and(tf.equal(done % config.cycle_steps, 0), done > config.swa_warmup_steps)
 
 
 def swa_average(average, weights, num_averaged):
@@ -517,13 +550,13 @@ def swa_average(average, weights, num_averaged):
   are averaged too and should then be recomputed (`recompute_batch_norm`).
   """
   n = tf.cast(num_averaged, tf.float32)
-  return tf.nest.map_structure(lambda a, w: (a * n + w) / (n + 1.0),
-                               average, weights)
+  return tf.nest.map_structure(lambda a, w: (a * n + w) / (n + 1.0), average, weights)
 
 
 def _batch_norm_layers(model: tf.keras.Model):
-  return [layer for layer in model.submodules
-          if isinstance(layer, tf.keras.layers.BatchNormalization)]
+  return [
+    layer for layer in model.submodules if isinstance(layer, tf.keras.layers.BatchNormalization)
+  ]
 
 
 @contextlib.contextmanager
@@ -557,19 +590,18 @@ def recompute_batch_norm(model: tf.keras.Model, x, batch_size: int) -> None:
   layers = _batch_norm_layers(model)
   if not layers:
     return
-  variables = [v for layer in layers
-               for v in (layer.moving_mean, layer.moving_variance)]
+  variables = [v for layer in layers for v in (layer.moving_mean, layer.moving_variance)]
   n = tf.shape(x)[0]
   num_batches = (n + batch_size - 1) // batch_size
 
   def body(i, sums):
-    model(x[i * batch_size:(i + 1) * batch_size], training=True)
+    model(x[i * batch_size : (i + 1) * batch_size], training=True)
     return i + 1, [s + tf.identity(v) for s, v in zip(sums, variables)]
 
   with _zero_momentum(layers):
     _, sums = tf.while_loop(
-        lambda i, _: i < num_batches, body,
-        (tf.constant(0), [tf.zeros_like(v) for v in variables]))
+      lambda i, _: i < num_batches, body, (tf.constant(0), [tf.zeros_like(v) for v in variables])
+    )
   count = tf.cast(num_batches, tf.float32)
   for v, s in zip(variables, sums):
     v.assign(s / count)
@@ -578,8 +610,7 @@ def recompute_batch_norm(model: tf.keras.Model, x, batch_size: int) -> None:
 def _build_optimizer(config: DistillationConfig):
   if config.optimizer == "adam":
     return tff.learning.optimizers.build_adam(config.learning_rate)
-  return tff.learning.optimizers.build_sgdm(
-      config.learning_rate, momentum=config.momentum or None)
+  return tff.learning.optimizers.build_sgdm(config.learning_rate, momentum=config.momentum or None)
 
 
 def _as_seed(seed):
@@ -595,9 +626,16 @@ def _snapshot(model_weights: ModelWeights) -> ModelWeights:
 
 
 @tf.function
-def distill(model: tf.keras.Model, initial_weights: ModelWeights, x, targets,
-            config: DistillationConfig, seed, validation=None,
-            device: Optional[str] = None):
+def distill(
+  model: tf.keras.Model,
+  initial_weights: ModelWeights,
+  x,
+  targets,
+  config: DistillationConfig,
+  seed,
+  validation=None,
+  device: Optional[str] = None,
+):
   """Trains the student `model` on (x, targets); returns its weights.
 
   Mini-batch training on unlabeled images `x` [N, ...] and fixed teacher
@@ -644,8 +682,7 @@ def distill(model: tf.keras.Model, initial_weights: ModelWeights, x, targets,
   if config.eval_every and validation is None:
     raise ValueError("early stopping (eval_every > 0) needs validation data")
   with tf.device(device) if device else contextlib.nullcontext():
-    return _distill(model, initial_weights, x, targets, config,
-                    _as_seed(seed), validation)
+    return _distill(model, initial_weights, x, targets, config, _as_seed(seed), validation)
 
 
 def _distill(model, initial_weights, x, targets, config, seed, validation):
@@ -654,8 +691,7 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
   assign_weights(model, initial_weights)
   trainable = model_weights.trainable
   optimizer = _build_optimizer(config)
-  opt_state = optimizer.initialize(
-      tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable))
+  opt_state = optimizer.initialize(tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable))
   opt_state = tf.nest.map_structure(tf.convert_to_tensor, opt_state)
   n = tf.shape(x)[0]
   batch_size = tf.minimum(config.batch_size, n)
@@ -664,29 +700,28 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
 
   def permutation(epoch):
     return tf.random.experimental.stateless_shuffle(
-        tf.range(n), seed=tf.random.experimental.stateless_fold_in(
-            seed, tf.cast(epoch, tf.int64)))
+      tf.range(n), seed=tf.random.experimental.stateless_fold_in(seed, tf.cast(epoch, tf.int64))
+    )
 
   def train_step(step, order, opt_state):
     position = step % steps_per_epoch
-    new_order = tf.cond(tf.logical_and(tf.equal(position, 0), step > 0),
-                        lambda: permutation(step // steps_per_epoch),
-                        lambda: order)
+    new_order = tf.cond(
+      tf.logical_and(tf.equal(position, 0), step > 0),
+      lambda: permutation(step // steps_per_epoch),
+      lambda: order,
+    )
     new_order.set_shape(order.shape)  # A loop variable keeps its shape.
     order = new_order
-    indices = order[position * batch_size:(position + 1) * batch_size]
+    indices = order[position * batch_size : (position + 1) * batch_size]
     x_batch = tf.gather(x, indices)
     with tf.GradientTape() as tape:
       logits = model(x_batch, training=True)
-      loss = distillation_loss(config.loss, tf.gather(targets, indices),
-                               logits)
+      loss = distillation_loss(config.loss, tf.gather(targets, indices), logits)
     gradients = tape.gradient(loss, trainable)
     if config.clip_norm:
       gradients, _ = tf.clip_by_global_norm(gradients, config.clip_norm)
-    opt_state = optimizer.set_hparams(
-        opt_state, {"learning_rate": learning_rate_at(step, config)})
-    opt_state, new_weights = optimizer.next(
-        opt_state, tuple(trainable), tuple(gradients))
+    opt_state = optimizer.set_hparams(opt_state, {"learning_rate": learning_rate_at(step, config)})
+    opt_state, new_weights = optimizer.next(opt_state, tuple(trainable), tuple(gradients))
     for v, t in zip(trainable, new_weights):
       # As `client_work.train_locally`: Keras' kernel constraints.
       v.assign(v.constraint(t) if v.constraint is not None else t)
@@ -702,9 +737,11 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
   elif config.eval_every:
     # (best weights, best accuracy, step of the best); without the initial
     # student as a candidate, any evaluated student replaces it.
-    extra = (_snapshot(model_weights),
-             validation_accuracy() if config.keep_initial_student else
-             tf.constant(-float("inf")), tf.constant(0))
+    extra = (
+      _snapshot(model_weights),
+      validation_accuracy() if config.keep_initial_student else tf.constant(-float("inf")),
+      tf.constant(0),
+    )
   else:
     extra = ()
 
@@ -714,9 +751,8 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
       average, count = extra
       collect = is_swa_collection_step(step, config)
       average = tf.cond(
-          collect,
-          lambda: swa_average(average, _snapshot(model_weights), count),
-          lambda: average)
+        collect, lambda: swa_average(average, _snapshot(model_weights), count), lambda: average
+      )
       return (average, count + tf.cast(collect, tf.int32)), tf.constant(False)
     if config.eval_every:
       best, best_accuracy, best_step = extra
@@ -725,13 +761,16 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
         current = validation_accuracy()
         improved = current > best_accuracy + config.min_improvement
         return tf.cond(
-            improved,
-            lambda: (_snapshot(model_weights), current, step + 1),
-            lambda: (best, best_accuracy, best_step))
+          improved,
+          lambda: (_snapshot(model_weights), current, step + 1),
+          lambda: (best, best_accuracy, best_step),
+        )
 
       best, best_accuracy, best_step = tf.cond(
-          tf.equal((step + 1) % config.eval_every, 0), evaluate,
-          lambda: (best, best_accuracy, best_step))
+        tf.equal((step + 1) % config.eval_every, 0),
+        evaluate,
+        lambda: (best, best_accuracy, best_step),
+      )
       stop = step + 1 - best_step >= config.patience
       return (best, best_accuracy, best_step), stop
     return extra, tf.constant(False)
@@ -742,10 +781,10 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
     return step + 1, stop, order, opt_state, extra
 
   steps, _, _, _, extra = tf.while_loop(
-      lambda step, stop, *_: tf.logical_and(step < config.num_steps,
-                                            tf.logical_not(stop)),
-      body,
-      (tf.constant(0), tf.constant(False), permutation(0), opt_state, extra))
+    lambda step, stop, *_: tf.logical_and(step < config.num_steps, tf.logical_not(stop)),
+    body,
+    (tf.constant(0), tf.constant(False), permutation(0), opt_state, extra),
+  )
 
   swa_models = tf.constant(0)
   validation_accuracy_out = tf.constant(-1.0)
@@ -758,8 +797,11 @@ def _distill(model, initial_weights, x, targets, config, seed, validation):
     validation_accuracy_out = tf.maximum(best_accuracy, -1.0)
     assign_weights(model, best)
   stats = collections.OrderedDict(
-      steps=steps, examples=steps * batch_size, swa_models=swa_models,
-      validation_accuracy=validation_accuracy_out)
+    steps=steps,
+    examples=steps * batch_size,
+    swa_models=swa_models,
+    validation_accuracy=validation_accuracy_out,
+  )
   return _snapshot(model_weights), stats
 
 
@@ -777,14 +819,15 @@ def choose_device(requested: Optional[str] = None) -> str:
   if requested is None or requested.strip().lower() in ("", "auto"):
     device = "/GPU:0" if gpus else "/CPU:0"
   else:
-    kind, _, index = requested.strip().upper().lstrip("/").removeprefix(
-        "DEVICE:").partition(":")
+    kind, _, index = requested.strip().upper().lstrip("/").removeprefix("DEVICE:").partition(":")
     if kind not in ("CPU", "GPU") or not (index or "0").isdigit():
-      raise ValueError(f"--server_device={requested!r}: use auto, cpu, gpu "
-                       "or a device such as /GPU:0")
+      raise ValueError(
+        f"--server_device={requested!r}: use auto, cpu, gpu or a device such as /GPU:0"
+      )
     device = f"/{kind}:{int(index or 0)}"
     if kind == "GPU" and int(index or 0) >= len(gpus):
       raise ValueError(
-          f"--server_device={requested!r}: TensorFlow sees {len(gpus)} "
-          "GPU(s) here; use --server_device=cpu or auto")
+        f"--server_device={requested!r}: TensorFlow sees {len(gpus)} "
+        "GPU(s) here; use --server_device=cpu or auto"
+      )
   return device

@@ -2,21 +2,14 @@
 
 Simulation-side measurement shared by every algorithm: the server's model(s)
 are loaded into one Keras model and run on every client's examples. Metrics are
-computed from predicted probabilities with NumPy (`tff_ens.metrics`, re-exported
-here) so that single models and ensembles (uniform or personalized weights) are
-measured the same way.
+computed from predicted probabilities with NumPy (`tff_ens.metrics`) so that
+single models and ensembles (uniform or personalized weights) are measured the
+same way.
 """
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
-
-# pylint: disable=unused-import
-from tff_ens.metrics import (ECE_BINS, accuracy, auroc, classification_summary,
-                             ensemble_uncertainty, entropy, expected_calibration_error,
-                             negative_log_likelihood, ood_auroc, predictive_uncertainty,
-                             reliability_bins, split_by_client, uncertainty_summary)
-# pylint: enable=unused-import
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -26,8 +19,9 @@ def assign_weights(model: tf.keras.Model, weights: ModelWeights) -> None:
   weights.assign_weights_to(model)
 
 
-def predict_probabilities(model: tf.keras.Model, x: np.ndarray,
-                          batch_size: int = 512) -> np.ndarray:
+def predict_probabilities(
+  model: tf.keras.Model, x: np.ndarray, batch_size: int = 512
+) -> np.ndarray:
   """Softmax probabilities of a logits model on `x`, float64 [n, classes]."""
   if len(x) == 0:
     return np.zeros((0, model.output_shape[-1]))

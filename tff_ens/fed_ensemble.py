@@ -60,8 +60,7 @@ def _client_seed(seed, client_index, stream: int, counter):
   """A stateless-RNG seed unique to (run seed, client, stream, counter)."""
   key = tf.stack([tf.cast(seed, tf.int64), tf.cast(client_index, tf.int64)])
   key = tf.random.experimental.stateless_fold_in(key, stream)
-  return tf.random.experimental.stateless_fold_in(
-      key, tf.cast(counter, tf.int64))
+  return tf.random.experimental.stateless_fold_in(key, tf.cast(counter, tf.int64))
 
 
 def permutation_row(seed, client_index, block, ensemble_size: int):
@@ -71,12 +70,14 @@ def permutation_row(seed, client_index, block, ensemble_size: int):
   permutation every K rounds.
   """
   scores = tf.random.stateless_uniform(
-      [ensemble_size], seed=_client_seed(seed, client_index, 0, block))
+    [ensemble_size], seed=_client_seed(seed, client_index, 0, block)
+  )
   return tf.argsort(scores)
 
 
-def assigned_model(seed, client_index, round_num, ensemble_size: int,
-                   assignment: str = "permutation"):
+def assigned_model(
+  seed, client_index, round_num, ensemble_size: int, assignment: str = "permutation"
+):
   """The model client `client_index` trains in round `round_num` (0-based).
 
   "permutation": P[i, t mod K] (Shi et al., Algorithm 1, line 6), so every
@@ -85,15 +86,13 @@ def assigned_model(seed, client_index, round_num, ensemble_size: int,
   ablation).
   """
   if assignment == "permutation":
-    row = permutation_row(seed, client_index, round_num // ensemble_size,
-                          ensemble_size)
+    row = permutation_row(seed, client_index, round_num // ensemble_size, ensemble_size)
     return row[round_num % ensemble_size]
   if assignment == "random":
     return tf.random.stateless_uniform(
-        [], seed=_client_seed(seed, client_index, 1, round_num),
-        maxval=ensemble_size, dtype=tf.int32)
-  raise ValueError(f"unknown assignment {assignment!r}: choose one of "
-                   f"{', '.join(ASSIGNMENTS)}")
+      [], seed=_client_seed(seed, client_index, 1, round_num), maxval=ensemble_size, dtype=tf.int32
+    )
+  raise ValueError(f"unknown assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
 
 
 def scatter_add_update(accumulator, update, weight, key):
@@ -119,11 +118,11 @@ def scatter_add_update(accumulator, update, weight, key):
   weight = tf.cast(weight, tf.float32)
 
   def add(slot):
-    return lambda: tf.nest.map_structure(lambda s, u: s + weight * u, slot,
-                                         update)
+    return lambda: tf.nest.map_structure(lambda s, u: s + weight * u, slot, update)
 
-  slots = tuple(tf.cond(tf.equal(key, k), add(slot), lambda slot=slot: slot)
-                for k, slot in enumerate(slots))
+  slots = tuple(
+    tf.cond(tf.equal(key, k), add(slot), lambda slot=slot: slot) for k, slot in enumerate(slots)
+  )
   return slots, weights + weight * tf.one_hot(key, len(slots))
 
 
@@ -138,17 +137,15 @@ def apply_slot_means(members, slots, weights):
     slots: a tuple of K summed updates, as `scatter_add_update` makes.
     weights: the K summed weights.
   """
+
   def apply(member, slot, total):
-    mean = lambda w, s: tf.where(total > 0, w - s / tf.maximum(total, 1e-12),
-                                 w)
+    mean = lambda w, s: tf.where(total > 0, w - s / tf.maximum(total, 1e-12), w)
     return tf.nest.map_structure(mean, member, slot)
 
-  return tuple(apply(m, s, weights[k])
-               for k, (m, s) in enumerate(zip(members, slots)))
+  return tuple(apply(m, s, weights[k]) for k, (m, s) in enumerate(zip(members, slots)))
 
 
-def apply_feddyn_correction(members, corrections, slots, weights,
-                            alpha: float, num_clients: int):
+def apply_feddyn_correction(members, corrections, slots, weights, alpha: float, num_clients: int):
   """FedDyn's server update for every model (Acar et al., Algorithm 1, 9-10).
 
   For model k, with u_i = w_k - w_i the updates of the clients that trained
@@ -169,13 +166,12 @@ def apply_feddyn_correction(members, corrections, slots, weights,
     (members, corrections); a model nobody trained keeps both unchanged.
   """
   new_members, new_corrections = [], []
-  for member, h, slot, total in zip(members, corrections, slots,
-                                    tf.unstack(weights)):
+  for member, h, slot, total in zip(members, corrections, slots, tf.unstack(weights)):
     trained = total > 0
-    h = [tf.where(trained, h_t + (alpha / num_clients) * u, h_t)
-         for h_t, u in zip(h, slot.trainable)]
-    trainable = [tf.where(trained, w - h_t / alpha, w)
-                 for w, h_t in zip(member.trainable, h)]
+    h = [
+      tf.where(trained, h_t + (alpha / num_clients) * u, h_t) for h_t, u in zip(h, slot.trainable)
+    ]
+    trainable = [tf.where(trained, w - h_t / alpha, w) for w, h_t in zip(member.trainable, h)]
     new_members.append(ModelWeights(trainable, list(member.non_trainable)))
     new_corrections.append(tuple(h))
   return tuple(new_members), tuple(new_corrections)
@@ -195,10 +191,8 @@ def privatize_slots(slots, noise_stddev, clients_per_slot: float):
   Returns:
     (noised slots, weights [K]) for `apply_slot_means`.
   """
-  noised = tuple(privacy.add_gaussian_noise(slot, noise_stddev)
-                 for slot in slots)
-  return noised, tf.fill([len(slots)], tf.constant(clients_per_slot,
-                                                    tf.float32))
+  noised = tuple(privacy.add_gaussian_noise(slot, noise_stddev) for slot in slots)
+  return noised, tf.fill([len(slots)], tf.constant(clients_per_slot, tf.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,17 +209,17 @@ class FedEnsembleProcess:
 
 
 def build_fed_ensemble(
-    member_model_fn: Callable[[int], tf.keras.Model],
-    element_spec,
-    local_config: client_work_lib.LocalTrainingConfig,
-    *,
-    ensemble_size: int,
-    seed: int = 0,
-    assignment: str = "permutation",
-    dp: privacy.DPConfig | None = None,
-    feddyn_alpha: float = 0.0,
-    num_clients: int = 0,
-    member_average: str = "clients",
+  member_model_fn: Callable[[int], tf.keras.Model],
+  element_spec,
+  local_config: client_work_lib.LocalTrainingConfig,
+  *,
+  ensemble_size: int,
+  seed: int = 0,
+  assignment: str = "permutation",
+  dp: privacy.DPConfig | None = None,
+  feddyn_alpha: float = 0.0,
+  num_clients: int = 0,
+  member_average: str = "clients",
 ) -> FedEnsembleProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
@@ -253,33 +247,33 @@ def build_fed_ensemble(
       client once whatever it is.
   """
   if member_average not in MEMBER_AVERAGES:
-    raise ValueError(f"unknown member_average {member_average!r}: choose one "
-                     f"of {', '.join(MEMBER_AVERAGES)}")
+    raise ValueError(
+      f"unknown member_average {member_average!r}: choose one of {', '.join(MEMBER_AVERAGES)}"
+    )
   if ensemble_size < 1:
     raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
   if assignment not in ASSIGNMENTS:
-    raise ValueError(f"unknown assignment {assignment!r}: choose one of "
-                     f"{', '.join(ASSIGNMENTS)}")
+    raise ValueError(f"unknown assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
   if dp is not None and dp.adaptive:
     raise ValueError("Fed-ensemble's DP needs a fixed clip norm > 0")
   feddyn = feddyn_alpha > 0
   if feddyn and (dp is not None or num_clients < 1):
-    raise ValueError("FedDyn needs num_clients >= 1 and no DP (its client "
-                     "state is the client's unclipped updates)")
+    raise ValueError(
+      "FedDyn needs num_clients >= 1 and no DP (its client state is the client's unclipped updates)"
+    )
   k = ensemble_size
   architecture_fn = lambda: member_model_fn(0)
   weights_type = client_work_lib.weights_type_of(architecture_fn)
   if feddyn:
     client_work = client_work_lib.build_feddyn_client_work(
-        architecture_fn, element_spec, local_config, feddyn_alpha)
+      architecture_fn, element_spec, local_config, feddyn_alpha
+    )
     work_init, work_next = client_work.initialize, client_work.next
   else:
-    client_work = client_work_lib.build_client_work(
-        architecture_fn, element_spec, local_config)
+    client_work = client_work_lib.build_client_work(architecture_fn, element_spec, local_config)
     work_init = client_work.process.initialize
     work_next = client_work.process.next
-  data_type = tff.FederatedType(
-      client_work.client_update.type_signature.parameter[1], tff.CLIENTS)
+  data_type = tff.FederatedType(client_work.client_update.type_signature.parameter[1], tff.CLIENTS)
 
   @tff.tensorflow.computation
   def initial_members():
@@ -288,36 +282,33 @@ def build_fed_ensemble(
   members_type = initial_members.type_signature.result
 
   # Distributor: state = (seed, 0-based round).
-  @tff.tensorflow.computation(
-      collections.OrderedDict(round=np.int32, seed=np.int64), np.int32)
+  @tff.tensorflow.computation(collections.OrderedDict(round=np.int32, seed=np.int64), np.int32)
   def client_key(assignment_state, client_index):
-    key = assigned_model(assignment_state["seed"], client_index,
-                         assignment_state["round"], k, assignment)
+    key = assigned_model(
+      assignment_state["seed"], client_index, assignment_state["round"], k, assignment
+    )
     return tf.reshape(key, [1])
 
   # Selected values are unnamed flat tuples: TFF 0.87's federated_select fails
   # on structs whose names are not in alphabetical order, as in ModelWeights.
   @tff.tensorflow.computation(members_type, np.int32)
   def select_member(members, key):
-    return tf.switch_case(key, [
-        lambda m=m: tuple(tf.identity(t) for t in tf.nest.flatten(m))
-        for m in members])
+    return tf.switch_case(
+      key, [lambda m=m: tuple(tf.identity(t) for t in tf.nest.flatten(m)) for m in members]
+    )
 
   selected_type = select_member.type_signature.result
 
   @tff.tensorflow.computation(tff.SequenceType(selected_type))
   def to_model_weights(selected):
-    flat = selected.reduce(
-        tuple(tf.zeros(t.shape, t.dtype) for t in selected_type),
-        lambda _, x: x)
-    return tf.nest.pack_sequence_as(
-        tff.types.type_to_tf_tensor_specs(weights_type), list(flat))
+    flat = selected.reduce(tuple(tf.zeros(t.shape, t.dtype) for t in selected_type), lambda _, x: x)
+    return tf.nest.pack_sequence_as(tff.types.type_to_tf_tensor_specs(weights_type), list(flat))
 
-  @tff.tensorflow.computation(
-      collections.OrderedDict(round=np.int32, seed=np.int64))
+  @tff.tensorflow.computation(collections.OrderedDict(round=np.int32, seed=np.int64))
   def next_round(assignment_state):
-    return collections.OrderedDict(round=assignment_state["round"] + 1,
-                                   seed=assignment_state["seed"])
+    return collections.OrderedDict(
+      round=assignment_state["round"] + 1, seed=assignment_state["seed"]
+    )
 
   # Aggregator: per-slot sums with federated_aggregate.
   update_type = client_work.client_update.type_signature.result[0].update
@@ -325,14 +316,16 @@ def build_fed_ensemble(
   @tff.tensorflow.computation
   def zero_slots():
     specs = tff.types.type_to_tf_tensor_specs(update_type)
-    return (tuple(tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype),
-                                        specs) for _ in range(k)),
-            tf.zeros([k], tf.float32))
+    return (
+      tuple(tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs) for _ in range(k)),
+      tf.zeros([k], tf.float32),
+    )
 
   accumulator_type = zero_slots.type_signature.result
 
   @tff.tensorflow.computation(
-      accumulator_type, (update_type, np.float32, tff.TensorType(np.int32, [1])))
+    accumulator_type, (update_type, np.float32, tff.TensorType(np.int32, [1]))
+  )
   def accumulate(accumulator, value):
     update, weight, key = value
     return scatter_add_update(accumulator, update, weight, key[0])
@@ -351,35 +344,41 @@ def build_fed_ensemble(
     return tf.minimum(weight, 1.0)
 
   if dp is not None:
+
     @tff.tensorflow.computation(update_type, np.float32)
     def clip(update, weight):
       # A rejected update (weight 0) is zeros and stays uncounted.
-      return (privacy.clip_update(update, dp.clip_norm),
-              tf.minimum(weight, 1.0))
+      return (privacy.clip_update(update, dp.clip_norm), tf.minimum(weight, 1.0))
 
   @tff.tensorflow.computation(members_type, accumulator_type)
   def finalize(members, accumulator):
     slots, weights = accumulator
     if dp is not None:
       slots, weights = privatize_slots(
-          slots, dp.noise_multiplier * dp.clip_norm, dp.clients_per_round / k)
+        slots, dp.noise_multiplier * dp.clip_norm, dp.clients_per_round / k
+      )
     return apply_slot_means(members, slots, weights)
 
   if feddyn:
+
     @tff.tensorflow.computation
     def zero_corrections():
       specs = tff.types.type_to_tf_tensor_specs(weights_type.trainable)
-      return tuple(tuple(tf.zeros(s.shape, s.dtype) for s in specs)
-                   for _ in range(k))
+      return tuple(tuple(tf.zeros(s.shape, s.dtype) for s in specs) for _ in range(k))
 
-    @tff.tensorflow.computation(members_type,
-                                zero_corrections.type_signature.result,
-                                accumulator_type)
+    @tff.tensorflow.computation(
+      members_type, zero_corrections.type_signature.result, accumulator_type
+    )
     def finalize_feddyn(members, corrections, accumulator):
       slots, weights = accumulator
       return apply_feddyn_correction(
-          apply_slot_means(members, slots, weights), corrections, slots,
-          weights, feddyn_alpha, num_clients)
+        apply_slot_means(members, slots, weights),
+        corrections,
+        slots,
+        weights,
+        feddyn_alpha,
+        num_clients,
+      )
 
   @tff.tensorflow.computation(accumulator_type)
   def members_trained(accumulator):
@@ -388,11 +387,12 @@ def build_fed_ensemble(
   @tff.federated_computation
   def init_fn():
     state = collections.OrderedDict(
-        members=tff.federated_eval(initial_members, tff.SERVER),
-        assignment=tff.federated_value(
-            collections.OrderedDict(round=np.int32(0), seed=np.int64(seed)),
-            tff.SERVER),
-        client_work=work_init())
+      members=tff.federated_eval(initial_members, tff.SERVER),
+      assignment=tff.federated_value(
+        collections.OrderedDict(round=np.int32(0), seed=np.int64(seed)), tff.SERVER
+      ),
+      client_work=work_init(),
+    )
     if feddyn:
       state["feddyn"] = tff.federated_eval(zero_corrections, tff.SERVER)
     return tff.federated_zip(state)
@@ -402,20 +402,21 @@ def build_fed_ensemble(
 
   def round_fn(state, client_data, client_indices, client_states=None):
     # Distributor: each client derives its key, downloads one model.
-    keys = tff.federated_map(client_key, (
-        tff.federated_broadcast(state.assignment), client_indices))
+    keys = tff.federated_map(
+      client_key, (tff.federated_broadcast(state.assignment), client_indices)
+    )
     selected = tff.federated_select(
-        keys, tff.federated_value(np.int32(k - 1), tff.SERVER),
-        state.members, select_member)
+      keys, tff.federated_value(np.int32(k - 1), tff.SERVER), state.members, select_member
+    )
     start_weights = tff.federated_map(to_model_weights, selected)
     # Client work: FedAvg's (or FedDyn's, on the client's own state).
     if feddyn:
       work_state, result, new_client_states, work_metrics = work_next(
-          state.client_work, start_weights, client_data, client_states)
+        state.client_work, start_weights, client_data, client_states
+      )
     else:
       work = work_next(state.client_work, start_weights, client_data)
-      work_state, result, work_metrics = (work.state, work.result,
-                                          work.measurements)
+      work_state, result, work_metrics = (work.state, work.result, work.measurements)
     # Aggregator: one update and its key per client, summed into K slots
     # (with DP: clipped on the client, weighted 1; FedDyn: weighted 1).
     update, weight = result.update, result.update_weight
@@ -424,51 +425,63 @@ def build_fed_ensemble(
     elif member_average == "clients":
       weight = tff.federated_map(count_once, weight)
     slots = tff.federated_aggregate(
-        tff.federated_zip((update, weight, keys)),
-        zero_slots(), accumulate, merge, report)
+      tff.federated_zip((update, weight, keys)), zero_slots(), accumulate, merge, report
+    )
     # Finalizer: per-model mean update (with DP: noised, fixed count; with
     # FedDyn: corrected by h_k).
     if feddyn:
       members, corrections = tff.federated_map(
-          finalize_feddyn, (state.members, state.feddyn, slots))
+        finalize_feddyn, (state.members, state.feddyn, slots)
+      )
     else:
       members = tff.federated_map(finalize, (state.members, slots))
     new_state = collections.OrderedDict(
-        members=members,
-        assignment=tff.federated_map(next_round, state.assignment),
-        client_work=work_state)
+      members=members,
+      assignment=tff.federated_map(next_round, state.assignment),
+      client_work=work_state,
+    )
     if feddyn:
       new_state["feddyn"] = corrections
     new_state = tff.federated_zip(new_state)
-    metrics = tff.federated_zip(collections.OrderedDict(
+    metrics = tff.federated_zip(
+      collections.OrderedDict(
         client_work=work_metrics,
-        aggregator=tff.federated_zip(collections.OrderedDict(
-            members_trained=tff.federated_map(members_trained, slots)))))
+        aggregator=tff.federated_zip(
+          collections.OrderedDict(members_trained=tff.federated_map(members_trained, slots))
+        ),
+      )
+    )
     if feddyn:
       return new_state, metrics, new_client_states
     return new_state, metrics
 
   if feddyn:
+
     @tff.federated_computation(
-        state_type, data_type, indices_type,
-        tff.FederatedType(client_work.client_state_type, tff.CLIENTS))
+      state_type,
+      data_type,
+      indices_type,
+      tff.FederatedType(client_work.client_state_type, tff.CLIENTS),
+    )
     def next_fn(state, client_data, client_indices, client_states):
       return round_fn(state, client_data, client_indices, client_states)
   else:
+
     @tff.federated_computation(state_type, data_type, indices_type)
     def next_fn(state, client_data, client_indices):
       return round_fn(state, client_data, client_indices)
 
   client_update_type = client_work.client_update.type_signature
-  download = tff.StructType([
+  download = tff.StructType(
+    [
       ("model", selected_type),
       ("assignment", state_type.member.assignment),
-      ("learning_rate", client_update_type.parameter.learning_rate)])
+      ("learning_rate", client_update_type.parameter.learning_rate),
+    ]
+  )
   # FedDyn's third result, the client's new g, stays on the client.
-  uploaded = (client_update_type.result if not feddyn else
-              tff.StructType(list(client_update_type.result)[:2]))
-  upload = tff.StructType([
-      ("client_result", uploaded),
-      ("key", client_key.type_signature.result)])
-  return FedEnsembleProcess(
-      tff.templates.IterativeProcess(init_fn, next_fn), download, upload)
+  uploaded = (
+    client_update_type.result if not feddyn else tff.StructType(list(client_update_type.result)[:2])
+  )
+  upload = tff.StructType([("client_result", uploaded), ("key", client_key.type_signature.result)])
+  return FedEnsembleProcess(tff.templates.IterativeProcess(init_fn, next_fn), download, upload)

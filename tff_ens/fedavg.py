@@ -29,8 +29,7 @@ def build_initial_weights_fn(model_fn: Callable[[], tf.keras.Model]):
 
 def build_server_optimizer(learning_rate: float = 1.0, momentum: float = 0.0):
   """Server optimizer: SGD with rate 1 is FedAvg; momentum > 0 is FedAvgM."""
-  return tff.learning.optimizers.build_sgdm(
-      learning_rate=learning_rate, momentum=momentum or None)
+  return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate, momentum=momentum or None)
 
 
 def build_finalizer(server_optimizer, weights_type: tff.Type):
@@ -47,17 +46,16 @@ def build_finalizer(server_optimizer, weights_type: tff.Type):
 
   @tff.tensorflow.computation
   def init_optimizer():
-    return server_optimizer.initialize(
-        tuple(tff.types.type_to_tf_tensor_specs(trainable_type)))
+    return server_optimizer.initialize(tuple(tff.types.type_to_tf_tensor_specs(trainable_type)))
 
   optimizer_state_type = init_optimizer.type_signature.result
 
   @tff.tensorflow.computation(optimizer_state_type, weights_type, weights_type)
   def apply_update(optimizer_state, weights, update):
     optimizer_state, trainable = server_optimizer.next(
-        optimizer_state, tuple(weights.trainable), tuple(update.trainable))
-    non_trainable = tf.nest.map_structure(
-        tf.subtract, weights.non_trainable, update.non_trainable)
+      optimizer_state, tuple(weights.trainable), tuple(update.trainable)
+    )
+    non_trainable = tf.nest.map_structure(tf.subtract, weights.non_trainable, update.non_trainable)
     return optimizer_state, ModelWeights(list(trainable), non_trainable)
 
   @tff.federated_computation
@@ -65,27 +63,28 @@ def build_finalizer(server_optimizer, weights_type: tff.Type):
     return tff.federated_eval(init_optimizer, tff.SERVER)
 
   @tff.federated_computation(
-      init_fn.type_signature.result,
-      tff.FederatedType(weights_type, tff.SERVER),
-      tff.FederatedType(weights_type, tff.SERVER))
+    init_fn.type_signature.result,
+    tff.FederatedType(weights_type, tff.SERVER),
+    tff.FederatedType(weights_type, tff.SERVER),
+  )
   def next_fn(state, weights, update):
-    state, new_weights = tff.federated_map(
-        apply_update, (state, weights, update))
+    state, new_weights = tff.federated_map(apply_update, (state, weights, update))
     return tff.templates.MeasuredProcessOutput(
-        state, new_weights, tff.federated_value((), tff.SERVER))
+      state, new_weights, tff.federated_value((), tff.SERVER)
+    )
 
   return tff.learning.templates.FinalizerProcess(init_fn, next_fn)
 
 
 def build_fedavg(
-    model_fn: Callable[[], tf.keras.Model],
-    element_spec,
-    local_config: client_work_lib.LocalTrainingConfig,
-    *,
-    server_learning_rate: float = 1.0,
-    server_momentum: float = 0.0,
-    aggregator_factory: Optional[
-        tff.aggregators.WeightedAggregationFactory] = None,
+  model_fn: Callable[[], tf.keras.Model],
+  element_spec,
+  local_config: client_work_lib.LocalTrainingConfig,
+  *,
+  server_learning_rate: float = 1.0,
+  server_momentum: float = 0.0,
+  aggregator_factory: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+  on_device: bool = False,
 ) -> tuple[tff.learning.templates.LearningProcess, client_work_lib.ClientWork]:
   """Builds FedAvg (McMahan et al. 2017), FedProx or FedAvgM.
 
@@ -97,24 +96,26 @@ def build_fedavg(
     server_momentum: server momentum; > 0 makes it FedAvgM.
     aggregator_factory: a weighted `tff.aggregators` factory for the updates
       (DP, clipping, compression); the weighted mean by default.
+    on_device: the clients train on their devices (`tff_ens.device_clients`), and their
+      data are the results (`client_work.build_device_client_work`).
 
   Returns:
     The learning process and its client work (for communication accounting).
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
-  client_work = client_work_lib.build_client_work(
-      model_fn, element_spec, local_config)
+  client_work = (
+    client_work_lib.build_device_client_work(weights_type, local_config)
+    if on_device
+    else client_work_lib.build_client_work(model_fn, element_spec, local_config)
+  )
   # no_nan_division: a round where every update was rejected (total weight
   # 0) leaves the model unchanged instead of turning it into NaN.
-  factory = aggregator_factory or tff.aggregators.MeanFactory(
-      no_nan_division=True)
+  factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
   process = tff.learning.templates.compose_learning_process(
-      build_initial_weights_fn(model_fn),
-      tff.learning.templates.build_broadcast_process(weights_type),
-      client_work.process,
-      factory.create(weights_type, tff.TensorType(np.float32)),
-      build_finalizer(
-          build_server_optimizer(server_learning_rate, server_momentum),
-          weights_type),
+    build_initial_weights_fn(model_fn),
+    tff.learning.templates.build_broadcast_process(weights_type),
+    client_work.process,
+    factory.create(weights_type, tff.TensorType(np.float32)),
+    build_finalizer(build_server_optimizer(server_learning_rate, server_momentum), weights_type),
   )
   return process, client_work

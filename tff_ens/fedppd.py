@@ -142,21 +142,36 @@ class PosteriorConfig:
   seed: int = 0
 
   def __post_init__(self):
-    for name in ("teacher_step_size", "student_lr", "epochs",
-                 "teacher_step_decay", "teacher_step_decay_epochs",
-                 "teacher_round_decay", "student_round_decay"):
+    for name in (
+      "teacher_step_size",
+      "student_lr",
+      "epochs",
+      "teacher_step_decay",
+      "teacher_step_decay_epochs",
+      "teacher_round_decay",
+      "student_round_decay",
+    ):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-    for name in ("temperature", "prior_precision", "teacher_weight_decay",
-                 "student_momentum", "student_weight_decay",
-                 "input_noise_std", "max_update_norm"):
+    for name in (
+      "temperature",
+      "prior_precision",
+      "teacher_weight_decay",
+      "student_momentum",
+      "student_weight_decay",
+      "input_noise_std",
+      "max_update_norm",
+    ):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-    for name, allowed in (("sgld_scaling", SGLD_SCALINGS),
-                          ("student_minibatch", STUDENT_MINIBATCHES)):
+    for name, allowed in (
+      ("sgld_scaling", SGLD_SCALINGS),
+      ("student_minibatch", STUDENT_MINIBATCHES),
+    ):
       if getattr(self, name) not in allowed:
-        raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose one "
-                         f"of {', '.join(allowed)}")
+        raise ValueError(
+          f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}"
+        )
 
 
 def sgld_step(weights, gradients, step_size, temperature, seed):
@@ -175,10 +190,15 @@ def sgld_step(weights, gradients, step_size, temperature, seed):
     The new tensors.
   """
   noise_std = tf.sqrt(step_size * temperature)
-  return [w - 0.5 * step_size * g + noise_std * tf.random.stateless_normal(
-              tf.shape(w), seed=tf.random.experimental.stateless_fold_in(
-                  seed, i), dtype=w.dtype)
-          for i, (w, g) in enumerate(zip(weights, gradients))]
+  return [
+    w
+    - 0.5 * step_size * g
+    + noise_std
+    * tf.random.stateless_normal(
+      tf.shape(w), seed=tf.random.experimental.stateless_fold_in(seed, i), dtype=w.dtype
+    )
+    for i, (w, g) in enumerate(zip(weights, gradients))
+  ]
 
 
 def chain_parameters(sgld_scaling: str, step_size, temperature, num_data):
@@ -191,30 +211,30 @@ def chain_parameters(sgld_scaling: str, step_size, temperature, num_data):
   """
   if sgld_scaling == "posterior":
     return step_size, temperature
-  return (step_size / num_data,
-          temperature * AUTHORS_NOISE / num_data)
+  return (step_size / num_data, temperature * AUTHORS_NOISE / num_data)
 
 
-def scheduled_rate(rate, round_num, epoch, round_decay, step_decay=1.0,
-                   step_epochs=1):
+def scheduled_rate(rate, round_num, epoch, round_decay, step_decay=1.0, step_epochs=1):
   """rate * round_decay^round * step_decay^floor(epoch / step_epochs).
 
   The authors' schedules: a per-round decay (train_femnist.py) and, within
   the round, a step decay every `step_epochs` local epochs (StepLR in
   trainers/ClientServUpdate.py). `round_num` and `epoch` are 0-based.
   """
-  steps = tf.math.floordiv(tf.cast(epoch, tf.int64),
-                           tf.cast(step_epochs, tf.int64))
-  return (rate * tf.pow(round_decay, tf.cast(round_num, tf.float32)) *
-          tf.pow(step_decay, tf.cast(steps, tf.float32)))
+  steps = tf.math.floordiv(tf.cast(epoch, tf.int64), tf.cast(step_epochs, tf.int64))
+  return (
+    rate
+    * tf.pow(round_decay, tf.cast(round_num, tf.float32))
+    * tf.pow(step_decay, tf.cast(steps, tf.float32))
+  )
 
 
 def batch_sizes(dataset: tf.data.Dataset):
   """The number of examples of each batch of `dataset`, `int64[batches]`."""
   return dataset.reduce(
-      tf.zeros([0], tf.int64),
-      lambda sizes, batch: tf.concat(
-          [sizes, tf.shape(batch[1], out_type=tf.int64)[:1]], 0))
+    tf.zeros([0], tf.int64),
+    lambda sizes, batch: tf.concat([sizes, tf.shape(batch[1], out_type=tf.int64)[:1]], 0),
+  )
 
 
 def batch_epochs(sizes, epochs: int):
@@ -227,8 +247,9 @@ def batch_epochs(sizes, epochs: int):
   return starts * epochs // tf.maximum(tf.reduce_sum(sizes), 1)
 
 
-def minibatch_stream(dataset: tf.data.Dataset, sizes, student_minibatch: str,
-                     epochs: int) -> tf.data.Dataset:
+def minibatch_stream(
+  dataset: tf.data.Dataset, sizes, student_minibatch: str, epochs: int
+) -> tf.data.Dataset:
   """The client's minibatches `(x, y, role)` in the order they are learned.
 
   `sizes` is `batch_sizes(dataset)`.
@@ -244,6 +265,7 @@ def minibatch_stream(dataset: tf.data.Dataset, sizes, student_minibatch: str,
       epoch (`batch_epochs`), then as many STUDENT batches of another pass.
   A reshuffling `dataset` orders each pass differently.
   """
+
   def role(value):
     return lambda x, y: (x, y, tf.constant(value))
 
@@ -251,20 +273,24 @@ def minibatch_stream(dataset: tf.data.Dataset, sizes, student_minibatch: str,
     return dataset.map(role(BOTH))
   if student_minibatch == "fresh":
     student = dataset.skip(1).concatenate(dataset.take(1))
-    choices = tf.data.Dataset.from_tensor_slices(
-        tf.constant([TEACHER, STUDENT], tf.int64)).repeat(
-            tf.size(sizes, out_type=tf.int64))
+    choices = tf.data.Dataset.from_tensor_slices(tf.constant([TEACHER, STUDENT], tf.int64)).repeat(
+      tf.size(sizes, out_type=tf.int64)
+    )
   else:
     student = dataset
-    per_epoch = tf.math.bincount(tf.cast(batch_epochs(sizes, epochs), tf.int32),
-                                 minlength=epochs, dtype=tf.int64)
+    per_epoch = tf.math.bincount(
+      tf.cast(batch_epochs(sizes, epochs), tf.int32), minlength=epochs, dtype=tf.int64
+    )
     choices = tf.data.Dataset.range(epochs).flat_map(
-        lambda e: tf.data.Dataset.from_tensors(
-            tf.constant(TEACHER, tf.int64)).repeat(per_epoch[e]).concatenate(
-                tf.data.Dataset.from_tensors(
-                    tf.constant(STUDENT, tf.int64)).repeat(per_epoch[e])))
+      lambda e: tf.data.Dataset.from_tensors(tf.constant(TEACHER, tf.int64))
+      .repeat(per_epoch[e])
+      .concatenate(
+        tf.data.Dataset.from_tensors(tf.constant(STUDENT, tf.int64)).repeat(per_epoch[e])
+      )
+    )
   return tf.data.Dataset.choose_from_datasets(
-      [dataset.map(role(TEACHER)), student.map(role(STUDENT))], choices)
+    [dataset.map(role(TEACHER)), student.map(role(STUDENT))], choices
+  )
 
 
 def distillation_loss(teacher_probabilities, student_logits):
@@ -273,25 +299,29 @@ def distillation_loss(teacher_probabilities, student_logits):
   The student's objective of Algorithm 1 (its KL to the teacher's predictive
   distribution up to the teacher's entropy, which has no student gradient).
   """
-  return -tf.reduce_mean(tf.reduce_sum(
-      teacher_probabilities * tf.nn.log_softmax(student_logits), axis=-1))
+  return -tf.reduce_mean(
+    tf.reduce_sum(teacher_probabilities * tf.nn.log_softmax(student_logits), axis=-1)
+  )
 
 
 def join(teacher: ModelWeights, student: ModelWeights) -> ModelWeights:
   """Teacher and student as one `ModelWeights`: teacher tensors first."""
-  return ModelWeights(list(teacher.trainable) + list(student.trainable),
-                      list(teacher.non_trainable) +
-                      list(student.non_trainable))
+  return ModelWeights(
+    list(teacher.trainable) + list(student.trainable),
+    list(teacher.non_trainable) + list(student.non_trainable),
+  )
 
 
-def split(weights: ModelWeights, teacher_sizes: tuple[int, int]
-          ) -> tuple[ModelWeights, ModelWeights]:
+def split(
+  weights: ModelWeights, teacher_sizes: tuple[int, int]
+) -> tuple[ModelWeights, ModelWeights]:
   """Inverse of `join`; `teacher_sizes` = (trainable, non-trainable) counts."""
   t, n = teacher_sizes
-  trainable, non_trainable = list(weights.trainable), list(
-      weights.non_trainable)
-  return (ModelWeights(trainable[:t], non_trainable[:n]),
-          ModelWeights(trainable[t:], non_trainable[n:]))
+  trainable, non_trainable = list(weights.trainable), list(weights.non_trainable)
+  return (
+    ModelWeights(trainable[:t], non_trainable[:n]),
+    ModelWeights(trainable[t:], non_trainable[n:]),
+  )
 
 
 def _teacher_sizes(teacher_fn) -> tuple[int, int]:
@@ -311,21 +341,28 @@ def _client_seed(run_seed: int, round_num, dataset: tf.data.Dataset):
   allow).
   """
   pixels, labels = dataset.take(1).reduce(
-      (tf.constant(0.0), tf.constant(0, tf.int64)),
-      lambda acc, batch: (acc[0] + tf.reduce_sum(batch[0]),
-                          acc[1] + tf.reduce_sum(tf.cast(batch[1], tf.int64))))
-  key = tf.stack([tf.constant(run_seed, tf.int64),
-                  tf.cast(round_num, tf.int64)])
+    (tf.constant(0.0), tf.constant(0, tf.int64)),
+    lambda acc, batch: (
+      acc[0] + tf.reduce_sum(batch[0]),
+      acc[1] + tf.reduce_sum(tf.cast(batch[1], tf.int64)),
+    ),
+  )
+  key = tf.stack([tf.constant(run_seed, tf.int64), tf.cast(round_num, tf.int64)])
   key = tf.random.experimental.stateless_fold_in(
-      key, tf.cast(tf.bitcast(pixels, tf.int32), tf.int64))
+    key, tf.cast(tf.bitcast(pixels, tf.int32), tf.int64)
+  )
   return tf.random.experimental.stateless_fold_in(key, labels)
 
 
 @tf.function
-def train_teacher_student(teacher: tf.keras.Model, student: tf.keras.Model,
-                          initial_weights: ModelWeights,
-                          dataset: tf.data.Dataset, round_num,
-                          config: PosteriorConfig):
+def train_teacher_student(
+  teacher: tf.keras.Model,
+  student: tf.keras.Model,
+  initial_weights: ModelWeights,
+  dataset: tf.data.Dataset,
+  round_num,
+  config: PosteriorConfig,
+):
   """FedPPD's client update (Bhatt et al., supplement, Algorithm 1).
 
   Over the client's minibatches in `minibatch_stream`'s order: SGLD steps of
@@ -353,43 +390,54 @@ def train_teacher_student(teacher: tf.keras.Model, student: tf.keras.Model,
   """
   teacher_weights = ModelWeights.from_model(teacher)
   student_weights = ModelWeights.from_model(student)
-  tf.nest.map_structure(lambda v, t: v.assign(t),
-                        join(teacher_weights, student_weights),
-                        initial_weights)
+  tf.nest.map_structure(
+    lambda v, t: v.assign(t), join(teacher_weights, student_weights), initial_weights
+  )
   sizes = batch_sizes(dataset)
   seen = tf.reduce_sum(sizes)
   num_data = tf.cast(seen, tf.float32) / float(config.epochs)
   seed = _client_seed(config.seed, round_num, dataset)
   step_size, temperature = chain_parameters(
-      config.sgld_scaling, config.teacher_step_size, config.temperature,
-      num_data)
+    config.sgld_scaling, config.teacher_step_size, config.temperature, num_data
+  )
   student_optimizer = tff.learning.optimizers.build_sgdm(
-      learning_rate=scheduled_rate(config.student_lr, round_num, 0,
-                                   config.student_round_decay),
-      momentum=config.student_momentum or None)
+    learning_rate=scheduled_rate(config.student_lr, round_num, 0, config.student_round_decay),
+    momentum=config.student_momentum or None,
+  )
   student_vars = student_weights.trainable
   opt_state = student_optimizer.initialize(
-      tuple(tf.TensorSpec(v.shape, v.dtype) for v in student_vars))
+    tuple(tf.TensorSpec(v.shape, v.dtype) for v in student_vars)
+  )
   nll = tf.keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True, reduction=tf.keras.losses.Reduction.SUM)
-  prior_precision = (config.prior_precision +
-                     num_data * config.teacher_weight_decay)
+    from_logits=True, reduction=tf.keras.losses.Reduction.SUM
+  )
+  prior_precision = config.prior_precision + num_data * config.teacher_weight_decay
 
   def teacher_step(x, y, taught, step_seed):
     """One SGLD step on (x, y); returns the batch's summed NLL."""
     epoch = taught * config.epochs // tf.maximum(seen, 1)
-    eps = scheduled_rate(step_size, round_num, epoch,
-                         config.teacher_round_decay, config.teacher_step_decay,
-                         config.teacher_step_decay_epochs)
+    eps = scheduled_rate(
+      step_size,
+      round_num,
+      epoch,
+      config.teacher_round_decay,
+      config.teacher_step_decay,
+      config.teacher_step_decay_epochs,
+    )
     with tf.GradientTape() as tape:
       batch_nll = nll(y, teacher(x, training=True))
       mean_nll = batch_nll / tf.cast(tf.shape(y)[0], tf.float32)
     grads = tape.gradient(mean_nll, teacher_weights.trainable)
-    potential = [num_data * g + prior_precision * w
-                 for g, w in zip(grads, teacher_weights.trainable)]
+    potential = [
+      num_data * g + prior_precision * w for g, w in zip(grads, teacher_weights.trainable)
+    ]
     new_teacher = sgld_step(
-        teacher_weights.trainable, potential, eps, temperature,
-        tf.random.experimental.stateless_fold_in(step_seed, 0))
+      teacher_weights.trainable,
+      potential,
+      eps,
+      temperature,
+      tf.random.experimental.stateless_fold_in(step_seed, 0),
+    )
     for v, t in zip(teacher_weights.trainable, new_teacher):
       v.assign(v.constraint(t) if v.constraint is not None else t)
     return batch_nll
@@ -398,22 +446,22 @@ def train_teacher_student(teacher: tf.keras.Model, student: tf.keras.Model,
     """One SGD step towards the teacher on noisy x; returns (state, loss,
     correct predictions of y)."""
     noisy = x + config.input_noise_std * tf.random.stateless_normal(
-        tf.shape(x), seed=tf.random.experimental.stateless_fold_in(
-            step_seed, 1))
+      tf.shape(x), seed=tf.random.experimental.stateless_fold_in(step_seed, 1)
+    )
     targets = tf.nn.softmax(teacher(noisy, training=False))
     with tf.GradientTape() as tape:
       logits = student(noisy, training=True)
       loss = distillation_loss(targets, logits)
     grads = tape.gradient(loss, student_vars)
-    grads = [g + config.student_weight_decay * w
-             for g, w in zip(grads, student_vars)]
-    opt_state, new_student = student_optimizer.next(
-        opt_state, tuple(student_vars), tuple(grads))
+    grads = [g + config.student_weight_decay * w for g, w in zip(grads, student_vars)]
+    opt_state, new_student = student_optimizer.next(opt_state, tuple(student_vars), tuple(grads))
     for v, t in zip(student_vars, new_student):
       v.assign(t)
-    hits = tf.reduce_sum(tf.cast(tf.equal(
-        tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)),
-                                 tf.float32))
+    hits = tf.reduce_sum(
+      tf.cast(
+        tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)), tf.float32
+      )
+    )
     return opt_state, loss, hits
 
   def step(carry, batch):
@@ -423,51 +471,59 @@ def train_teacher_student(teacher: tf.keras.Model, student: tf.keras.Model,
     step_seed = tf.random.experimental.stateless_fold_in(seed, counter)
     teaches = tf.not_equal(role, STUDENT)
     batch_nll = tf.cond(
-        teaches, lambda: teacher_step(x, y, taught, step_seed),
-        lambda: tf.constant(0.0))
+      teaches, lambda: teacher_step(x, y, taught, step_seed), lambda: tf.constant(0.0)
+    )
     opt_state, loss, hits = tf.cond(
-        tf.not_equal(role, TEACHER),
-        lambda: student_step(x, y, opt_state, step_seed),
-        lambda: (opt_state, tf.constant(0.0), tf.constant(0.0)))
-    return (opt_state, counter + 1,
-            taught + tf.where(teaches, n, tf.constant(0, tf.int64)),
-            nll_sum + batch_nll,
-            student_sum + loss * tf.cast(n, tf.float32), correct + hits)
+      tf.not_equal(role, TEACHER),
+      lambda: student_step(x, y, opt_state, step_seed),
+      lambda: (opt_state, tf.constant(0.0), tf.constant(0.0)),
+    )
+    return (
+      opt_state,
+      counter + 1,
+      taught + tf.where(teaches, n, tf.constant(0, tf.int64)),
+      nll_sum + batch_nll,
+      student_sum + loss * tf.cast(n, tf.float32),
+      correct + hits,
+    )
 
   zero = tf.constant(0.0)
-  carry = minibatch_stream(
-      dataset, sizes, config.student_minibatch, config.epochs).reduce(
-          (opt_state, tf.constant(0, tf.int64), tf.constant(0, tf.int64),
-           zero, zero, zero), step)
+  carry = minibatch_stream(dataset, sizes, config.student_minibatch, config.epochs).reduce(
+    (opt_state, tf.constant(0, tf.int64), tf.constant(0, tf.int64), zero, zero, zero), step
+  )
   _, _, taught, nll_sum, student_sum, correct = carry
   count = tf.cast(taught, tf.float32)
-  final = tf.nest.map_structure(
-      tf.identity, join(teacher_weights, student_weights))
+  final = tf.nest.map_structure(tf.identity, join(teacher_weights, student_weights))
   update, weight, rejected = client_work_lib.reject_bad_update(
-      client_work_lib.weights_delta(initial_weights, final), num_data,
-      config.max_update_norm)
+    client_work_lib.weights_delta(initial_weights, final), num_data, config.max_update_norm
+  )
   accepted = 1.0 - rejected
   metrics = collections.OrderedDict(
-      loss=tf.where(accepted > 0, nll_sum, 0.0),
-      student_loss=tf.where(accepted > 0, student_sum, 0.0),
-      correct=correct * accepted, num_examples=count * accepted,
-      rejected=rejected)
+    loss=tf.where(accepted > 0, nll_sum, 0.0),
+    student_loss=tf.where(accepted > 0, student_sum, 0.0),
+    correct=correct * accepted,
+    num_examples=count * accepted,
+    rejected=rejected,
+  )
   return tff.learning.templates.ClientResult(update, weight), metrics
 
 
 def joint_weights_type(teacher_fn, student_fn) -> tff.Type:
   """TFF type of `join(teacher weights, student weights)`."""
   with tf.Graph().as_default():
-    weights = join(ModelWeights.from_model(teacher_fn()),
-                   ModelWeights.from_model(student_fn()))
-    return tff.types.tensorflow_to_type(tf.nest.map_structure(
-        lambda v: tf.TensorSpec(v.shape, v.dtype), weights))
+    weights = join(ModelWeights.from_model(teacher_fn()), ModelWeights.from_model(student_fn()))
+    return tff.types.tensorflow_to_type(
+      tf.nest.map_structure(lambda v: tf.TensorSpec(v.shape, v.dtype), weights)
+    )
 
 
-def build_client_work(teacher_fn: Callable[[], tf.keras.Model],
-                      student_fn: Callable[[], tf.keras.Model], element_spec,
-                      config: PosteriorConfig, weights_type: tff.Type
-                      ) -> client_work_lib.ClientWork:
+def build_client_work(
+  teacher_fn: Callable[[], tf.keras.Model],
+  student_fn: Callable[[], tf.keras.Model],
+  element_spec,
+  config: PosteriorConfig,
+  weights_type: tff.Type,
+) -> client_work_lib.ClientWork:
   """FedPPD's client-work stage: `train_teacher_student` at every client.
 
   Its state is the 0-based round number, broadcast to seed the clients'
@@ -479,8 +535,9 @@ def build_client_work(teacher_fn: Callable[[], tf.keras.Model],
 
   @tff.tensorflow.computation(weights_type, data_type, tf.int32)
   def client_update(initial_weights, dataset, round_num):
-    return train_teacher_student(teacher_fn(), student_fn(), initial_weights,
-                                 dataset, round_num, config)
+    return train_teacher_student(
+      teacher_fn(), student_fn(), initial_weights, dataset, round_num, config
+    )
 
   @tff.tensorflow.computation(tf.int32)
   def round_number(round_num):
@@ -489,12 +546,10 @@ def build_client_work(teacher_fn: Callable[[], tf.keras.Model],
   @tff.tensorflow.computation(client_update.type_signature.result[1])
   def finalize(sums):
     metrics = client_work_lib.finalize_train_metrics(sums)
-    metrics["student_loss"] = sums["student_loss"] / tf.maximum(
-        sums["num_examples"], 1.0)
+    metrics["student_loss"] = sums["student_loss"] / tf.maximum(sums["num_examples"], 1.0)
     return metrics
 
-  return client_work_lib.build_round_client_work(client_update, round_number,
-                                                 finalize)
+  return client_work_lib.build_round_client_work(client_update, round_number, finalize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,12 +572,14 @@ class FedPPD:
     return split(self.process.get_model_weights(state), self.teacher_sizes)[1]
 
 
-def build_fedppd(teacher_fn: Callable[[], tf.keras.Model],
-                 student_fn: Callable[[], tf.keras.Model], element_spec,
-                 config: PosteriorConfig, *,
-                 aggregator_factory: (
-                     tff.aggregators.WeightedAggregationFactory | None) = None
-                 ) -> FedPPD:
+def build_fedppd(
+  teacher_fn: Callable[[], tf.keras.Model],
+  student_fn: Callable[[], tf.keras.Model],
+  element_spec,
+  config: PosteriorConfig,
+  *,
+  aggregator_factory: (tff.aggregators.WeightedAggregationFactory | None) = None,
+) -> FedPPD:
   """Builds FedPPD: FedAvg's stages with `build_client_work`'s client work.
 
   The server averages the clients' students and teachers (weighted by their
@@ -532,23 +589,29 @@ def build_fedppd(teacher_fn: Callable[[], tf.keras.Model],
   the mean.
   """
   weights_type = joint_weights_type(teacher_fn, student_fn)
-  factory = aggregator_factory or tff.aggregators.MeanFactory(
-      no_nan_division=True)
+  factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
   return _compose(
-      teacher_fn, student_fn, element_spec, config, weights_type,
-      _teacher_sizes(teacher_fn),
-      factory.create(weights_type, tff.TensorType(np.float32)),
-      fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type))
+    teacher_fn,
+    student_fn,
+    element_spec,
+    config,
+    weights_type,
+    _teacher_sizes(teacher_fn),
+    factory.create(weights_type, tff.TensorType(np.float32)),
+    fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type),
+  )
 
 
 def build_fedppd_distill(
-    teacher_fn: Callable[[], tf.keras.Model],
-    student_fn: Callable[[], tf.keras.Model], element_spec,
-    config: PosteriorConfig, data: server_data_lib.ServerData,
-    server_config: server_distillation.ServerDistillationConfig, *,
-    clients_per_round: int,
-    teacher_server_config: (
-        server_distillation.ServerDistillationConfig | None) = None
+  teacher_fn: Callable[[], tf.keras.Model],
+  student_fn: Callable[[], tf.keras.Model],
+  element_spec,
+  config: PosteriorConfig,
+  data: server_data_lib.ServerData,
+  server_config: server_distillation.ServerDistillationConfig,
+  *,
+  clients_per_round: int,
+  teacher_server_config: (server_distillation.ServerDistillationConfig | None) = None,
 ) -> FedPPD:
   """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
 
@@ -564,8 +627,7 @@ def build_fedppd_distill(
   """
   teacher_sizes = _teacher_sizes(teacher_fn)
   weights_type = joint_weights_type(teacher_fn, student_fn)
-  aggregator = server_distillation.build_collect_aggregator(
-      weights_type, clients_per_round)
+  aggregator = server_distillation.build_collect_aggregator(weights_type, clients_per_round)
   collected_type = aggregator.next.type_signature.result.result.member
 
   @tff.tensorflow.computation(weights_type, collected_type, np.int32)
@@ -574,42 +636,55 @@ def build_fedppd_distill(
     global_teacher, global_student = split(global_weights, teacher_sizes)
     teacher_updates, student_updates = split(updates, teacher_sizes)
     student, measurements = server_distillation.server_update(
-        student_fn, global_student, (student_updates, weights), round_num,
-        data, server_config)
+      student_fn, global_student, (student_updates, weights), round_num, data, server_config
+    )
     if teacher_server_config is None:
-      clients = server_distillation.client_models(global_teacher,
-                                                  teacher_updates)
+      clients = server_distillation.client_models(global_teacher, teacher_updates)
       received = tf.reduce_any(weights > 0)
       teacher = tf.nest.map_structure(
-          lambda a, g: tf.where(received, a, g),
-          server_distillation.weighted_average(clients, weights),
-          global_teacher)
+        lambda a, g: tf.where(received, a, g),
+        server_distillation.weighted_average(clients, weights),
+        global_teacher,
+      )
     else:
       teacher, teacher_measurements = server_distillation.server_update(
-          teacher_fn, global_teacher, (teacher_updates, weights), round_num,
-          data, teacher_server_config)
-      measurements.update(
-          (f"teacher_{k}", v) for k, v in teacher_measurements.items())
+        teacher_fn,
+        global_teacher,
+        (teacher_updates, weights),
+        round_num,
+        data,
+        teacher_server_config,
+      )
+      measurements.update((f"teacher_{k}", v) for k, v in teacher_measurements.items())
     return join(teacher, student), measurements
 
-  return _compose(teacher_fn, student_fn, element_spec, config, weights_type,
-                  teacher_sizes, aggregator,
-                  server_distillation.build_step_finalizer(server_step))
+  return _compose(
+    teacher_fn,
+    student_fn,
+    element_spec,
+    config,
+    weights_type,
+    teacher_sizes,
+    aggregator,
+    server_distillation.build_step_finalizer(server_step),
+  )
 
 
-def _compose(teacher_fn, student_fn, element_spec, config, weights_type,
-             teacher_sizes, aggregator, finalizer) -> FedPPD:
+def _compose(
+  teacher_fn, student_fn, element_spec, config, weights_type, teacher_sizes, aggregator, finalizer
+) -> FedPPD:
   """FedPPD's distributor and client work with `aggregator` and finalizer."""
-  client_work = build_client_work(teacher_fn, student_fn, element_spec,
-                                  config, weights_type)
+  client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
 
   @tff.tensorflow.computation
   def initial_weights():
-    return join(ModelWeights.from_model(teacher_fn()),
-                ModelWeights.from_model(student_fn()))
+    return join(ModelWeights.from_model(teacher_fn()), ModelWeights.from_model(student_fn()))
 
   process = tff.learning.templates.compose_learning_process(
-      initial_weights,
-      tff.learning.templates.build_broadcast_process(weights_type),
-      client_work.process, aggregator, finalizer)
+    initial_weights,
+    tff.learning.templates.build_broadcast_process(weights_type),
+    client_work.process,
+    aggregator,
+    finalizer,
+  )
   return FedPPD(process, client_work, teacher_sizes)

@@ -23,8 +23,7 @@ def negative_log_likelihood(probs: np.ndarray, y: np.ndarray) -> float:
   return float(-np.mean(np.log(np.clip(p, 1e-12, 1.0))))
 
 
-def reliability_bins(probs: np.ndarray, y: np.ndarray,
-                     num_bins: int = ECE_BINS) -> dict[str, list]:
+def reliability_bins(probs: np.ndarray, y: np.ndarray, num_bins: int = ECE_BINS) -> dict[str, list]:
   """A reliability diagram's data (Guo et al., ICML 2017, Sec. 2).
 
   Over `num_bins` equal-width bins B_b of the top-class confidence: `count`
@@ -37,23 +36,24 @@ def reliability_bins(probs: np.ndarray, y: np.ndarray,
   count = np.bincount(bins, minlength=num_bins)
   with np.errstate(invalid="ignore"):
     mean = lambda v: np.bincount(bins, v, minlength=num_bins) / count
-    return {"count": count.tolist(),
-            "confidence": [None if n == 0 else float(c)
-                           for n, c in zip(count, mean(confidence))],
-            "accuracy": [None if n == 0 else float(a)
-                         for n, a in zip(count, mean(correct))]}
+    return {
+      "count": count.tolist(),
+      "confidence": [None if n == 0 else float(c) for n, c in zip(count, mean(confidence))],
+      "accuracy": [None if n == 0 else float(a) for n, a in zip(count, mean(correct))],
+    }
 
 
-def expected_calibration_error(probs: np.ndarray, y: np.ndarray,
-                               num_bins: int = ECE_BINS) -> float:
+def expected_calibration_error(probs: np.ndarray, y: np.ndarray, num_bins: int = ECE_BINS) -> float:
   """Expected calibration error (Guo et al., ICML 2017, eq. 3).
 
   ECE = sum_b |B_b|/n * |acc(B_b) - conf(B_b)| over the bins of
   `reliability_bins`.
   """
   bins = reliability_bins(probs, y, num_bins)
-  return float(sum(n * abs(a - c) for n, a, c in zip(
-      bins["count"], bins["accuracy"], bins["confidence"]) if n) / len(y))
+  return float(
+    sum(n * abs(a - c) for n, a, c in zip(bins["count"], bins["accuracy"], bins["confidence"]) if n)
+    / len(y)
+  )
 
 
 def entropy(probs: np.ndarray) -> np.ndarray:
@@ -61,9 +61,9 @@ def entropy(probs: np.ndarray) -> np.ndarray:
   return -np.sum(probs * np.log(np.clip(probs, 1e-12, 1.0)), axis=-1)
 
 
-def ensemble_uncertainty(member_probs: np.ndarray,
-                         alpha: np.ndarray | None = None
-                         ) -> dict[str, np.ndarray]:
+def ensemble_uncertainty(
+  member_probs: np.ndarray, alpha: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
   """Uncertainty of an ensemble's prediction, per example.
 
   Args:
@@ -86,10 +86,10 @@ def ensemble_uncertainty(member_probs: np.ndarray,
   chosen_mean = np.tensordot(alpha, chosen, axes=1)
   variance = np.tensordot(alpha, (chosen - chosen_mean) ** 2, axes=1)
   return {
-      "probabilities": mean,
-      "entropy": predictive_entropy,
-      "mutual_information": predictive_entropy - expected_entropy,
-      "variance": variance,
+    "probabilities": mean,
+    "entropy": predictive_entropy,
+    "mutual_information": predictive_entropy - expected_entropy,
+    "variance": variance,
   }
 
 
@@ -112,19 +112,19 @@ def auroc(scores: np.ndarray, positive: np.ndarray) -> float:
   if n_pos == 0 or n_neg == 0:
     return float("nan")
   ranks = scipy.stats.rankdata(scores)
-  return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) /
-               (n_pos * n_neg))
+  return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def split_by_client(values: np.ndarray,
-                    counts: Sequence[int]) -> list[np.ndarray]:
+def split_by_client(values: np.ndarray, counts: Sequence[int]) -> list[np.ndarray]:
   """Splits a concatenation of per-client rows back into clients."""
   return np.split(values, np.cumsum(counts)[:-1])
 
 
-def classification_summary(probs_by_client: Mapping[str, np.ndarray],
-                           y_by_client: Mapping[str, np.ndarray],
-                           prefix: str = "test") -> dict[str, float]:
+def classification_summary(
+  probs_by_client: Mapping[str, np.ndarray],
+  y_by_client: Mapping[str, np.ndarray],
+  prefix: str = "test",
+) -> dict[str, float]:
   """Accuracy, NLL and ECE over all examples, and the mean per-client accuracy.
 
   Returns keys `{prefix}_accuracy`, `{prefix}_loss`, `ece` (only for the
@@ -136,29 +136,33 @@ def classification_summary(probs_by_client: Mapping[str, np.ndarray],
   probs = np.concatenate([probs_by_client[c] for c in clients])
   y = np.concatenate([y_by_client[c] for c in clients])
   summary = {
-      f"{prefix}_accuracy": accuracy(probs, y),
-      f"{prefix}_loss": negative_log_likelihood(probs, y),
+    f"{prefix}_accuracy": accuracy(probs, y),
+    f"{prefix}_loss": negative_log_likelihood(probs, y),
   }
   if prefix == "test":
     summary["ece"] = expected_calibration_error(probs, y)
-    summary["per_client_accuracy"] = float(np.mean(
-        [accuracy(probs_by_client[c], y_by_client[c]) for c in clients]))
+    summary["per_client_accuracy"] = float(
+      np.mean([accuracy(probs_by_client[c], y_by_client[c]) for c in clients])
+    )
   return summary
 
 
-def ood_auroc(in_distribution: np.ndarray, out_of_distribution: np.ndarray
-              ) -> float:
+def ood_auroc(in_distribution: np.ndarray, out_of_distribution: np.ndarray) -> float:
   """AUROC of an uncertainty score for out-of-distribution against
   in-distribution inputs (higher scores should mean out-of-distribution)."""
-  return auroc(np.concatenate([in_distribution, out_of_distribution]),
-               np.arange(len(in_distribution) + len(out_of_distribution)) >=
-               len(in_distribution))
+  return auroc(
+    np.concatenate([in_distribution, out_of_distribution]),
+    np.arange(len(in_distribution) + len(out_of_distribution)) >= len(in_distribution),
+  )
 
 
-def uncertainty_summary(test: dict[str, np.ndarray], test_y: np.ndarray,
-                        ood: dict[str, np.ndarray] | None = None,
-                        shift: dict[str, np.ndarray] | None = None,
-                        shift_y: np.ndarray | None = None) -> dict:
+def uncertainty_summary(
+  test: dict[str, np.ndarray],
+  test_y: np.ndarray,
+  ood: dict[str, np.ndarray] | None = None,
+  shift: dict[str, np.ndarray] | None = None,
+  shift_y: np.ndarray | None = None,
+) -> dict:
   """Calibration, out-of-distribution detection and shift of a prediction.
 
   Args:
@@ -177,11 +181,15 @@ def uncertainty_summary(test: dict[str, np.ndarray], test_y: np.ndarray,
   if ood is not None:
     summary["ood_auroc_entropy"] = ood_auroc(test["entropy"], ood["entropy"])
     summary["ood_auroc_mutual_information"] = (
-        ood_auroc(test["mutual_information"], ood["mutual_information"])
-        if "mutual_information" in test else None)
+      ood_auroc(test["mutual_information"], ood["mutual_information"])
+      if "mutual_information" in test
+      else None
+    )
   if shift is not None:
     probs = shift["probabilities"]
-    summary.update(shift_accuracy=accuracy(probs, shift_y),
-                   shift_loss=negative_log_likelihood(probs, shift_y),
-                   shift_ece=expected_calibration_error(probs, shift_y))
+    summary.update(
+      shift_accuracy=accuracy(probs, shift_y),
+      shift_loss=negative_log_likelihood(probs, shift_y),
+      shift_ece=expected_calibration_error(probs, shift_y),
+    )
   return summary

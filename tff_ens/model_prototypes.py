@@ -53,8 +53,7 @@ def pack(weights, size: int):
 
   Zero-padded past the model's own values; `unpack` inverts it.
   """
-  flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1])
-                    for t in tf.nest.flatten(weights)], 0)
+  flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tf.nest.flatten(weights)], 0)
   return tf.pad(flat, [[0, size - packed_size(weights)]])
 
 
@@ -65,12 +64,15 @@ def unpack(vector, like):
   """
   flat = tf.nest.flatten(like)
   sizes = [int(np.prod(t.shape)) for t in flat]
-  parts = tf.split(vector[..., :sum(sizes)], sizes, axis=-1)
+  parts = tf.split(vector[..., : sum(sizes)], sizes, axis=-1)
   lead = tf.shape(vector)[:-1]
-  return tf.nest.pack_sequence_as(like, [
-      tf.reshape(part, tf.concat([lead, tf.constant(t.shape.as_list(),
-                                                     tf.int32)], 0))
-      for part, t in zip(parts, flat)])
+  return tf.nest.pack_sequence_as(
+    like,
+    [
+      tf.reshape(part, tf.concat([lead, tf.constant(t.shape.as_list(), tf.int32)], 0))
+      for part, t in zip(parts, flat)
+    ],
+  )
 
 
 def _gather(stacked, indices):
@@ -86,14 +88,11 @@ def mean_logits_across(predictions: Sequence[dict], counts):
   ensemble of every received model).
   """
   counts = tf.cast(tf.stack(counts), tf.float32)
-  stacked = tf.cast(tf.stack([p["mean_logits"] for p in predictions]),
-                    tf.float32)
-  return tf.math.divide_no_nan(tf.tensordot(counts, stacked, 1),
-                               tf.reduce_sum(counts))
+  stacked = tf.cast(tf.stack([p["mean_logits"] for p in predictions]), tf.float32)
+  return tf.math.divide_no_nan(tf.tensordot(counts, stacked, 1), tf.reduce_sum(counts))
 
 
-def _prototype_teachers(models, global_prototypes, collected, validation,
-                        config):
+def _prototype_teachers(models, global_prototypes, collected, validation, config):
   """The round's client models per prototype, and which drop-worst keeps.
 
   Returns `(clients, client_weights, keep, informative, received)`:
@@ -111,16 +110,16 @@ def _prototype_teachers(models, global_prototypes, collected, validation,
   clients, client_weights, accuracies = [], [], []
   for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
     mine = tf.where(tf.logical_and(received, tf.equal(keys, p)))[:, 0]
-    clients.append(server_distillation.client_models(
-        global_p, unpack(tf.gather(packed, mine), global_p)))
+    clients.append(
+      server_distillation.client_models(global_p, unpack(tf.gather(packed, mine), global_p))
+    )
     client_weights.append(tf.gather(weights, mine))
     if config.drop_worst:
-      accuracies.append(distillation.member_accuracies(
-          model, clients[p], val_x, val_y))
+      accuracies.append(distillation.member_accuracies(model, clients[p], val_x, val_y))
   if config.drop_worst:  # Over the whole cohort.
     kept, informative = distillation.drop_worst_mask(
-        config.drop_worst_rule, tf.concat(accuracies, 0), val_y,
-        models[0].output_shape[-1])
+      config.drop_worst_rule, tf.concat(accuracies, 0), val_y, models[0].output_shape[-1]
+    )
     sizes = tf.stack([tf.shape(w)[0] for w in client_weights])
     keep = [tf.cast(k, tf.float32) for k in tf.split(kept, sizes)]
   else:
@@ -132,71 +131,89 @@ def _prototype_teachers(models, global_prototypes, collected, validation,
 def _ensemble_predictions(models, clients, keep, images):
   """Every prototype's `distillation.ensemble_predictions` of its kept
   clients, and how many each kept."""
-  return ([distillation.ensemble_predictions(model, stack, images, k)
-           for model, stack, k in zip(models, clients, keep)],
-          [tf.reduce_sum(k) for k in keep])
+  return (
+    [
+      distillation.ensemble_predictions(model, stack, images, k)
+      for model, stack, k in zip(models, clients, keep)
+    ],
+    [tf.reduce_sum(k) for k in keep],
+  )
 
 
 def _avg_logits(models, clients, keep, images):
   """AVGLOGITS of every kept client model, whatever its prototype."""
-  return mean_logits_across(*_ensemble_predictions(models, clients, keep,
-                                                   images))
+  return mean_logits_across(*_ensemble_predictions(models, clients, keep, images))
 
 
 @tf.function
-def _prototype_step(models, global_prototypes, collected, seed, unlabeled,
-                    validation, config, names):
+def _prototype_step(
+  models, global_prototypes, collected, seed, unlabeled, validation, config, names
+):
   start = tf.timestamp()
   with tf.control_dependencies([start]):
-    clients, client_weights, keep, informative, received = (
-        _prototype_teachers(models, global_prototypes, collected, validation,
-                            config))
+    clients, client_weights, keep, informative, received = _prototype_teachers(
+      models, global_prototypes, collected, validation, config
+    )
     val_x, val_y = validation
-    targets = distillation.avg_logits_targets(
-        _avg_logits(models, clients, keep, unlabeled))
+    targets = distillation.avg_logits_targets(_avg_logits(models, clients, keep, unlabeled))
     new_prototypes, measurements = [], collections.OrderedDict()
     steps = examples = tf.constant(0)
     for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
       kept = client_weights[p] * keep[p]
       start_p = tf.nest.map_structure(
-          lambda a, g, any_kept=tf.reduce_sum(kept) > 0: tf.where(
-              any_kept, a, g),
-          server_distillation.weighted_average(clients[p], kept), global_p)
+        lambda a, g, any_kept=tf.reduce_sum(kept) > 0: tf.where(any_kept, a, g),
+        server_distillation.weighted_average(clients[p], kept),
+        global_p,
+      )
       student, stats = server_distillation.distill_if(
-          informative, model, start_p, unlabeled, targets, config.distill,
-          tf.random.experimental.stateless_fold_in(seed, p), validation)
-      new_prototypes.append(tf.nest.map_structure(
-          lambda s, a: tf.where(informative, s, a), student, start_p))
+        informative,
+        model,
+        start_p,
+        unlabeled,
+        targets,
+        config.distill,
+        tf.random.experimental.stateless_fold_in(seed, p),
+        validation,
+      )
+      new_prototypes.append(
+        tf.nest.map_structure(lambda s, a: tf.where(informative, s, a), student, start_p)
+      )
       distillation.assign_weights(model, new_prototypes[p])
-      measurements[f"student_validation_accuracy_{names[p]}"] = (
-          distillation.accuracy(distillation.predict_logits(
-              model, val_x, distillation.EVAL_BATCH_SIZE), val_y))
+      measurements[f"student_validation_accuracy_{names[p]}"] = distillation.accuracy(
+        distillation.predict_logits(model, val_x, distillation.EVAL_BATCH_SIZE), val_y
+      )
       steps += stats["steps"]
       examples += stats["examples"]
   # With no client this round, every prototype stays as it was.
   any_received = tf.reduce_any(received)
   new_prototypes = tf.nest.map_structure(
-      lambda n, g: tf.where(any_received, n, g), tuple(new_prototypes),
-      tuple(global_prototypes))
-  with tf.control_dependencies(tf.nest.flatten(new_prototypes) +
-                               list(measurements.values())):
+    lambda n, g: tf.where(any_received, n, g), tuple(new_prototypes), tuple(global_prototypes)
+  )
+  with tf.control_dependencies(tf.nest.flatten(new_prototypes) + list(measurements.values())):
     seconds = tf.timestamp() - start
   measurements.update(
-      student_validation_accuracy=measurements[
-          f"student_validation_accuracy_{names[0]}"],
-      dropped_clients=(tf.reduce_sum(tf.cast(received, tf.int32)) -
-                       tf.cast(tf.add_n([tf.reduce_sum(k) for k in keep]),
-                               tf.int32)),
-      distilled=tf.cast(informative, tf.int32),
-      distill_steps=steps, distill_examples=examples,
-      server_seconds=tf.cast(seconds, tf.float32))
+    student_validation_accuracy=measurements[f"student_validation_accuracy_{names[0]}"],
+    dropped_clients=(
+      tf.reduce_sum(tf.cast(received, tf.int32))
+      - tf.cast(tf.add_n([tf.reduce_sum(k) for k in keep]), tf.int32)
+    ),
+    distilled=tf.cast(informative, tf.int32),
+    distill_steps=steps,
+    distill_examples=examples,
+    server_seconds=tf.cast(seconds, tf.float32),
+  )
   return new_prototypes, measurements
 
 
-def server_update(model_fns: Sequence[Callable[[], tf.keras.Model]],
-                  names: Sequence[str], global_prototypes, collected,
-                  round_num, data: server_data_lib.ServerData,
-                  config: server_distillation.ServerDistillationConfig):
+def server_update(
+  model_fns: Sequence[Callable[[], tf.keras.Model]],
+  names: Sequence[str],
+  global_prototypes,
+  collected,
+  round_num,
+  data: server_data_lib.ServerData,
+  config: server_distillation.ServerDistillationConfig,
+):
   """One round's server step over all prototypes (see the module docstring).
 
   Args:
@@ -215,16 +232,25 @@ def server_update(model_fns: Sequence[Callable[[], tf.keras.Model]],
   validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
   with tf.device(config.device):
     return _prototype_step(
-        [fn() for fn in model_fns], global_prototypes, collected,
-        server_distillation.round_seed(config, round_num),
-        tf.constant(data.unlabeled), validation, config, tuple(names))
+      [fn() for fn in model_fns],
+      global_prototypes,
+      collected,
+      server_distillation.round_seed(config, round_num),
+      tf.constant(data.unlabeled),
+      validation,
+      config,
+      tuple(names),
+    )
 
 
-def teacher_probabilities(model_fns: Sequence[Callable[[], tf.keras.Model]],
-                          global_prototypes, collected,
-                          data: server_data_lib.ServerData,
-                          config: server_distillation.ServerDistillationConfig,
-                          images):
+def teacher_probabilities(
+  model_fns: Sequence[Callable[[], tf.keras.Model]],
+  global_prototypes,
+  collected,
+  data: server_data_lib.ServerData,
+  config: server_distillation.ServerDistillationConfig,
+  images,
+):
   """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
   mean_entropy)`, the softmax of its AVGLOGITS and the kept clients' mean
   entropy.
@@ -234,30 +260,33 @@ def teacher_probabilities(model_fns: Sequence[Callable[[], tf.keras.Model]],
   """
   validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
   with tf.device(config.device):
-    return _teacher_step([fn() for fn in model_fns], global_prototypes,
-                         collected, validation, images, config)
+    return _teacher_step(
+      [fn() for fn in model_fns], global_prototypes, collected, validation, images, config
+    )
 
 
 @tf.function
-def _teacher_step(models, global_prototypes, collected, validation, images,
-                  config):
+def _teacher_step(models, global_prototypes, collected, validation, images, config):
   # A tf.function orders the variable assignments and reads (see
   # `distillation.assign_weights`).
   clients, _, keep, _, _ = _prototype_teachers(
-      models, global_prototypes, collected, validation, config)
+    models, global_prototypes, collected, validation, config
+  )
   predictions, counts = _ensemble_predictions(models, clients, keep, images)
   kept = tf.stack(counts)
   mean_entropy = tf.math.divide_no_nan(
-      tf.tensordot(kept, tf.stack([p["mean_entropy"] for p in predictions]),
-                   1), tf.reduce_sum(kept))
+    tf.tensordot(kept, tf.stack([p["mean_entropy"] for p in predictions]), 1), tf.reduce_sum(kept)
+  )
   return collections.OrderedDict(
-      probabilities=tf.nn.softmax(mean_logits_across(predictions, counts)),
-      mean_entropy=mean_entropy)
+    probabilities=tf.nn.softmax(mean_logits_across(predictions, counts)), mean_entropy=mean_entropy
+  )
 
 
 def build_prototype_client_work(
-    model_fns: Sequence[Callable[[], tf.keras.Model]], element_spec,
-    config: client_work_lib.LocalTrainingConfig, size: int
+  model_fns: Sequence[Callable[[], tf.keras.Model]],
+  element_spec,
+  config: client_work_lib.LocalTrainingConfig,
+  size: int,
 ) -> client_work_lib.ClientWork:
   """Client work training the architecture of the client's prototype.
 
@@ -266,8 +295,7 @@ def build_prototype_client_work(
   """
   for model_fn in model_fns:
     client_work_lib.check_data_fits_model(model_fn, element_spec)
-  download_type = tff.StructType([tff.TensorType(np.float32, [size]),
-                                  tff.TensorType(np.int32)])
+  download_type = tff.StructType([tff.TensorType(np.float32, [size]), tff.TensorType(np.int32)])
 
   def local_update(download, dataset, learning_rate, optimizer):
     packed, prototype = download
@@ -276,19 +304,21 @@ def build_prototype_client_work(
     def train(model):
       def branch():
         result, metrics = client_work_lib.train_locally(
-            model, optimizer,
-            unpack(packed, ModelWeights.from_model(model)), dataset,
-            learning_rate, config)
+          model,
+          optimizer,
+          unpack(packed, ModelWeights.from_model(model)),
+          dataset,
+          learning_rate,
+          config,
+        )
         return pack(result.update, size), result.update_weight, metrics
+
       return branch
 
-    update, weight, metrics = tf.switch_case(
-        prototype, [train(model) for model in models])
-    return tff.learning.templates.ClientResult((update, prototype),
-                                               weight), metrics
+    update, weight, metrics = tf.switch_case(prototype, [train(model) for model in models])
+    return tff.learning.templates.ClientResult((update, prototype), weight), metrics
 
-  return client_work_lib.build_sgd_client_work(local_update, download_type,
-                                               element_spec, config)
+  return client_work_lib.build_sgd_client_work(local_update, download_type, element_spec, config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,11 +339,15 @@ class PrototypeProcess:
 
 
 def build_heterogeneous_feddf(
-    model_fns: Sequence[Callable[[], tf.keras.Model]], names: Sequence[str],
-    element_spec, local_config: client_work_lib.LocalTrainingConfig,
-    data: server_data_lib.ServerData,
-    config: server_distillation.ServerDistillationConfig, *,
-    clients_per_round: int) -> PrototypeProcess:
+  model_fns: Sequence[Callable[[], tf.keras.Model]],
+  names: Sequence[str],
+  element_spec,
+  local_config: client_work_lib.LocalTrainingConfig,
+  data: server_data_lib.ServerData,
+  config: server_distillation.ServerDistillationConfig,
+  *,
+  clients_per_round: int,
+) -> PrototypeProcess:
   """Builds FedDF over P prototypes as a `tff.templates.IterativeProcess`.
 
   `next(state, client_data, client_indices)`: client i (its fixed index in
@@ -331,8 +365,10 @@ def build_heterogeneous_feddf(
     clients_per_round: the largest cohort.
   """
   if len(model_fns) < 2 or len(names) != len(model_fns):
-    raise ValueError("heterogeneous FedDF needs two or more prototypes, one "
-                     f"name each; got {len(model_fns)} and names {names}")
+    raise ValueError(
+      "heterogeneous FedDF needs two or more prototypes, one "
+      f"name each; got {len(model_fns)} and names {names}"
+    )
   if config.method != "feddf":
     raise ValueError(f"prototypes are FedDF's; got method {config.method!r}")
   num_prototypes = len(model_fns)
@@ -340,16 +376,16 @@ def build_heterogeneous_feddf(
   specs = [tff.types.type_to_tf_tensor_specs(t) for t in weights_types]
   for name, spec in zip(names, specs):
     if any(s.dtype != tf.float32 for s in tf.nest.flatten(spec)):
-      raise ValueError(f"prototype {name} has weights that are not float32: "
-                       "they cannot be packed into one float32 vector")
+      raise ValueError(
+        f"prototype {name} has weights that are not float32: "
+        "they cannot be packed into one float32 vector"
+      )
   size = max(packed_size(spec) for spec in specs)
-  client_work = build_prototype_client_work(model_fns, element_spec,
-                                            local_config, size)
+  client_work = build_prototype_client_work(model_fns, element_spec, local_config, size)
   client_update = client_work.client_update
   download_type = client_update.type_signature.parameter[0]
   update_type = client_update.type_signature.result[0].update
-  aggregator = server_distillation.build_collect_aggregator(
-      update_type, clients_per_round)
+  aggregator = server_distillation.build_collect_aggregator(update_type, clients_per_round)
   collected_type = aggregator.next.type_signature.result.result.member
   prototypes_type = tff.StructWithPythonType(weights_types, tuple)
 
@@ -359,8 +395,7 @@ def build_heterogeneous_feddf(
 
   @tff.tensorflow.computation(prototypes_type, collected_type, np.int32)
   def server_step(global_prototypes, collected, round_num):
-    return server_update(model_fns, names, global_prototypes, collected,
-                         round_num, data, config)
+    return server_update(model_fns, names, global_prototypes, collected, round_num, data, config)
 
   finalizer = server_distillation.build_step_finalizer(server_step)
 
@@ -371,24 +406,25 @@ def build_heterogeneous_feddf(
   # Selected values are unnamed tuples (see fed_ensemble.build_fed_ensemble).
   @tff.tensorflow.computation(prototypes_type, np.int32)
   def select_packed(prototypes, key):
-    return (tf.switch_case(key, [lambda m=m: pack(m, size)
-                                 for m in prototypes]),)
+    return (tf.switch_case(key, [lambda m=m: pack(m, size) for m in prototypes]),)
 
   @tff.tensorflow.computation(
-      tff.SequenceType(select_packed.type_signature.result),
-      tff.TensorType(np.int32, [1]))
+    tff.SequenceType(select_packed.type_signature.result), tff.TensorType(np.int32, [1])
+  )
   def to_download(selected, key):
-    (packed,) = selected.reduce((tf.zeros([size], tf.float32),),
-                                lambda _, x: x)
+    (packed,) = selected.reduce((tf.zeros([size], tf.float32),), lambda _, x: x)
     return packed, key[0]
 
   @tff.federated_computation
   def init_fn():
-    return tff.federated_zip(collections.OrderedDict(
+    return tff.federated_zip(
+      collections.OrderedDict(
         prototypes=tff.federated_eval(initial_prototypes, tff.SERVER),
         client_work=client_work.process.initialize(),
         aggregator=aggregator.initialize(),
-        finalizer=finalizer.initialize()))
+        finalizer=finalizer.initialize(),
+      )
+    )
 
   state_type = init_fn.type_signature.result
   data_type = client_work.process.next.type_signature.parameter[2]
@@ -399,48 +435,58 @@ def build_heterogeneous_feddf(
     # Distributor: each client downloads its own prototype's model.
     keys = tff.federated_map(prototype_of, client_indices)
     selected = tff.federated_select(
-        keys, tff.federated_value(np.int32(num_prototypes - 1), tff.SERVER),
-        state.prototypes, select_packed)
+      keys,
+      tff.federated_value(np.int32(num_prototypes - 1), tff.SERVER),
+      state.prototypes,
+      select_packed,
+    )
     work = client_work.process.next(
-        state.client_work, tff.federated_map(to_download, (selected, keys)),
-        client_data)
-    collected = aggregator.next(state.aggregator, work.result.update,
-                                work.result.update_weight)
+      state.client_work, tff.federated_map(to_download, (selected, keys)), client_data
+    )
+    collected = aggregator.next(state.aggregator, work.result.update, work.result.update_weight)
     return work, collected
 
   @tff.federated_computation(state_type, data_type, indices_type)
   def next_fn(state, client_data, client_indices):
-    work, collected = clients_and_aggregator(state, client_data,
-                                             client_indices)
-    final = finalizer.next(state.finalizer, state.prototypes,
-                           collected.result)
-    new_state = tff.federated_zip(collections.OrderedDict(
-        prototypes=final.result, client_work=work.state,
-        aggregator=collected.state, finalizer=final.state))
-    metrics = tff.federated_zip(collections.OrderedDict(
-        client_work=work.measurements, aggregator=collected.measurements,
-        finalizer=final.measurements))
+    work, collected = clients_and_aggregator(state, client_data, client_indices)
+    final = finalizer.next(state.finalizer, state.prototypes, collected.result)
+    new_state = tff.federated_zip(
+      collections.OrderedDict(
+        prototypes=final.result,
+        client_work=work.state,
+        aggregator=collected.state,
+        finalizer=final.state,
+      )
+    )
+    metrics = tff.federated_zip(
+      collections.OrderedDict(
+        client_work=work.measurements,
+        aggregator=collected.measurements,
+        finalizer=final.measurements,
+      )
+    )
     return new_state, metrics
 
-  images_type = tff.TensorType(
-      np.float32, [None, *server_distillation.input_shape(model_fns[0])])
+  images_type = tff.TensorType(np.float32, [None, *server_distillation.input_shape(model_fns[0])])
 
   @tff.tensorflow.computation(prototypes_type, collected_type, images_type)
   def teacher_step(global_prototypes, collected, images):
-    return teacher_probabilities(model_fns, global_prototypes, collected,
-                                 data, config, images)
+    return teacher_probabilities(model_fns, global_prototypes, collected, data, config, images)
 
-  @tff.federated_computation(state_type, data_type, indices_type,
-                             tff.FederatedType(images_type, tff.SERVER))
+  @tff.federated_computation(
+    state_type, data_type, indices_type, tff.FederatedType(images_type, tff.SERVER)
+  )
   def teachers_of_round(state, client_data, client_indices, images):
     _, collected = clients_and_aggregator(state, client_data, client_indices)
-    return tff.federated_map(teacher_step, (state.prototypes,
-                                            collected.result, images))
+    return tff.federated_map(teacher_step, (state.prototypes, collected.result, images))
 
   client_type = client_update.type_signature
-  download = tff.StructType([
-      ("model", download_type),
-      ("learning_rate", client_type.parameter.learning_rate)])
+  download = tff.StructType(
+    [("model", download_type), ("learning_rate", client_type.parameter.learning_rate)]
+  )
   return PrototypeProcess(
-      tff.templates.IterativeProcess(init_fn, next_fn), download,
-      client_type.result, teachers_of_round)
+    tff.templates.IterativeProcess(init_fn, next_fn),
+    download,
+    client_type.result,
+    teachers_of_round,
+  )

@@ -27,8 +27,7 @@ def member_losses(member_probs: np.ndarray, y: np.ndarray) -> np.ndarray:
   return -np.log(np.clip(p, 1e-12, 1.0)).mean(axis=1)
 
 
-def personalization_weights(losses: np.ndarray,
-                            temperature: float) -> np.ndarray:
+def personalization_weights(losses: np.ndarray, temperature: float) -> np.ndarray:
   """alpha = softmax(-losses / temperature) over the last axis (eq. 4)."""
   losses = np.asarray(losses, np.float64)
   if not temperature > 0:
@@ -41,17 +40,16 @@ def personalization_weights(losses: np.ndarray,
   return e / e.sum(axis=-1, keepdims=True)
 
 
-def weighted_probabilities(member_probs: np.ndarray,
-                           alpha: np.ndarray) -> np.ndarray:
+def weighted_probabilities(member_probs: np.ndarray, alpha: np.ndarray) -> np.ndarray:
   """sum_k alpha_k p_k: [K, n, classes], [K] -> [n, classes]."""
   return np.tensordot(alpha, member_probs, axes=1)
 
 
 def choose_temperature(
-    member_train_probs: Mapping[str, np.ndarray],
-    train_labels: Mapping[str, np.ndarray],
-    candidates: Sequence[float] = TEMPERATURE_GRID,
-    seed: int = 0,
+  member_train_probs: Mapping[str, np.ndarray],
+  train_labels: Mapping[str, np.ndarray],
+  candidates: Sequence[float] = TEMPERATURE_GRID,
+  seed: int = 0,
 ) -> float:
   """Picks tau from training data only, by a split of each client's data.
 
@@ -66,7 +64,7 @@ def choose_temperature(
   for client in clients:
     probs, y = member_train_probs[client], train_labels[client]
     order = rng.permutation(len(y))
-    fit, held = order[:len(y) // 2], order[len(y) // 2:]
+    fit, held = order[: len(y) // 2], order[len(y) // 2 :]
     losses = member_losses(probs[:, fit], y[fit])
     for i, tau in enumerate(candidates):
       alpha = personalization_weights(losses, tau)

@@ -54,18 +54,19 @@ class DPConfig:
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if self.clients_per_round <= 0:
-      raise ValueError(f"clients_per_round must be positive, got "
-                       f"{self.clients_per_round}")
+      raise ValueError(f"clients_per_round must be positive, got {self.clients_per_round}")
     if self.adaptive and not self.noise_multiplier:
-      raise ValueError("adaptive clipping (clip_norm 0) needs a noise "
-                       "multiplier > 0: set a fixed clip norm")
+      raise ValueError(
+        "adaptive clipping (clip_norm 0) needs a noise multiplier > 0: set a fixed clip norm"
+      )
     limit = 2 * _CLIPPED_COUNT_STDDEV_PER_CLIENT * self.clients_per_round
     if self.adaptive and self.noise_multiplier >= limit:
       raise ValueError(
-          f"adaptive clipping with {self.clients_per_round} clients per round "
-          f"needs a noise multiplier below {limit:g}, got "
-          f"{self.noise_multiplier}: set a fixed clip norm or sample more "
-          "clients per round")
+        f"adaptive clipping with {self.clients_per_round} clients per round "
+        f"needs a noise multiplier below {limit:g}, got "
+        f"{self.noise_multiplier}: set a fixed clip norm or sample more "
+        "clients per round"
+      )
 
   @property
   def adaptive(self) -> bool:
@@ -110,8 +111,8 @@ def add_gaussian_noise(value, stddev):
     stddev: the noise standard deviation, z C.
   """
   return tf.nest.map_structure(
-      lambda t: t + tf.random.normal(tf.shape(t), stddev=stddev,
-                                     dtype=t.dtype), value)
+    lambda t: t + tf.random.normal(tf.shape(t), stddev=stddev, dtype=t.dtype), value
+  )
 
 
 def aggregator_metrics(measurements) -> dict[str, float]:
@@ -136,8 +137,9 @@ def default_target_delta(num_clients: int) -> float:
   return 1.0 / num_clients**1.1
 
 
-def round_event(noise_multiplier: float, clients_per_round: int,
-                num_clients: int) -> dp_accounting.DpEvent:
+def round_event(
+  noise_multiplier: float, clients_per_round: int, num_clients: int
+) -> dp_accounting.DpEvent:
   """The privacy event of one DP-FedAvg round, for an RDP accountant.
 
   The training loop samples a cohort of exactly m of the N clients uniformly
@@ -152,13 +154,19 @@ def round_event(noise_multiplier: float, clients_per_round: int,
   event accounts for it.
   """
   return dp_accounting.SampledWithoutReplacementDpEvent(
-      source_dataset_size=num_clients, sample_size=clients_per_round,
-      event=dp_accounting.GaussianDpEvent(noise_multiplier / 2))
+    source_dataset_size=num_clients,
+    sample_size=clients_per_round,
+    event=dp_accounting.GaussianDpEvent(noise_multiplier / 2),
+  )
 
 
-def epsilons(noise_multiplier: float, clients_per_round: int,
-             num_clients: int, rounds: int, target_delta: float
-             ) -> np.ndarray:
+def epsilons(
+  noise_multiplier: float,
+  clients_per_round: int,
+  num_clients: int,
+  rounds: int,
+  target_delta: float,
+) -> np.ndarray:
   """epsilon at `target_delta` after rounds 1..`rounds`, by RDP composition.
 
   Every round counts as a release by its whole sampled cohort: dropouts and
@@ -166,15 +174,16 @@ def epsilons(noise_multiplier: float, clients_per_round: int,
   there is no guarantee).
   """
   if noise_multiplier <= 0:
-    raise ValueError(f"epsilon needs a noise multiplier > 0, got "
-                     f"{noise_multiplier}")
+    raise ValueError(f"epsilon needs a noise multiplier > 0, got {noise_multiplier}")
   orders = rdp_privacy_accountant.DEFAULT_RDP_ORDERS
   accountant = dp_accounting.rdp.RdpAccountant(
-      orders, dp_accounting.NeighboringRelation.REPLACE_ONE)
-  accountant.compose(round_event(noise_multiplier, clients_per_round,
-                                 num_clients))
+    orders, dp_accounting.NeighboringRelation.REPLACE_ONE
+  )
+  accountant.compose(round_event(noise_multiplier, clients_per_round, num_clients))
   per_round = accountant.rdp
-  return np.array([
-      dp_accounting.rdp.compute_epsilon(orders, r * per_round,
-                                        target_delta)[0]
-      for r in range(1, rounds + 1)])
+  return np.array(
+    [
+      dp_accounting.rdp.compute_epsilon(orders, r * per_round, target_delta)[0]
+      for r in range(1, rounds + 1)
+    ]
+  )

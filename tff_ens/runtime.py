@@ -44,9 +44,9 @@ _STOP_GRACE_S = 5.0
 # As in TFF's `executor_factory.py`: allow messages up to 2 GB.
 _GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
 _GRPC_CHANNEL_OPTIONS = [
-    ('grpc.max_message_length', _GRPC_MAX_MESSAGE_BYTES),
-    ('grpc.max_receive_message_length', _GRPC_MAX_MESSAGE_BYTES),
-    ('grpc.max_send_message_length', _GRPC_MAX_MESSAGE_BYTES),
+  ("grpc.max_message_length", _GRPC_MAX_MESSAGE_BYTES),
+  ("grpc.max_receive_message_length", _GRPC_MAX_MESSAGE_BYTES),
+  ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE_BYTES),
 ]
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -72,7 +72,7 @@ _installed = threading.local()
 
 
 def _current_worker() -> Optional[_Worker]:
-  stack = getattr(_installed, 'workers', [])
+  stack = getattr(_installed, "workers", [])
   return stack[-1] if stack else None
 
 
@@ -85,8 +85,9 @@ class _NoExecutionContext(tff.framework.SyncContext):
 
   def invoke(self, comp, arg):
     raise RuntimeError(
-        'TFF computations run inside tff_ens.runtime.execution_context(): '
-        'wrap the call in `with execution_context():`')
+      "TFF computations run inside tff_ens.runtime.execution_context(): "
+      "wrap the call in `with execution_context():`"
+    )
 
 
 tff.framework.set_default_context(_NoExecutionContext())
@@ -94,9 +95,9 @@ tff.framework.set_default_context(_NoExecutionContext())
 
 def worker_binary_path() -> str:
   """Path of the `worker_binary` shipped in the TFF wheel (as TFF finds it)."""
-  path = os.path.join(os.path.dirname(tff.__file__), 'data', 'worker_binary')
+  path = os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
   if not os.path.isfile(path):
-    raise RuntimeError(f'Expected a TFF worker binary at {path}.')
+    raise RuntimeError(f"Expected a TFF worker binary at {path}.")
   return path
 
 
@@ -112,7 +113,7 @@ def _die_with_parent(parent_pid: int):
     # worker; the worker must not die under the round in flight.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-      raise OSError(ctypes.get_errno(), 'prctl(PR_SET_PDEATHSIG) failed')
+      raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     # The parent may have died between fork() and prctl(): then no signal
     # will ever come.
     if os.getppid() != parent_pid:
@@ -122,14 +123,14 @@ def _die_with_parent(parent_pid: int):
 
 
 # glibc's MALLOC_ARENA_MAX for the worker (see `start_worker`).
-WORKER_MALLOC_ARENAS = '2'
+WORKER_MALLOC_ARENAS = "2"
 
 
 def start_worker(
-    port: int,
-    *,
-    max_concurrent_computation_calls: int = -1,
-    log_path: Optional[str] = None,
+  port: int,
+  *,
+  max_concurrent_computation_calls: int = -1,
+  log_path: Optional[str] = None,
 ) -> subprocess.Popen:
   """Starts a TFF C++ worker service on `port` (all interfaces).
 
@@ -151,29 +152,29 @@ def start_worker(
     The worker process.
   """
   args = [
-      worker_binary_path(),
-      f'--port={port}',
-      f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
+    worker_binary_path(),
+    f"--port={port}",
+    f"--max_concurrent_computation_calls={max_concurrent_computation_calls}",
   ]
   # glibc gives the worker's threads many malloc arenas, which keep the pages
   # of freed tensors: with two, a FedDF worker's peak over 20 rounds is a fifth
   # lower at the same speed (benchmarks/RESULTS.md, "Worker
   # memory and malloc arenas"). A value set by the caller wins.
   env = dict(os.environ)
-  env.setdefault('MALLOC_ARENA_MAX', WORKER_MALLOC_ARENAS)
+  env.setdefault("MALLOC_ARENA_MAX", WORKER_MALLOC_ARENAS)
   with contextlib.ExitStack() as stack:
     if log_path is None:
       output = subprocess.DEVNULL
     else:
-      output = stack.enter_context(open(log_path, 'ab'))
+      output = stack.enter_context(open(log_path, "ab"))
     return subprocess.Popen(
-        args,
-        stdin=subprocess.DEVNULL,
-        stdout=output,
-        stderr=output,
-        close_fds=True,
-        env=env,
-        preexec_fn=_die_with_parent(os.getpid()),
+      args,
+      stdin=subprocess.DEVNULL,
+      stdout=output,
+      stderr=output,
+      close_fds=True,
+      env=env,
+      preexec_fn=_die_with_parent(os.getpid()),
     )
 
 
@@ -192,9 +193,9 @@ def stop_worker(process: subprocess.Popen) -> None:
 
 
 def _wait_until_serving(
-    stub: tff.framework.RemoteExecutorGrpcStub,
-    address: str,
-    process: Optional[subprocess.Popen],
+  stub: tff.framework.RemoteExecutorGrpcStub,
+  address: str,
+  process: Optional[subprocess.Popen],
 ) -> None:
   """Blocks until `stub` is connected, or raises a one-line WorkerError.
 
@@ -213,15 +214,13 @@ def _wait_until_serving(
   while True:
     if process is not None and process.poll() is not None:
       raise WorkerError(
-          f'TFF worker {process.args[0]} for {address} exited with code '
-          f'{process.returncode}.'
+        f"TFF worker {process.args[0]} for {address} exited with code {process.returncode}."
       )
     if stub.is_ready:
       return
     if time.monotonic() > deadline:
       raise WorkerError(
-          f'TFF worker at {address} is unreachable (no gRPC connection within'
-          f' {timeout:g} s).'
+        f"TFF worker at {address} is unreachable (no gRPC connection within {timeout:g} s)."
       )
     time.sleep(0.05)
 
@@ -261,10 +260,10 @@ class _LatestExecutorFactory(tff.framework.ExecutorFactory):
 
 
 def _executor_factory(
-    stub: tff.framework.RemoteExecutorGrpcStub,
-    address: str,
-    process: Optional[subprocess.Popen],
-    executors: list[tff.framework.RemoteExecutor],
+  stub: tff.framework.RemoteExecutorGrpcStub,
+  address: str,
+  process: Optional[subprocess.Popen],
+  executors: list[tff.framework.RemoteExecutor],
 ) -> tff.framework.ExecutorFactory:
   """Executor factory over one worker, as TFF's `local_cpp_executor_factory`."""
 
@@ -286,9 +285,9 @@ def _executor_factory(
 
 def _is_per_client(type_spec: tff.types.Type) -> bool:
   return (
-      isinstance(type_spec, tff.FederatedType)
-      and type_spec.placement is tff.CLIENTS
-      and not type_spec.all_equal
+    isinstance(type_spec, tff.FederatedType)
+    and type_spec.placement is tff.CLIENTS
+    and not type_spec.all_equal
   )
 
 
@@ -301,17 +300,17 @@ def _compile_to_mergeable_form(comp):
   """
   if tff.types.contains(comp.type_signature.result, _is_per_client):
     raise ValueError(
-        'Computations returning CLIENTS-placed values cannot run on several '
-        'workers (TFF 0.87 returns them out of client order); use one worker.'
+      "Computations returning CLIENTS-placed values cannot run on several "
+      "workers (TFF 0.87 returns them out of client order); use one worker."
     )
   return tff.backends.native.compile_to_mergeable_comp_form(comp)
 
 
 @contextlib.contextmanager
 def execution_context(
-    *,
-    workers: Sequence[str] = (),
-    max_concurrent_computation_calls: int = -1,
+  *,
+  workers: Sequence[str] = (),
+  max_concurrent_computation_calls: int = -1,
 ) -> Iterator[None]:
   """Installs a TFF C++ execution context for the duration of the block and shuts it down on exit.
 
@@ -344,8 +343,8 @@ def execution_context(
   """
   if workers and max_concurrent_computation_calls > 0:
     raise ValueError(
-        'max_concurrent_computation_calls is a flag of the worker process; '
-        'pass it to start_worker for workers given by address.'
+      "max_concurrent_computation_calls is a flag of the worker process; "
+      "pass it to start_worker for workers given by address."
     )
   process = None
   channels = []
@@ -356,10 +355,10 @@ def execution_context(
     else:
       port = portpicker.pick_unused_port()
       process = start_worker(
-          port,
-          max_concurrent_computation_calls=max_concurrent_computation_calls,
+        port,
+        max_concurrent_computation_calls=max_concurrent_computation_calls,
       )
-      addresses = [f'localhost:{port}']
+      addresses = [f"localhost:{port}"]
     factories = []
     for address in addresses:
       channel = grpc.insecure_channel(address, _GRPC_CHANNEL_OPTIONS)
@@ -369,30 +368,27 @@ def execution_context(
       factories.append(_executor_factory(stub, address, process, executors))
 
     transforms = dict(
-        transform_args=tff.tensorflow.transform_args,
-        transform_result=tff.tensorflow.transform_result,
+      transform_args=tff.tensorflow.transform_args,
+      transform_result=tff.tensorflow.transform_result,
     )
     # The same compiler and transforms as TFF's
     # `create_sync_local_cpp_execution_context`.
     compiler_fn = tff.backends.native.desugar_and_transform_to_native
     if len(factories) == 1:
-      context = tff.framework.SyncExecutionContext(
-          factories[0], compiler_fn, **transforms
-      )
+      context = tff.framework.SyncExecutionContext(factories[0], compiler_fn, **transforms)
     else:
       context = tff.framework.MergeableCompExecutionContext(
-          async_contexts=[
-              tff.framework.AsyncExecutionContext(f, compiler_fn, **transforms)
-              for f in factories
-          ],
-          compiler_fn=_compile_to_mergeable_form,
-          **transforms,
+        async_contexts=[
+          tff.framework.AsyncExecutionContext(f, compiler_fn, **transforms) for f in factories
+        ],
+        compiler_fn=_compile_to_mergeable_form,
+        **transforms,
       )
-    if not hasattr(_installed, 'workers'):
+    if not hasattr(_installed, "workers"):
       _installed.workers = []
     _installed.workers.append(
-        _Worker(stub, addresses[0], process, executors)
-        if len(factories) == 1 else None)
+      _Worker(stub, addresses[0], process, executors) if len(factories) == 1 else None
+    )
     try:
       with tff.framework.get_context_stack().install(context):
         yield
@@ -443,8 +439,7 @@ class ResidentState:
   through the context as usual.
   """
 
-  def __init__(self, next_computation, state, *,
-               max_growth_bytes: int = 2 * 2**30):
+  def __init__(self, next_computation, state, *, max_growth_bytes: int = 2 * 2**30):
     """`next_computation`: a TFF computation `(state, *args) -> (state, metrics)`."""
     self._next = next_computation
     self._worker = _current_worker()
@@ -458,8 +453,7 @@ class ResidentState:
     self._clients = None
     self._comp = None
     if self._worker is not None:
-      self._compiled = tff.backends.native.desugar_and_transform_to_native(
-          next_computation)
+      self._compiled = tff.backends.native.desugar_and_transform_to_native(next_computation)
 
   @property
   def value(self):
@@ -485,28 +479,28 @@ class ResidentState:
       self._state, *results = _state_first(self._next(self.value, *args))
       return results[0] if len(results) == 1 else tuple(results)
     parameter = self._compiled.type_signature.parameter
-    clients = {len(a) for a, t in zip(args, list(parameter)[1:])
-               if _is_per_client(t)}
+    clients = {len(a) for a, t in zip(args, list(parameter)[1:]) if _is_per_client(t)}
     if len(clients) > 1:
-      raise ValueError(f'CLIENTS-placed arguments of different lengths: '
-                       f'{sorted(clients)}')
+      raise ValueError(f"CLIENTS-placed arguments of different lengths: {sorted(clients)}")
     with self._worker_errors():
       self._use_executor(clients.pop() if clients else 0)
       if self._remote is None:
-        self._remote = self._run(self._executor.create_value(
-            tff.tensorflow.transform_args(self._state), parameter[0]))
+        self._remote = self._run(
+          self._executor.create_value(tff.tensorflow.transform_args(self._state), parameter[0])
+        )
       values = [self._remote] + [
-          self._run(self._executor.create_value(
-              tff.tensorflow.transform_args(a), t))
-          for a, t in zip(args, list(parameter)[1:])]
-      call = self._run(self._executor.create_call(
-          self._comp, self._run(self._executor.create_struct(values))))
+        self._run(self._executor.create_value(tff.tensorflow.transform_args(a), t))
+        for a, t in zip(args, list(parameter)[1:])
+      ]
+      call = self._run(
+        self._executor.create_call(self._comp, self._run(self._executor.create_struct(values)))
+      )
       self._remote = self._run(self._executor.create_selection(call, 0))
       self._state = None
       results = tuple(
-          self._download(self._run(self._executor.create_selection(call, i)),
-                         i)
-          for i in range(1, len(self._next.type_signature.result)))
+        self._download(self._run(self._executor.create_selection(call, i)), i)
+        for i in range(1, len(self._next.type_signature.result))
+      )
     self._rounds_held += 1
     if self._cut_due():
       _ = self.value  # Downloads the state; the next round uploads it.
@@ -538,23 +532,23 @@ class ResidentState:
       _ = self.value  # Downloaded (and let go) before the executor frees it.
       self._worker.executors.remove(self._executor)
       self._executor.close()
-    _wait_until_serving(self._worker.stub, self._worker.address,
-                        self._worker.process)
+    _wait_until_serving(self._worker.stub, self._worker.address, self._worker.process)
     # Values are disposed on the worker as soon as Python drops them, so
     # a replaced state does not wait there for a batch of 20.
-    self._executor = tff.framework.RemoteExecutor(
-        self._worker.stub, dispose_batch_size=1)
+    self._executor = tff.framework.RemoteExecutor(self._worker.stub, dispose_batch_size=1)
     self._executor.set_cardinalities({tff.CLIENTS: clients})
     self._worker.executors.append(self._executor)
     self._clients = clients
-    self._comp = self._run(self._executor.create_value(
-        self._compiled, self._compiled.type_signature))
+    self._comp = self._run(
+      self._executor.create_value(self._compiled, self._compiled.type_signature)
+    )
 
   def _download(self, remote, index: int):
     with self._worker_errors():
       value = self._run(remote.compute())
-    return tff.tensorflow.transform_result(tff.types.type_to_py_container(
-        value, self._next.type_signature.result[index]))
+    return tff.tensorflow.transform_result(
+      tff.types.type_to_py_container(value, self._next.type_signature.result[index])
+    )
 
   @contextlib.contextmanager
   def _worker_errors(self):
@@ -566,8 +560,7 @@ class ResidentState:
         # A killed worker may still be exiting when its connection drops.
         with contextlib.suppress(subprocess.TimeoutExpired):
           self._worker.process.wait(timeout=_STOP_GRACE_S)
-      _wait_until_serving(self._worker.stub, self._worker.address,
-                          self._worker.process)
+      _wait_until_serving(self._worker.stub, self._worker.address, self._worker.process)
       raise
 
   @staticmethod
@@ -579,8 +572,8 @@ class ResidentState:
 
 def _resident_bytes(pid: int) -> int:
   """Resident memory of a local process (Linux, as TFF's worker binary)."""
-  with open(f'/proc/{pid}/statm') as f:
-    return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  with open(f"/proc/{pid}/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def state_and_metrics(output) -> tuple[Any, Any]:
@@ -590,6 +583,6 @@ def state_and_metrics(output) -> tuple[Any, Any]:
 
 def _state_first(output) -> tuple:
   """The results of a process's `next`, the state first."""
-  if hasattr(output, 'state'):  # tff.learning's LearningProcessOutput.
+  if hasattr(output, "state"):  # tff.learning's LearningProcessOutput.
     return output.state, output.metrics
   return tuple(output)

@@ -52,50 +52,58 @@ def _load_unlabeled(path: str, task) -> np.ndarray:
   """Images of `path`: a `.npz` with `x`, or a LEAF directory of `task`."""
   if path.endswith(".npz"):
     if not os.path.isfile(path):
-      raise tasks.DataError(f"--server_data={path} does not exist: pass a "
-                            ".npz file with an array x, or a LEAF directory")
+      raise tasks.DataError(
+        f"--server_data={path} does not exist: pass a "
+        ".npz file with an array x, or a LEAF directory"
+      )
     try:
       with np.load(path) as archive:
         names = archive.files
         x = np.asarray(archive["x"], np.float32) if "x" in names else None
     except (OSError, ValueError) as e:
-      raise tasks.DataError(f"--server_data={path} is not a readable .npz "
-                            f"file ({e}): pass a file written by np.savez")
+      raise tasks.DataError(
+        f"--server_data={path} is not a readable .npz file ({e}): pass a file written by np.savez"
+      )
     if x is None:
       raise tasks.DataError(
-          f"--server_data={path} has no array 'x' (it has "
-          f"{', '.join(names) or 'none'}): save the images as x")
+        f"--server_data={path} has no array 'x' (it has "
+        f"{', '.join(names) or 'none'}): save the images as x"
+      )
   else:
     data = task.load_data(path)
-    x = np.concatenate([split.concatenated()[0] for split in
-                        (data.train, data.test, data.new_clients)])
+    x = np.concatenate(
+      [split.concatenated()[0] for split in (data.train, data.test, data.new_clients)]
+    )
   if x.shape[1:] != tuple(task.INPUT_SHAPE):
     raise tasks.DataError(
-        f"--server_data={path} holds images of shape {x.shape[1:]}, the task "
-        f"needs {tuple(task.INPUT_SHAPE)}: pass images of the task")
+      f"--server_data={path} holds images of shape {x.shape[1:]}, the task "
+      f"needs {tuple(task.INPUT_SHAPE)}: pass images of the task"
+    )
   if not np.all(np.isfinite(x)):
-    raise tasks.DataError(f"--server_data={path} has NaN or Inf pixels: "
-                          "clean the images")
+    raise tasks.DataError(f"--server_data={path} has NaN or Inf pixels: clean the images")
   return x
 
 
 def _row_hashes(x: np.ndarray) -> set[bytes]:
-  return {hashlib.blake2b(row.tobytes(), digest_size=16).digest()
-          for row in np.ascontiguousarray(x, np.float32)}
+  return {
+    hashlib.blake2b(row.tobytes(), digest_size=16).digest()
+    for row in np.ascontiguousarray(x, np.float32)
+  }
 
 
-def check_disjoint(server_images: np.ndarray, test_images: np.ndarray,
-                   what: str) -> None:
+def check_disjoint(server_images: np.ndarray, test_images: np.ndarray, what: str) -> None:
   """Raises DataError if an image of the test data is among the server's."""
   shared = len(_row_hashes(server_images) & _row_hashes(test_images))
   if shared:
     raise tasks.DataError(
-        f"{what} contains {shared} images of the test data used for "
-        "test_accuracy: give the server data without them")
+      f"{what} contains {shared} images of the test data used for "
+      "test_accuracy: give the server data without them"
+    )
 
 
-def server_split(data, task, *, seed: int, validation_fraction: float = 0.2,
-                 unlabeled_path: str | None = None) -> ServerData:
+def server_split(
+  data, task, *, seed: int, validation_fraction: float = 0.2, unlabeled_path: str | None = None
+) -> ServerData:
   """The server's data for `data` (a task's `FederatedData`); see module doc.
 
   Args:
@@ -107,8 +115,7 @@ def server_split(data, task, *, seed: int, validation_fraction: float = 0.2,
     unlabeled_path: another source of unlabeled images (`--server_data`).
   """
   if not 0 < validation_fraction < 1:
-    raise ValueError("validation_fraction must be in (0, 1), got "
-                     f"{validation_fraction}")
+    raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
   if data.server is not None:
     validation_x = data.server.validation_x
     validation_y = data.server.validation_y
@@ -116,44 +123,48 @@ def server_split(data, task, *, seed: int, validation_fraction: float = 0.2,
     source = f"{data.source} (set aside from training, unlabeled)"
   else:
     validation_x, validation_y, unlabeled, source = _split_test_only_writers(
-        data, seed, validation_fraction, unlabeled_path is None)
+      data, seed, validation_fraction, unlabeled_path is None
+    )
   if unlabeled_path is not None:
     unlabeled = _load_unlabeled(unlabeled_path, task)
     source = os.path.abspath(unlabeled_path)
   if not len(validation_y):
     raise tasks.DataError(
-        f"the data at {data.source} give the server no labeled validation "
-        "examples: set some aside (--server_validation_examples)")
+      f"the data at {data.source} give the server no labeled validation "
+      "examples: set some aside (--server_validation_examples)"
+    )
   test_x = data.test.concatenated()[0]
   check_disjoint(unlabeled, test_x, f"the server's unlabeled data ({source})")
   check_disjoint(validation_x, test_x, "the server's validation data")
   if not len(unlabeled):
-    raise tasks.DataError(f"the server's unlabeled data ({source}) is empty: "
-                          "pass --server_data with images")
-  return ServerData(unlabeled=unlabeled, validation_x=validation_x,
-                    validation_y=validation_y, source=source)
+    raise tasks.DataError(
+      f"the server's unlabeled data ({source}) is empty: pass --server_data with images"
+    )
+  return ServerData(
+    unlabeled=unlabeled, validation_x=validation_x, validation_y=validation_y, source=source
+  )
 
 
-def _split_test_only_writers(data, seed: int, validation_fraction: float,
-                             need_unlabeled: bool):
+def _split_test_only_writers(data, seed: int, validation_fraction: float, need_unlabeled: bool):
   """(validation x, y, unlabeled images, source) from the test-only writers."""
   writers = list(data.new_clients.client_ids)
   if len(writers) < 2 and need_unlabeled:
     raise tasks.DataError(
-        f"the data at {data.source} has {len(writers)} writers with test data "
-        "only; the server needs at least 2 (unlabeled and validation): use a "
-        "fuller LEAF directory or pass --server_data")
+      f"the data at {data.source} has {len(writers)} writers with test data "
+      "only; the server needs at least 2 (unlabeled and validation): use a "
+      "fuller LEAF directory or pass --server_data"
+    )
   if not writers:
     raise tasks.DataError(
-        f"the data at {data.source} has no writers with test data only, so "
-        "the server has no labeled validation split: use a fuller LEAF "
-        "directory")
+      f"the data at {data.source} has no writers with test data only, so "
+      "the server has no labeled validation split: use a fuller LEAF "
+      "directory"
+    )
   order = np.random.default_rng([seed, 2]).permutation(len(writers))
   num_validation = max(1, int(round(validation_fraction * len(writers))))
-  validation = data.new_clients.subset(
-      [writers[i] for i in order[:num_validation]])
+  validation = data.new_clients.subset([writers[i] for i in order[:num_validation]])
   validation_x, validation_y = validation.concatenated()
-  unlabeled = data.new_clients.subset(
-      [writers[i] for i in order[num_validation:]]).concatenated()[0]
-  return (validation_x, validation_y, unlabeled,
-          f"{data.source} (test-only writers, unlabeled)")
+  unlabeled = data.new_clients.subset([writers[i] for i in order[num_validation:]]).concatenated()[
+    0
+  ]
+  return (validation_x, validation_y, unlabeled, f"{data.source} (test-only writers, unlabeled)")

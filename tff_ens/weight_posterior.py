@@ -40,8 +40,7 @@ DIRICHLETS = ("paper", "code", "proportional")
 def _check_choice(name: str, value: str, allowed):
   """Raises ValueError unless `value` is one of `allowed`."""
   if value not in allowed:
-    raise ValueError(f"unknown {name} {value!r}: choose one of "
-                     f"{', '.join(allowed)}")
+    raise ValueError(f"unknown {name} {value!r}: choose one of {', '.join(allowed)}")
 
 
 def moment_terms(weights, client_weight):
@@ -55,8 +54,7 @@ def moment_terms(weights, client_weight):
   """
   client_weight = tf.cast(client_weight, tf.float32)
   first = tf.nest.map_structure(lambda t: client_weight * t, weights)
-  second = tf.nest.map_structure(lambda t: client_weight * tf.square(t),
-                                 weights)
+  second = tf.nest.map_structure(lambda t: client_weight * tf.square(t), weights)
   return first, second, client_weight
 
 
@@ -73,17 +71,16 @@ def gaussian_from_moments(weighted_sum, weighted_sum_of_squares, total_weight):
     `(mean, variance)`, each of the structure of `weighted_sum`.
   """
   total_weight = tf.cast(total_weight, tf.float32)
-  mean = tf.nest.map_structure(
-      lambda s: tf.math.divide_no_nan(s, total_weight), weighted_sum)
+  mean = tf.nest.map_structure(lambda s: tf.math.divide_no_nan(s, total_weight), weighted_sum)
   variance = tf.nest.map_structure(
-      lambda s2, m: tf.maximum(
-          tf.math.divide_no_nan(s2, total_weight) - tf.square(m), 0.0),
-      weighted_sum_of_squares, mean)
+    lambda s2, m: tf.maximum(tf.math.divide_no_nan(s2, total_weight) - tf.square(m), 0.0),
+    weighted_sum_of_squares,
+    mean,
+  )
   return mean, variance
 
 
-def normalized_update_gaussian(updates, client_weights, var_scale: float,
-                               var_clamp: float):
+def normalized_update_gaussian(updates, client_weights, var_scale: float, var_clamp: float):
   """The authors' Gaussian over updates (FedBE code, `swag.py`, "gaussian").
 
   Per tensor, over the n clients with weight > 0 and unweighted: the unit
@@ -108,25 +105,22 @@ def normalized_update_gaussian(updates, client_weights, var_scale: float,
 
   def fit(update):
     update = tf.cast(update, tf.float32)
-    norms = tf.sqrt(tf.reduce_sum(tf.square(update),
-                                  axis=list(range(1, update.shape.rank))))
-    units = tf.math.divide_no_nan(
-        update, tf.reshape(norms, [-1] + [1] * (update.shape.rank - 1)))
+    norms = tf.sqrt(tf.reduce_sum(tf.square(update), axis=list(range(1, update.shape.rank))))
+    units = tf.math.divide_no_nan(update, tf.reshape(norms, [-1] + [1] * (update.shape.rank - 1)))
     mean_unit = tf.tensordot(share, units, axes=1)
     variance_unit = tf.maximum(
-        tf.tensordot(share, tf.square(units), axes=1) - tf.square(mean_unit),
-        var_clamp)
+      tf.tensordot(share, tf.square(units), axes=1) - tf.square(mean_unit), var_clamp
+    )
     mean_norm = tf.tensordot(share, norms, axes=1)
-    return (mean_norm * mean_unit,
-            tf.square(var_scale * mean_norm) * variance_unit)
+    return (mean_norm * mean_unit, tf.square(var_scale * mean_norm) * variance_unit)
 
   fitted = [fit(update) for update in tf.nest.flatten(updates)]
-  return tuple(tf.nest.pack_sequence_as(updates, [f[part] for f in fitted])
-               for part in (0, 1))
+  return tuple(tf.nest.pack_sequence_as(updates, [f[part] for f in fitted]) for part in (0, 1))
 
 
-def fit_gaussian_to_updates(updates, client_weights, gaussian: str = "paper",
-                            var_scale: float = 0.1, var_clamp: float = 1e-5):
+def fit_gaussian_to_updates(
+  updates, client_weights, gaussian: str = "paper", var_scale: float = 0.1, var_clamp: float = 1e-5
+):
   """Mean and diagonal variance of FedBE's Gaussian over the clients' updates.
 
   `gaussian` is one of GAUSSIANS:
@@ -148,24 +142,19 @@ def fit_gaussian_to_updates(updates, client_weights, gaussian: str = "paper",
   _check_choice("gaussian", gaussian, GAUSSIANS)
   if gaussian == "code":
     if var_scale <= 0 or var_clamp < 0:
-      raise ValueError(f"need var_scale > 0 and var_clamp >= 0, got "
-                       f"{var_scale} and {var_clamp}")
-    return normalized_update_gaussian(updates, client_weights, var_scale,
-                                      var_clamp)
+      raise ValueError(f"need var_scale > 0 and var_clamp >= 0, got {var_scale} and {var_clamp}")
+    return normalized_update_gaussian(updates, client_weights, var_scale, var_clamp)
   client_weights = tf.cast(client_weights, tf.float32)
   return gaussian_from_moments(
-      tf.nest.map_structure(
-          lambda t: tf.tensordot(client_weights, t, axes=1), updates),
-      tf.nest.map_structure(
-          lambda t: tf.tensordot(client_weights, tf.square(t), axes=1),
-          updates),
-      tf.reduce_sum(client_weights))
+    tf.nest.map_structure(lambda t: tf.tensordot(client_weights, t, axes=1), updates),
+    tf.nest.map_structure(lambda t: tf.tensordot(client_weights, tf.square(t), axes=1), updates),
+    tf.reduce_sum(client_weights),
+  )
 
 
 def _seed_for(seed, index: int):
   """A stateless seed per tensor `index` of a structure, from `seed` [2]."""
-  return tf.random.experimental.stateless_fold_in(
-      tf.cast(seed, tf.int64), index)
+  return tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), index)
 
 
 def sample_gaussian(mean, variance, num_samples: int, seed):
@@ -188,10 +177,11 @@ def sample_gaussian(mean, variance, num_samples: int, seed):
   Returns:
     The structure of `mean` with tensors stacked to [M, ...].
   """
+
   def sample(index, m, v):
     noise = tf.random.stateless_normal(
-        [num_samples] + m.shape.as_list(), seed=_seed_for(seed, index),
-        dtype=m.dtype)
+      [num_samples] + m.shape.as_list(), seed=_seed_for(seed, index), dtype=m.dtype
+    )
     return m[None] + tf.sqrt(v)[None] * noise
 
   def tile(m):
@@ -203,8 +193,10 @@ def sample_gaussian(mean, variance, num_samples: int, seed):
     num_trainable = len(tf.nest.flatten(mean.trainable))
   else:
     num_trainable = len(flat_mean)
-  samples = [sample(i, m, v) if i < num_trainable else tile(m)
-             for i, (m, v) in enumerate(zip(flat_mean, flat_variance))]
+  samples = [
+    sample(i, m, v) if i < num_trainable else tile(m)
+    for i, (m, v) in enumerate(zip(flat_mean, flat_variance))
+  ]
   return tf.nest.pack_sequence_as(mean, samples)
 
 
@@ -221,8 +213,7 @@ def dirichlet_concentration(client_weights, alpha, symmetric: bool = False):
   present = tf.cast(client_weights > 0, tf.float32)
   if symmetric:
     return alpha * present
-  proportions = tf.math.divide_no_nan(client_weights,
-                                      tf.reduce_sum(client_weights))
+  proportions = tf.math.divide_no_nan(client_weights, tf.reduce_sum(client_weights))
   return alpha * tf.reduce_sum(present) * proportions
 
 
@@ -234,12 +225,12 @@ def reweight_by_size(gamma, client_weights):
     client_weights: [N] client weights |D_i|.
   """
   weighted = gamma * tf.cast(client_weights, gamma.dtype)[None]
-  return tf.math.divide_no_nan(
-      weighted, tf.reduce_sum(weighted, axis=1, keepdims=True))
+  return tf.math.divide_no_nan(weighted, tf.reduce_sum(weighted, axis=1, keepdims=True))
 
 
-def sample_dirichlet_coefficients(client_weights, alpha, num_samples: int,
-                                  seed, dirichlet: str = "paper"):
+def sample_dirichlet_coefficients(
+  client_weights, alpha, num_samples: int, seed, dirichlet: str = "paper"
+):
   """Convex-combination coefficients [M, N] of FedBE's Dirichlet (Sec. 4.2).
 
   `dirichlet` is one of DIRICHLETS:
@@ -267,16 +258,21 @@ def sample_dirichlet_coefficients(client_weights, alpha, num_samples: int,
   """
   _check_choice("dirichlet", dirichlet, DIRICHLETS)
   concentration = dirichlet_concentration(
-      client_weights, alpha, symmetric=dirichlet != "proportional")
+    client_weights, alpha, symmetric=dirichlet != "proportional"
+  )
   present = tf.cast(concentration > 0, tf.float32)
   # A zero concentration is outside Gamma's domain: draw with 1, then drop.
-  draws = tf.random.stateless_gamma(
-      [num_samples, concentration.shape[0]], seed=tf.cast(seed, tf.int64),
-      alpha=tf.where(present > 0, concentration, 1.0)) * present
+  draws = (
+    tf.random.stateless_gamma(
+      [num_samples, concentration.shape[0]],
+      seed=tf.cast(seed, tf.int64),
+      alpha=tf.where(present > 0, concentration, 1.0),
+    )
+    * present
+  )
   totals = tf.reduce_sum(draws, axis=1, keepdims=True)
   mean = concentration / tf.reduce_sum(concentration)
-  gamma = tf.where(totals > 0, tf.math.divide_no_nan(draws, totals),
-                   mean[None])
+  gamma = tf.where(totals > 0, tf.math.divide_no_nan(draws, totals), mean[None])
   if dirichlet == "paper":
     return reweight_by_size(gamma, client_weights)
   return gamma
@@ -294,8 +290,8 @@ def combine_models(stacked_models, coefficients):
     statistics) are combined with the same coefficients.
   """
   return tf.nest.map_structure(
-      lambda t: tf.tensordot(tf.cast(coefficients, t.dtype), t, axes=1),
-      stacked_models)
+    lambda t: tf.tensordot(tf.cast(coefficients, t.dtype), t, axes=1), stacked_models
+  )
 
 
 def teacher_stack(targets: str, average, clients=None, samples=None):
@@ -315,13 +311,14 @@ def teacher_stack(targets: str, average, clients=None, samples=None):
     The structure with tensors [num_teachers, ...].
   """
   _check_choice("targets", targets, TARGETS)
-  parts = [tf.nest.map_structure(lambda t: t[None], average)] if (
-      "A" in targets) else []
+  parts = [tf.nest.map_structure(lambda t: t[None], average)] if ("A" in targets) else []
   for letter, stacked in (("C", clients), ("S", samples)):
     if letter in targets:
       if stacked is None:
-        raise ValueError(f"targets {targets!r} include {letter!r}: pass the "
-                         f"{'clients' if letter == 'C' else 'samples'}")
+        raise ValueError(
+          f"targets {targets!r} include {letter!r}: pass the "
+          f"{'clients' if letter == 'C' else 'samples'}"
+        )
       parts.append(stacked)
   if len(parts) == 1:
     return parts[0]
@@ -330,8 +327,7 @@ def teacher_stack(targets: str, average, clients=None, samples=None):
 
 def num_teachers(targets: str, num_clients: int, num_samples: int) -> int:
   """How many teachers `teacher_stack(targets, ...)` returns."""
-  return (("A" in targets) + num_clients * ("C" in targets) +
-          num_samples * ("S" in targets))
+  return ("A" in targets) + num_clients * ("C" in targets) + num_samples * ("S" in targets)
 
 
 def teacher_weights(targets: str, client_weights, num_samples: int):
@@ -344,8 +340,7 @@ def teacher_weights(targets: str, client_weights, num_samples: int):
   _check_choice("targets", targets, TARGETS)
   parts = [tf.ones([1])] if "A" in targets else []
   if "C" in targets:
-    parts.append(tf.cast(tf.convert_to_tensor(client_weights) > 0,
-                         tf.float32))
+    parts.append(tf.cast(tf.convert_to_tensor(client_weights) > 0, tf.float32))
   if "S" in targets:
     parts.append(tf.ones([num_samples]))
   return tf.concat(parts, axis=0)

@@ -35,15 +35,15 @@ def define_flags():
   `tff_ens.main` defines a `--max_concurrent_clients` of its own; both
   modules import in one process (tests/test_imports.py).
   """
-  flags.DEFINE_integer("port", None, "TCP port to serve on (all interfaces).",
-                       lower_bound=1, upper_bound=65535)
   flags.DEFINE_integer(
-      "max_concurrent_clients", 0,
-      "Clients this worker trains at once (<= 0: no limit; see "
-      "benchmarks/RESULTS.md).")
-  flags.DEFINE_string(
-      "log_file", None,
-      "Append the worker's own output here (default: discard).")
+    "port", None, "TCP port to serve on (all interfaces).", lower_bound=1, upper_bound=65535
+  )
+  flags.DEFINE_integer(
+    "max_concurrent_clients",
+    0,
+    "Clients this worker trains at once (<= 0: no limit; see benchmarks/RESULTS.md).",
+  )
+  flags.DEFINE_string("log_file", None, "Append the worker's own output here (default: discard).")
   flags.mark_flag_as_required("port")
 
 
@@ -69,11 +69,10 @@ def _wait_until_serving(process, port: int, timeout_s: float) -> None:
         pass
       if process.poll() is not None:
         raise runtime.WorkerError(
-            f"TFF worker on port {port} exited with code "
-            f"{process.returncode}")
+          f"TFF worker on port {port} exited with code {process.returncode}"
+        )
       if time.monotonic() > deadline:
-        raise runtime.WorkerError(
-            f"TFF worker on port {port} does not serve after {timeout_s:g} s")
+        raise runtime.WorkerError(f"TFF worker on port {port} does not serve after {timeout_s:g} s")
 
 
 def main(argv):
@@ -84,20 +83,22 @@ def main(argv):
   signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
   # The worker's gRPC server binds with SO_REUSEPORT: on a busy port it would
   # serve alongside the other process instead of failing.
-  if portpicker.bind(FLAGS.port, socket.SOCK_STREAM,
-                     socket.IPPROTO_TCP) is None:
-    print(f"error: port {FLAGS.port} is in use: choose another --port",
-          file=sys.stderr)
+  if portpicker.bind(FLAGS.port, socket.SOCK_STREAM, socket.IPPROTO_TCP) is None:
+    print(f"error: port {FLAGS.port} is in use: choose another --port", file=sys.stderr)
     return 2
   process = runtime.start_worker(
-      FLAGS.port,
-      max_concurrent_computation_calls=FLAGS.max_concurrent_clients,
-      log_path=FLAGS.log_file)
+    FLAGS.port,
+    max_concurrent_computation_calls=FLAGS.max_concurrent_clients,
+    log_path=FLAGS.log_file,
+  )
   try:
     _wait_until_serving(process, FLAGS.port, _START_TIMEOUT_S)
-    print(f"TFF worker (pid {process.pid}) serving on port {FLAGS.port} of "
-          f"all interfaces: pass --workers=THIS_HOST:{FLAGS.port} to "
-          "python -m tff_ens.main", flush=True)
+    print(
+      f"TFF worker (pid {process.pid}) serving on port {FLAGS.port} of "
+      f"all interfaces: pass --workers=THIS_HOST:{FLAGS.port} to "
+      "python -m tff_ens.main",
+      flush=True,
+    )
     code = process.wait()
     print(f"error: TFF worker exited with code {code}", file=sys.stderr)
     return 1

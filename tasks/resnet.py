@@ -34,6 +34,13 @@ NORMS = ("batch", "group")
 BINARY_BATCH_NORM_MOMENTUM = 0.9
 
 
+# How the binarized ResNets train well federatedly (docs/algorithms.md; benchmarks/RESULTS.md,
+# "A binarized ResNet-8 worth shipping"): the flags the CLI sets for them unless given. Adam
+# on the latent weights (larq's guides), and batch-norm statistics measured on server images
+# after each round, since the clients' statistics belong to their own binary weights.
+BINARY_RECIPE = {"client_optimizer": "adam", "client_lr": 0.005, "recalibrate_batch_norm": 500}
+
+
 def seed_stream(seed: int) -> Iterator[int]:
   """Yields distinct initializer seeds derived from `seed`, one per layer that needs one."""
   rng = np.random.default_rng(seed)

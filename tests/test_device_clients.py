@@ -19,8 +19,10 @@ from export import trainable
 from tests.exported_runs import DATA_DIR
 from tests.exported_runs import REPO_ROOT
 from tests.exported_runs import small_femnist_model
+from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import device_clients
+from tff_ens import fed_ensemble
 from tff_ens import fedavg
 from tff_ens import runtime
 from tff_ens import training
@@ -107,6 +109,31 @@ def test_fedavg_on_device_aggregates_the_device_results():
     np.testing.assert_allclose(after, before + 13 / 4, atol=1e-5)
 
 
+def test_fed_ensemble_on_device_averages_each_members_device_results():
+  algorithm = algorithms.build_algorithm(
+    "fedensemble", small_femnist_model, SPEC, CONFIG, ensemble_size=3, seed=7, on_device=True
+  )
+  clients = [0, 1, 2, 3, 4]
+  assigned = algorithm.client_models(clients, 0)
+  assert assigned == [int(fed_ensemble.assigned_model(7, c, 0, 3, "permutation")) for c in clients]
+  with runtime.execution_context():
+    state = algorithm.process.initialize()
+    members = algorithm.models_fn(state)
+    # Client c's device returns its assigned member's weights plus c.
+    results = [
+      device_clients.result_dataset([w + c for w in members[k].trainable], 1.0, 1.0, 2.0)
+      for c, k in zip(clients, assigned)
+    ]
+    new_members = algorithm.models_fn(
+      algorithm.process.next(state, *algorithm.next_args(results, clients))[0]
+    )
+  for k in range(3):
+    shifts = [c for c, m in zip(clients, assigned) if m == k]
+    expected_shift = np.mean(shifts) if shifts else 0.0
+    for before, after in zip(members[k].trainable, new_members[k].trainable):
+      np.testing.assert_allclose(after, np.asarray(before) + expected_shift, atol=1e-5)
+
+
 @needs_device_env
 def test_a_killed_device_is_a_dropout_and_is_replaced(tmp_path, caplog):
   path = tmp_path / "trainable.tflite"
@@ -114,14 +141,14 @@ def test_a_killed_device_is_a_dropout_and_is_replaced(tmp_path, caplog):
   weights = [w.numpy() for w in small_femnist_model(0).trainable_variables]
   x, y = femnist_like(5, seed=2)
   order = training.client_order(5, epochs=1, batch_size=2, seed=0)
-  request = {"x": x, "y": y, "order": order, "batch_size": 2}
+  request = {"x": x, "y": y, "order": order, "batch_size": 2, "model": 0}
   pool = device_clients.DevicePool(str(path), 1)
   try:
-    first = pool.train(weights, [request], ["writer_a"])[0]
+    first = pool.train([weights], [request], ["writer_a"])[0]
     pool._idle.queue[0].process.kill()  # The phone dies before the next round.
     with caplog.at_level("WARNING"):
-      dropped = pool.train(weights, [request], ["writer_b"])
-    again = pool.train(weights, [request], ["writer_c"])[0]
+      dropped = pool.train([weights], [request], ["writer_b"])
+    again = pool.train([weights], [request], ["writer_c"])[0]
   finally:
     pool.close()
   assert dropped == [None]
@@ -141,7 +168,12 @@ def test_device_pool_without_the_device_environment_is_one_line(tmp_path):
 @pytest.mark.parametrize(
   "flags, message",
   [
-    ({"algorithm": "fedensemble"}, "--client_runtime=litert runs fedavg, fedavgm, not "),
+    ({"algorithm": "fedbe"}, "--client_runtime=litert runs fedavg, fedavgm, fedensemble, not "),
+    (
+      {"algorithm": "fedensemble", "local_objective": "feddyn"},
+      "--local_objective=feddyn is not supported there",
+    ),
+    ({"client_optimizer": "adam"}, "--client_optimizer=adam is not supported there"),
     ({"lr_schedule": "step"}, "--lr_schedule=step is not supported there"),
     ({"task": "cifar10", "data_dir": None}, "augments its training images"),
     ({"device_processes": 0}, "--device_processes must be a positive integer"),

@@ -241,3 +241,73 @@ def test_fedavg_bytes_are_the_model_plus_a_few_scalars(name):
   # Up: the update, its weight, and four float32 metric sums
   # (loss, correct, num_examples, rejected).
   assert up == 4 * num_params + 4 + 4 * 4
+
+
+def dense_then_batch_norm():
+  """Flatten(2x2x1) -> Dense(3) -> BatchNorm: its statistics depend on the dense weights."""
+  return tf.keras.Sequential(
+    [
+      tf.keras.layers.Input((2, 2, 1)),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(3, kernel_initializer=tf.keras.initializers.RandomNormal(seed=4)),
+      tf.keras.layers.BatchNormalization(),
+    ]
+  )
+
+
+def test_recalibration_measures_the_new_models_batch_norm_statistics_on_server_images():
+  server_images = np.random.default_rng(0).normal(size=(6, 2, 2, 1)).astype(np.float32)
+  plain, _ = fedavg.build_fedavg(dense_then_batch_norm, SPEC, Config(learning_rate=LR))
+  recalibrated, _ = fedavg.build_fedavg(
+    dense_then_batch_norm, SPEC, Config(learning_rate=LR), recalibration_images=server_images
+  )
+  clients = [one_batch(XA, YA), one_batch(XB, YB)]
+  averaged = as_numpy(plain.get_model_weights(plain.next(plain.initialize(), clients).state))
+  got = as_numpy(
+    recalibrated.get_model_weights(recalibrated.next(recalibrated.initialize(), clients).state)
+  )
+  # The trainable weights are FedAvg's; the statistics are the batch's of the new dense
+  # layer's outputs on the server images (Keras' biased variance), not the clients' average.
+  assert_weights_close(got.trainable, averaged.trainable)
+  kernel, bias = got.trainable[:2]
+  features = server_images.reshape(6, 4) @ kernel + bias
+  np.testing.assert_allclose(got.non_trainable[0], features.mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got.non_trainable[1], features.var(0), rtol=1e-5, atol=1e-6)
+  assert not np.allclose(got.non_trainable[0], averaged.non_trainable[0], atol=1e-3)
+
+
+def test_recalibration_is_fedavgs_server_step_only():
+  with pytest.raises(ValueError, match="fedensemble does not recalibrate batch norm"):
+    algorithms.build_algorithm(
+      "fedensemble",
+      lambda k=0: make_model(batch_norm=True),
+      SPEC,
+      Config(),
+      recalibration_images=np.zeros((2, 2, 2, 1), np.float32),
+    )
+
+
+def test_adams_first_local_step_moves_each_weight_by_the_learning_rate_against_its_gradient():
+  initial = ModelWeights.from_model(make_model())
+  kernel, bias = (np.asarray(t, np.float64) for t in initial.trainable)
+  config = Config(learning_rate=0.01, optimizer="adam")
+  result, _ = client_work.train_locally(
+    make_model(),
+    client_work.local_optimizer(config),
+    initial,
+    one_batch(XA, YA),
+    tf.constant(0.01),
+    config,
+  )
+  # Bias-corrected first step (Kingma and Ba, Algorithm 1, with Keras' epsilon outside the
+  # correction): lr sqrt(1 - b2) / (1 - b1) * (1 - b1) g / (sqrt(1 - b2) |g| + eps), i.e.
+  # about lr * sign(g).
+  gradients = numpy_sgd_update(kernel, bias, XA, YA, lr=1.0)
+  for update, g in zip(result.update.trainable, gradients):
+    expected = 0.01 * g / (np.abs(g) + 1e-7 / np.sqrt(1 - 0.999))
+    np.testing.assert_allclose(update, expected, atol=1e-7)
+
+
+def test_adam_with_sgd_momentum_is_refused():
+  with pytest.raises(ValueError, match="momentum is SGD's"):
+    Config(optimizer="adam", momentum=0.9)

@@ -35,8 +35,10 @@ SERVER_DATA_ALGORITHMS = server_distillation.METHODS + ("fedppd_distill",)
 # Algorithms whose server only needs the mean of the clients' updates, so
 # DP-FedAvg's clipped and noised mean (`privacy`) can replace it.
 DP_ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble", "fedppd")
+# Those whose server step is `fedavg.build_finalizer`'s, which can recalibrate batch norm.
+FEDAVG_ALGORITHMS = ("fedavg", "fedprox", "fedavgm")
 # Those whose clients can train on their devices (`device_clients`): plain local SGD(M).
-ON_DEVICE_ALGORITHMS = ("fedavg", "fedavgm")
+ON_DEVICE_ALGORITHMS = ("fedavg", "fedavgm", "fedensemble")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,9 @@ class FederatedAlgorithm:
     client_state: for algorithms whose clients keep a state between rounds
       (FedDyn), what it is; `process.next` then takes the cohort's states
       last and returns their new values after the metrics. None otherwise.
+    client_models: `(client indices, 0-based round) -> [k]`, the model of `models_fn`
+      each client trains in that round (Fed-ensemble's `assigned_model`, which the
+      process's distributor computes too); None: every client trains the first.
   """
 
   name: str
@@ -79,6 +84,7 @@ class FederatedAlgorithm:
     Callable[[Any], list[tuple[str, Callable[[], tf.keras.Model], ModelWeights]]] | None
   ) = None
   client_state: client_states.ClientStateSpec | None = None
+  client_models: Callable[[Sequence[int], int], list[int]] | None = None
 
   def next_args(self, datasets: Sequence[tf.data.Dataset], client_indices, states=None) -> tuple:
     """`process.next`'s arguments after the state, for one cohort.
@@ -146,6 +152,7 @@ def build_algorithm(
   feddyn_alpha: float = 0.01,
   num_clients: int = 0,
   on_device: bool = False,
+  recalibration_images: np.ndarray | None = None,
 ) -> FederatedAlgorithm:
   """Builds algorithm `name`.
 
@@ -184,6 +191,8 @@ def build_algorithm(
     num_clients: the population, FedDyn's m.
     on_device: the clients train on their devices (`ON_DEVICE_ALGORITHMS`): their data are
       the devices' results (`client_work.build_device_client_work`).
+    recalibration_images: server images on which `FEDAVG_ALGORITHMS` measure the new
+      model's batch-norm statistics each round (`fedavg.build_finalizer`).
   """
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
@@ -199,6 +208,10 @@ def build_algorithm(
   if on_device and name not in ON_DEVICE_ALGORITHMS:
     raise ValueError(
       f"{name}'s clients cannot train on devices: use one of {', '.join(ON_DEVICE_ALGORITHMS)}"
+    )
+  if recalibration_images is not None and name not in FEDAVG_ALGORITHMS:
+    raise ValueError(
+      f"{name} does not recalibrate batch norm: use one of {', '.join(FEDAVG_ALGORITHMS)}"
     )
   if prototypes and name != "feddf":
     raise ValueError(f"model prototypes are FedDF's, not {name}'s")
@@ -222,6 +235,7 @@ def build_algorithm(
       feddyn_alpha if local_objective == "feddyn" else 0.0,
       num_clients,
       member_average,
+      on_device,
     )
   if name in SERVER_DATA_ALGORITHMS and (server_data is None or server_config is None):
     raise ValueError(f"{name} needs server_data and server_config")
@@ -280,6 +294,7 @@ def build_algorithm(
     server_momentum=server_momentum if name == "fedavgm" else 0.0,
     aggregator_factory=dp.aggregator_factory() if dp else None,
     on_device=on_device,
+    recalibration_images=recalibration_images,
   )
 
   # A client receives the client computation's parameters but for its own
@@ -306,6 +321,7 @@ def _build_fed_ensemble(
   feddyn_alpha,
   num_clients,
   member_average,
+  on_device,
 ) -> FederatedAlgorithm:
   built = fed_ensemble.build_fed_ensemble(
     model_fn,
@@ -318,17 +334,20 @@ def _build_fed_ensemble(
     feddyn_alpha=feddyn_alpha,
     num_clients=num_clients,
     member_average=member_average,
+    on_device=on_device,
   )
+
+  def client_models(clients, round_num):
+    return [
+      int(fed_ensemble.assigned_model(seed, c, round_num, ensemble_size, assignment))
+      for c in clients
+    ]
+
   spec = None
   if feddyn_alpha:
     state_type = built.process.next.type_signature.parameter[3].member
     spec = client_states.ClientStateSpec(
-      shape=tuple(state_type.shape),
-      dtype=np.dtype(state_type.dtype),
-      models=lambda clients, round_num: [
-        int(fed_ensemble.assigned_model(seed, c, round_num, ensemble_size, assignment))
-        for c in clients
-      ],
+      shape=tuple(state_type.shape), dtype=np.dtype(state_type.dtype), models=client_models
     )
 
   return FederatedAlgorithm(
@@ -339,6 +358,7 @@ def _build_fed_ensemble(
     indexed_clients=True,
     models_fn=lambda state: list(state["members"]),
     client_state=spec,
+    client_models=client_models,
   )
 
 

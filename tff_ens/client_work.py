@@ -25,6 +25,7 @@ import tensorflow_federated as tff
 ModelWeights = tff.learning.models.ModelWeights
 
 LR_SCHEDULES = ("constant", "step")
+OPTIMIZERS = ("sgd", "adam")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,9 @@ class LocalTrainingConfig:
 
   Attributes:
     learning_rate: base client learning rate.
+    optimizer: "sgd" (with `momentum`), or "adam": Adam (Kingma and Ba, ICLR 2015) with
+      Keras' betas and epsilon, its moments restarted at every round (larq's optimizer for
+      binarized networks).
     momentum: heavy-ball momentum of client SGD (0 is plain SGD).
     weight_decay: coupled L2 weight decay, added to the gradient as
       `weight_decay * w` (PyTorch's `SGD(weight_decay=...)`, used by FedBE).
@@ -45,6 +49,7 @@ class LocalTrainingConfig:
   """
 
   learning_rate: float = 0.05
+  optimizer: str = "sgd"
   momentum: float = 0.0
   weight_decay: float = 0.0
   proximal_mu: float = 0.0
@@ -57,6 +62,12 @@ class LocalTrainingConfig:
       raise ValueError(
         f"unknown lr_schedule {self.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}"
       )
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(
+        f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
+      )
+    if self.optimizer == "adam" and self.momentum:
+      raise ValueError("momentum is SGD's: Adam has its own moments; set momentum=0")
     for name in ("learning_rate", "total_rounds"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -139,7 +150,7 @@ def train_locally(
 
   Args:
     model: a Keras model producing logits; its weights are overwritten.
-    optimizer: a `tff.learning.optimizers.Optimizer` (functional SGD/SGDM).
+    optimizer: a `tff.learning.optimizers.Optimizer` (`local_optimizer`).
     initial_weights: `ModelWeights` of tensors to start from.
     dataset: batches of `(x, y)`.
     learning_rate: scalar learning rate for this round.
@@ -193,11 +204,20 @@ def train_locally(
   zero = tf.constant(0.0)
   _, loss_sum, correct, count = dataset.reduce((opt_state, zero, zero, zero), step)
   final = tf.nest.map_structure(tf.identity, model_weights)
+  return client_result(initial_weights, final, loss_sum, correct, count, config.max_update_norm)
+
+
+def client_result(initial_weights, final_weights, loss_sum, correct, count, max_update_norm):
+  """FedAvg's `ClientResult` of a client that trained from `initial_weights` to
+  `final_weights` on `count` examples, and its metric sums (`train_locally`'s Returns).
+
+  The update is checked by `reject_bad_update`; a rejected client's training metrics are
+  dropped with its update (its loss may be NaN, so it is selected away rather than
+  multiplied by 0).
+  """
   update, weight, rejected = reject_bad_update(
-    weights_delta(initial_weights, final), count, config.max_update_norm
+    weights_delta(initial_weights, final_weights), count, max_update_norm
   )
-  # A rejected client's training metrics are dropped with its update (its
-  # loss may be NaN, so it is selected away rather than multiplied by 0).
   accepted = 1.0 - rejected
   metrics = collections.OrderedDict(
     loss=tf.where(accepted > 0, loss_sum, 0.0),
@@ -328,11 +348,11 @@ def build_sgd_client_work(
 
   `local_update(download, dataset, learning_rate, optimizer) ->
   (ClientResult, metric sums)` runs at every client on what it downloaded
-  (`download_type`), with the SGD(M) optimizer and the round's learning rate
+  (`download_type`), with `local_optimizer` and the round's learning rate
   of `config`; `train_locally` is its body for one architecture.
   """
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
-  optimizer = _sgd_optimizer(config)
+  optimizer = local_optimizer(config)
 
   @tff.tensorflow.computation(download_type, data_type, tf.float32)
   def client_update(download, dataset, learning_rate):
@@ -358,8 +378,8 @@ def build_device_client_work(weights_type: tff.Type, config: LocalTrainingConfig
 
   Each client's data is one element, `device_result_spec`: the weights its device reached by
   local SGD from the broadcast ones (`export.trainable`, in LiteRT), and its sums of loss,
-  correct predictions and examples. The client's update is then `train_locally`'s:
-  initial - trained, weighted by its examples, rejected by `reject_bad_update`. The
+  correct predictions and examples. Its result is `client_result` of the broadcast and
+  trained weights, as `train_locally`'s: initial - trained, weighted by its examples. The
   learning rate is the device file's own, so the round's rate is not used.
   """
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(device_result_spec(weights_type)))
@@ -369,22 +389,22 @@ def build_device_client_work(weights_type: tff.Type, config: LocalTrainingConfig
     del learning_rate  # Fixed in the device's file.
     result = device_result.get_single_element()
     trained = ModelWeights(list(result["trainable"]), list(initial_weights.non_trainable))
-    update, weight, rejected = reject_bad_update(
-      weights_delta(initial_weights, trained), result["num_examples"], config.max_update_norm
+    return client_result(
+      initial_weights,
+      trained,
+      result["loss"],
+      result["correct"],
+      result["num_examples"],
+      config.max_update_norm,
     )
-    accepted = 1.0 - rejected
-    metrics = collections.OrderedDict(
-      loss=tf.where(accepted > 0, result["loss"], 0.0),
-      correct=result["correct"] * accepted,
-      num_examples=result["num_examples"] * accepted,
-      rejected=rejected,
-    )
-    return tff.learning.templates.ClientResult(update, weight), metrics
 
   return build_round_client_work(client_update, *_sgd_round_fns(client_update, config))
 
 
-def _sgd_optimizer(config: LocalTrainingConfig):
+def local_optimizer(config: LocalTrainingConfig):
+  """The clients' `tff.learning.optimizers.Optimizer`: SGD(M) or Adam (`config.optimizer`)."""
+  if config.optimizer == "adam":
+    return tff.learning.optimizers.build_adam(learning_rate=config.learning_rate)
   return tff.learning.optimizers.build_sgdm(
     learning_rate=config.learning_rate, momentum=config.momentum or None
   )
@@ -500,7 +520,7 @@ def build_feddyn_client_work(
   check_data_fits_model(model_fn, element_spec)
   weights_type = weights_type_of(model_fn)
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
-  optimizer = _sgd_optimizer(config)
+  optimizer = local_optimizer(config)
   specs = tff.types.type_to_tf_tensor_specs(weights_type.trainable)
   if any(spec.dtype != tf.float32 for spec in specs):
     raise TypeError(f"FedDyn needs float32 trainable weights, got {specs}")

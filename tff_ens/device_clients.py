@@ -4,7 +4,8 @@ With `--client_runtime=litert`, each sampled client's local epochs run in the TF
 interpreter a phone has, not in TensorFlow: the run's model becomes a `--format=trainable`
 file (`export.trainable`, builtin ops only), and `export.device_client` processes of the
 device environment (`device/`: LiteRT and NumPy, no TensorFlow) stand in for the phones,
-`--device_processes` of them at a time. Each trains from the weights the server sent, with
+`--device_processes` of them at a time. Each trains from the weights the server sent it
+(FedAvg's model, or the Fed-ensemble member it is assigned), with
 the run's batch size, learning rate and momentum, on its client's examples in the order a
 TFF client of the same round would (`training.client_order`: the run's epochs, the client's
 round seed, a straggler's share), and returns its weights and sums of loss, correct
@@ -100,13 +101,15 @@ class DevicePool:
       self._idle.put(_Device(trainable_path, python))
     self._num_devices = num_devices
 
-  def train(self, weights: list[np.ndarray], requests: list[dict], names: list[str]) -> list:
-    """Each request's client trained from `weights` on its devices, in parallel.
+  def train(self, models: list[list[np.ndarray]], requests: list[dict], names: list[str]) -> list:
+    """Each request's client trained on its devices, in parallel.
 
     Args:
-      weights: the trainable weights the server sent (one list for every client).
-      requests: per client, {"x", "y", "order", "batch_size"}: its examples, the indices
-        it trains on in their order, and the batch size.
+      models: the trainable weights of each model the server sent (FedAvg's one,
+        Fed-ensemble's K members).
+      requests: per client, {"x", "y", "order", "batch_size", "model"}: its examples, the
+        indices it trains on in their order, the batch size, and the index in `models` of
+        the one it starts from.
       names: the clients' names, for the dropout warnings.
 
     Returns:
@@ -114,8 +117,12 @@ class DevicePool:
       device failed.
     """
     work = self._work_dir.name
-    weights_path = os.path.join(work, "server_weights.npz")
-    np.savez(weights_path, **{device_training.weight_name(i): w for i, w in enumerate(weights)})
+    weights_paths = []
+    for k, weights in enumerate(models):
+      weights_paths.append(os.path.join(work, f"server_weights_{k}.npz"))
+      np.savez(
+        weights_paths[k], **{device_training.weight_name(i): w for i, w in enumerate(weights)}
+      )
 
     def run(i: int):
       data_path, out_path = (os.path.join(work, f"{kind}_{i}.npz") for kind in ("data", "out"))
@@ -125,7 +132,7 @@ class DevicePool:
       try:
         answer = device.ask(
           {
-            "weights": weights_path,
+            "weights": weights_paths[request["model"]],
             "data": data_path,
             "out": out_path,
             "batch_size": request["batch_size"],
@@ -139,7 +146,7 @@ class DevicePool:
           device = _Device(self._trainable_path, self._python)
           return None
         with np.load(out_path) as trained:
-          trained = [trained[device_training.weight_name(k)] for k in range(len(weights))]
+          trained = [trained[device_training.weight_name(k)] for k in range(len(models[0]))]
         return trained, answer["loss"], answer["correct"], answer["num_examples"]
       finally:
         self._idle.put(device)

@@ -220,6 +220,7 @@ def build_fed_ensemble(
   feddyn_alpha: float = 0.0,
   num_clients: int = 0,
   member_average: str = "clients",
+  on_device: bool = False,
 ) -> FedEnsembleProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
@@ -245,6 +246,9 @@ def build_fed_ensemble(
     num_clients: the population m (FedDyn's h divides by it).
     member_average: one of MEMBER_AVERAGES; DP and FedDyn count every
       client once whatever it is.
+    on_device: the clients trained their assigned member on their devices
+      (`tff_ens.device_clients`): their data are the results
+      (`client_work.build_device_client_work`), so no FedDyn.
   """
   if member_average not in MEMBER_AVERAGES:
     raise ValueError(
@@ -257,6 +261,8 @@ def build_fed_ensemble(
   if dp is not None and dp.adaptive:
     raise ValueError("Fed-ensemble's DP needs a fixed clip norm > 0")
   feddyn = feddyn_alpha > 0
+  if feddyn and on_device:
+    raise ValueError("FedDyn's clients keep a state the device file has not: use SGD on devices")
   if feddyn and (dp is not None or num_clients < 1):
     raise ValueError(
       "FedDyn needs num_clients >= 1 and no DP (its client state is the client's unclipped updates)"
@@ -270,7 +276,11 @@ def build_fed_ensemble(
     )
     work_init, work_next = client_work.initialize, client_work.next
   else:
-    client_work = client_work_lib.build_client_work(architecture_fn, element_spec, local_config)
+    client_work = (
+      client_work_lib.build_device_client_work(weights_type, local_config)
+      if on_device
+      else client_work_lib.build_client_work(architecture_fn, element_spec, local_config)
+    )
     work_init = client_work.process.initialize
     work_next = client_work.process.next
   data_type = tff.FederatedType(client_work.client_update.type_signature.parameter[1], tff.CLIENTS)

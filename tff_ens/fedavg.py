@@ -32,7 +32,32 @@ def build_server_optimizer(learning_rate: float = 1.0, momentum: float = 0.0):
   return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate, momentum=momentum or None)
 
 
-def build_finalizer(server_optimizer, weights_type: tff.Type):
+@tf.function
+def batch_norm_statistics(model: tf.keras.Model, weights: ModelWeights, images) -> ModelWeights:
+  """`weights` with the batch-norm statistics that `model` holding them measures on `images`.
+
+  The population statistics of Ioffe and Szegedy (ICML 2015, Algorithm 2, step 10),
+  estimated on one batch: every batch-norm layer runs in training mode with momentum 0, so
+  its moving mean and variance become those of its inputs over `images` (SWA's
+  `update_bn`, Izmailov et al., UAI 2018, over a single batch). The trainable weights and
+  the other non-trainable ones are unchanged.
+  """
+  model_weights = ModelWeights.from_model(model)
+  tf.nest.map_structure(lambda v, t: v.assign(t), model_weights, weights)
+  for layer in model.submodules:
+    if isinstance(layer, tf.keras.layers.BatchNormalization):
+      layer.momentum = 0.0
+  model(images, training=True)  # tf.function orders it after the assignments.
+  return ModelWeights(
+    list(weights.trainable), [tf.identity(v) for v in model_weights.non_trainable]
+  )
+
+
+def build_finalizer(
+  server_optimizer,
+  weights_type: tff.Type,
+  recalibration: tuple[Callable[[], tf.keras.Model], np.ndarray] | None = None,
+):
   """Finalizer applying the averaged update to trainable and BN weights.
 
   Trainable weights take a server optimizer step with the averaged delta as
@@ -40,7 +65,10 @@ def build_finalizer(server_optimizer, weights_type: tff.Type):
   weights (batch-norm statistics) become the average of the clients' ones,
   i.e. `w - mean(w - w_i)`. TFF's `build_apply_optimizer_finalizer` leaves
   non-trainable weights unchanged, which freezes batch-norm statistics at
-  their initial values, hence this finalizer.
+  their initial values, hence this finalizer. With `recalibration = (model_fn,
+  images)` the new model's batch-norm statistics are instead measured on the
+  server's `images` (`batch_norm_statistics`): the clients' statistics belong to their own
+  weights, which a binarized network's averaged weights do not reproduce.
   """
   trainable_type = weights_type.trainable
 
@@ -56,7 +84,11 @@ def build_finalizer(server_optimizer, weights_type: tff.Type):
       optimizer_state, tuple(weights.trainable), tuple(update.trainable)
     )
     non_trainable = tf.nest.map_structure(tf.subtract, weights.non_trainable, update.non_trainable)
-    return optimizer_state, ModelWeights(list(trainable), non_trainable)
+    new_weights = ModelWeights(list(trainable), non_trainable)
+    if recalibration is not None:
+      model_fn, images = recalibration
+      new_weights = batch_norm_statistics(model_fn(), new_weights, tf.constant(images))
+    return optimizer_state, new_weights
 
   @tff.federated_computation
   def init_fn():
@@ -85,6 +117,7 @@ def build_fedavg(
   server_momentum: float = 0.0,
   aggregator_factory: Optional[tff.aggregators.WeightedAggregationFactory] = None,
   on_device: bool = False,
+  recalibration_images: np.ndarray | None = None,
 ) -> tuple[tff.learning.templates.LearningProcess, client_work_lib.ClientWork]:
   """Builds FedAvg (McMahan et al. 2017), FedProx or FedAvgM.
 
@@ -98,6 +131,8 @@ def build_fedavg(
       (DP, clipping, compression); the weighted mean by default.
     on_device: the clients train on their devices (`tff_ens.device_clients`), and their
       data are the results (`client_work.build_device_client_work`).
+    recalibration_images: server images on which the new model's batch-norm statistics
+      are measured each round (`build_finalizer`); None averages the clients'.
 
   Returns:
     The learning process and its client work (for communication accounting).
@@ -116,6 +151,10 @@ def build_fedavg(
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
     factory.create(weights_type, tff.TensorType(np.float32)),
-    build_finalizer(build_server_optimizer(server_learning_rate, server_momentum), weights_type),
+    build_finalizer(
+      build_server_optimizer(server_learning_rate, server_momentum),
+      weights_type,
+      None if recalibration_images is None else (model_fn, recalibration_images),
+    ),
   )
   return process, client_work

@@ -41,8 +41,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", cpp_log_level(sys.argv))
 # inside `main` builds broken Sequential models ("Output tensors of a
 # Sequential model must be the output of a TensorFlow `Layer`").
 import tasks
+from tasks import resnet
 from tff_ens import algorithms
 from tff_ens import client_states
+from tff_ens import client_work
 from tff_ens import device_clients
 from tff_ens import distillation
 from tff_ens import fed_ensemble
@@ -120,6 +122,13 @@ flags.DEFINE_integer("clients_per_round", 10, "Clients sampled per round.")
 flags.DEFINE_integer("client_epochs", 1, "Local epochs per round.")
 flags.DEFINE_integer("batch_size", 20, "Local batch size.")
 flags.DEFINE_float("client_lr", 0.05, "Client learning rate.")
+flags.DEFINE_enum(
+  "client_optimizer",
+  "sgd",
+  list(client_work.OPTIMIZERS),
+  "Client optimizer: SGD (with --client_momentum) or Adam (moments restarted every round; "
+  "the recipe of binarized models).",
+)
 flags.DEFINE_float("client_momentum", 0.0, "Client SGD momentum.")
 flags.DEFINE_float("weight_decay", 0.0, "Client (coupled L2) weight decay.")
 flags.DEFINE_enum(
@@ -131,6 +140,13 @@ flags.DEFINE_enum(
 flags.DEFINE_float("proximal_mu", 0.01, "FedProx mu (--algorithm=fedprox).")
 flags.DEFINE_float("server_lr", 1.0, "Server learning rate.")
 flags.DEFINE_float("server_momentum", 0.9, "Server momentum (--algorithm=fedavgm).")
+flags.DEFINE_integer(
+  "recalibrate_batch_norm",
+  0,
+  "FedAvg/FedProx/FedAvgM: measure the new model's batch-norm statistics each round on this "
+  "many of the server's unlabeled images (--server_data) instead of averaging the clients'; "
+  "0 averages. Part of the binarized ResNets' recipe (docs/algorithms.md).",
+)
 flags.DEFINE_integer("ensemble_size", 5, "K, the models of --algorithm=fedensemble.")
 flags.DEFINE_enum(
   "assignment",
@@ -441,6 +457,30 @@ flags.DEFINE_bool("resume", False, "Continue the run in --output_dir from its la
 FLAGS = flags.FLAGS
 
 
+def _binary_recipe(values: dict) -> dict:
+  """`resnet.BINARY_RECIPE`'s flags that a run of a binarized model takes by default: those
+  it did not give, and that its algorithm and client runtime use."""
+  try:
+    task = tasks.get_task(values["task"], values["classes"])
+  except ValueError:  # The config's validation says so.
+    return {}
+  if values["model"] not in task.BINARY_MODEL_NAMES:
+    return {}
+  recipe = dict(resnet.BINARY_RECIPE)
+  if values["client_runtime"] != "tff":  # The device file trains with SGD.
+    del recipe["client_optimizer"], recipe["client_lr"]
+  if values["algorithm"] not in algorithms.FEDAVG_ALGORITHMS or values["norm"] != "batch":
+    del recipe["recalibrate_batch_norm"]
+  recipe = {name: value for name, value in recipe.items() if not FLAGS[name].present}
+  if recipe:
+    logging.warning(
+      "--model=%s trains with its recipe (docs/algorithms.md): %s; a flag you pass overrides it",
+      values["model"],
+      " ".join(f"--{name}={value}" for name, value in recipe.items()),
+    )
+  return recipe
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -449,7 +489,8 @@ def main(argv):
     # On a terminal the progress bar reports; log lines would break it.
     logging.set_verbosity(logging.WARNING if sys.stderr.isatty() else logging.INFO)
   fields = {f.name for f in dataclasses.fields(training.ExperimentConfig)}
-  config = training.ExperimentConfig(**{name: FLAGS[name].value for name in fields})
+  values = {name: FLAGS[name].value for name in fields}
+  config = training.ExperimentConfig(**{**values, **_binary_recipe(values)})
   try:
     summary = training.run_experiment(config)
   except (training.UsageError, tasks.DataError, client_states.ClientStateError) as e:

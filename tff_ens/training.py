@@ -154,12 +154,14 @@ class ExperimentConfig:
   client_epochs: int = 1
   batch_size: int = 20
   client_lr: float = 0.05
+  client_optimizer: str = "sgd"
   client_momentum: float = 0.0
   weight_decay: float = 0.0
   lr_schedule: str = "constant"
   proximal_mu: float = 0.01
   server_lr: float = 1.0
   server_momentum: float = 0.9
+  recalibrate_batch_norm: int = 0
   ensemble_size: int = 5
   assignment: str = "permutation"
   member_average: str = "clients"
@@ -235,6 +237,8 @@ class ExperimentConfig:
       )
     for name, value, plain in (
       ("lr_schedule", self.lr_schedule, "constant"),
+      ("client_optimizer", self.client_optimizer, "sgd"),
+      ("local_objective", self.local_objective, "sgd"),
       ("weight_decay", self.weight_decay, 0.0),
       ("active_learning_rounds", self.active_learning_rounds, 0),
     ):
@@ -284,9 +288,25 @@ class ExperimentConfig:
       ("member_average", self.member_average, fed_ensemble.MEMBER_AVERAGES),
       ("local_objective", self.local_objective, algorithms.LOCAL_OBJECTIVES),
       ("client_runtime", self.client_runtime, device_clients.CLIENT_RUNTIMES),
+      ("client_optimizer", self.client_optimizer, client_work_lib.OPTIMIZERS),
     ):
       if value not in choices:
         raise UsageError(f"unknown --{name}={value}: choose one of {', '.join(choices)}")
+    if self.recalibrate_batch_norm < 0:
+      raise UsageError(
+        f"--recalibrate_batch_norm must be >= 0 (server images), got {self.recalibrate_batch_norm}"
+      )
+    if self.recalibrate_batch_norm and self.algorithm not in algorithms.FEDAVG_ALGORITHMS:
+      raise UsageError(
+        f"--recalibrate_batch_norm is the server step of "
+        f"{', '.join(algorithms.FEDAVG_ALGORITHMS)}, not of --algorithm={self.algorithm}: "
+        "drop it"
+      )
+    if self.client_optimizer == "adam" and self.client_momentum:
+      raise UsageError(
+        f"--client_momentum={self.client_momentum} is SGD's: Adam keeps its own moments; "
+        "drop it or use --client_optimizer=sgd"
+      )
     if self.client_runtime == "litert":
       self._validate_litert_clients(task)
     if self.local_objective == "feddyn":
@@ -540,6 +560,7 @@ class ExperimentConfig:
   def local_training_config(self) -> client_work_lib.LocalTrainingConfig:
     return client_work_lib.LocalTrainingConfig(
       learning_rate=self.client_lr,
+      optimizer=self.client_optimizer,
       momentum=self.client_momentum,
       weight_decay=self.weight_decay,
       lr_schedule=self.lr_schedule,
@@ -1097,23 +1118,24 @@ def run_experiment(config: ExperimentConfig) -> dict:
       f"{len(train_ids)}"
     )
   server_data = server_config = None
-  if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
+  if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS or config.recalibrate_batch_norm:
     server_data = server_data_lib.server_split(
       data, task, seed=config.seed, unlabeled_path=config.server_data
     )
-    server_config = config.server_distillation_config()
     logging.info(
-      "server data: %d unlabeled (%s), %d validation; device %s",
+      "server data: %d unlabeled (%s), %d validation",
       len(server_data.unlabeled),
       server_data.source,
       len(server_data.validation_y),
-      server_config.device,
     )
+  if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
+    server_config = config.server_distillation_config()
   tf.keras.utils.set_random_seed(config.seed)
   # Member k of an ensemble starts from its own seed; k = 0 for one model.
   model_fn = lambda k=0: task.build_model(
     config.model, seed=config.seed + 1009 * k, norm=config.norm
   )
+  recalibration_images = _recalibration_images(config, model_fn, server_data)
   with _execution_context(config):
     algorithm = algorithms.build_algorithm(
       config.algorithm,
@@ -1142,6 +1164,7 @@ def run_experiment(config: ExperimentConfig) -> dict:
       ),
       dp=config.dp_config(),
       on_device=config.client_runtime == "litert",
+      recalibration_images=recalibration_images,
       prototypes=[
         (
           name,
@@ -1216,7 +1239,9 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       plan = plan_round(config, train_sizes, speeds, round_num)
       reports = plan.reports
       if devices is not None:
-        reports, datasets = _train_on_devices(devices, config, train, plan, held, algorithm)
+        reports, datasets = _train_on_devices(
+          devices, config, train, plan, held, algorithm, round_num
+        )
       else:
         datasets = [
           client_dataset(
@@ -1309,14 +1334,41 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
   return _write_summary(config, data, algorithm, held.value, outputs, evaluator, teacher_test, pool)
 
 
-def _train_on_devices(devices, config, train, plan, held, algorithm):
-  """The round's reporting clients trained on devices (`device_clients`): the reports left
-  after device failures, and their results as the clients' datasets."""
-  weights = [np.asarray(w) for w in algorithm.models_fn(held.value)[0].trainable]
+def _recalibration_images(config, model_fn, server_data) -> np.ndarray | None:
+  """The server images of `--recalibrate_batch_norm` (a seeded draw), or None."""
+  if not config.recalibrate_batch_norm:
+    return None
+  with tf.Graph().as_default():
+    layers = model_fn(0).submodules
+  if not any(isinstance(layer, tf.keras.layers.BatchNormalization) for layer in layers):
+    raise UsageError(
+      f"--recalibrate_batch_norm: --model={config.model} --norm={config.norm} has no batch "
+      "norm to recalibrate: drop the flag, or use a ResNet with --norm=batch"
+    )
+  unlabeled = server_data.unlabeled
+  if config.recalibrate_batch_norm > len(unlabeled):
+    raise UsageError(
+      f"--recalibrate_batch_norm={config.recalibrate_batch_norm} exceeds the server's "
+      f"{len(unlabeled)} unlabeled images ({server_data.source}): use at most {len(unlabeled)}"
+    )
+  rng = np.random.default_rng(config.seed)
+  return unlabeled[rng.choice(len(unlabeled), config.recalibrate_batch_norm, replace=False)]
+
+
+def _train_on_devices(devices, config, train, plan, held, algorithm, round_num):
+  """The round's reporting clients trained on devices (`device_clients`), each from the
+  model it is assigned: the reports left after device failures, and their results as the
+  clients' datasets."""
+  models = [[np.asarray(w) for w in m.trainable] for m in algorithm.models_fn(held.value)]
   clients = np.flatnonzero(plan.reports)
   names = [train.client_ids[plan.cohort[k]] for k in clients]
+  assigned = (
+    algorithm.client_models(plan.cohort[clients], round_num - 1)
+    if algorithm.client_models is not None
+    else [0] * len(clients)
+  )
   requests = []
-  for k, name in zip(clients, names):
+  for k, name, model in zip(clients, names, assigned):
     x = train.x[name]
     requests.append(
       {
@@ -1330,9 +1382,10 @@ def _train_on_devices(devices, config, train, plan, held, algorithm):
           work=float(plan.work[k]),
         ),
         "batch_size": config.batch_size,
+        "model": model,
       }
     )
-  results = devices.train(weights, requests, names)
+  results = devices.train(models, requests, names)
   reports = plan.reports.copy()
   reports[clients[[r is None for r in results]]] = False
   return reports, [device_clients.result_dataset(*r) for r in results if r is not None]

@@ -1,0 +1,93 @@
+"""The binarized ResNets' recipe (`tasks.resnet.BINARY_RECIPE`): the CLI's defaults for a
+binarized model, given flags kept, and only what the run's algorithm and runtime use."""
+
+import dataclasses
+
+from absl.testing import flagsaver
+import pytest
+
+from tasks import resnet
+from tests.femnist_runs import QUICK
+from tff_ens import main as cli
+from tff_ens import training
+
+
+def recipe(**flags):
+  cli.FLAGS.mark_as_parsed()
+  with flagsaver.as_parsed(**flags):
+    fields = {f.name for f in dataclasses.fields(training.ExperimentConfig)}
+    return cli._binary_recipe({name: cli.FLAGS[name].value for name in fields})
+
+
+@pytest.mark.parametrize("model", ["resnet8_binary", "resnet20_binary"])
+def test_a_binarized_fedavg_run_takes_the_whole_recipe(model):
+  assert recipe(model=model) == resnet.BINARY_RECIPE
+
+
+def test_a_flag_given_is_kept():
+  got = recipe(model="resnet8_binary", client_lr="0.01", recalibrate_batch_norm="0")
+  assert got == {"client_optimizer": "adam"}
+
+
+@pytest.mark.parametrize(
+  "flags, expected",
+  [
+    ({"algorithm": "feddf"}, {"client_optimizer": "adam", "client_lr": 0.005}),
+    ({"norm": "group"}, {"client_optimizer": "adam", "client_lr": 0.005}),
+    ({"client_runtime": "litert"}, {"recalibrate_batch_norm": 500}),
+  ],
+)
+def test_only_what_the_run_uses(flags, expected):
+  assert recipe(model="resnet8_binary", **flags) == expected
+
+
+@pytest.mark.parametrize("model", ["cnn", "resnet8"])
+def test_float_models_keep_the_flags_defaults(model):
+  assert recipe(model=model) == {}
+
+
+def test_the_recipe_trains_a_valid_config():
+  config = training.ExperimentConfig(model="resnet8_binary", **resnet.BINARY_RECIPE)
+  config.validate()
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    ({"recalibrate_batch_norm": -1}, r"--recalibrate_batch_norm must be >= 0"),
+    (
+      {"recalibrate_batch_norm": 5, "algorithm": "fedbe"},
+      r"--recalibrate_batch_norm is the server step of fedavg, fedprox, fedavgm, not of "
+      r"--algorithm=fedbe: drop it",
+    ),
+    (
+      {"client_optimizer": "adam", "client_momentum": 0.9},
+      r"--client_momentum=0.9 is SGD's: Adam keeps its own moments",
+    ),
+    ({"client_optimizer": "lamb"}, r"unknown --client_optimizer=lamb: choose one of sgd, adam"),
+  ],
+)
+def test_bad_recipe_flags_are_one_line_usage_errors(flags, message):
+  with pytest.raises(training.UsageError, match=message):
+    dataclasses.replace(QUICK, **flags).validate()
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (
+      {"recalibrate_batch_norm": 5},
+      r"--model=cnn --norm=batch has no batch norm to recalibrate: drop the flag",
+    ),
+    (
+      {"recalibrate_batch_norm": 10**6, "model": "resnet8_binary"},
+      r"--recalibrate_batch_norm=1000000 exceeds the server's \d+ unlabeled images "
+      r"\(.*test-only writers.*\): use at most \d+$",
+    ),
+  ],
+)
+def test_recalibration_the_run_cannot_do_is_a_usage_error(tmp_path, flags, message):
+  config = dataclasses.replace(QUICK, output_dir=str(tmp_path / "run"), **flags)
+  with pytest.raises(training.UsageError, match=message):
+    training.run_experiment(config)
+  assert not (tmp_path / "run" / training.METRICS_FILE).exists()

@@ -52,7 +52,7 @@ from tasks import femnist
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
-from tff_ens import training
+from tff_ens import simulation
 
 SECTION = "## Fed-ensemble round time (issue 3)"
 
@@ -222,7 +222,7 @@ def main(argv):
   data = femnist.load_data(FLAGS.data_dir)
   writers = data.train.client_ids[:10]
   datasets = [
-    training.client_dataset(data.train.x[c], data.train.y[c], epochs=1, batch_size=20, seed=0)
+    simulation.client_dataset(data.train.x[c], data.train.y[c], epochs=1, batch_size=20, seed=0)
     for c in writers
   ]
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
@@ -244,7 +244,7 @@ def main(argv):
         algorithms.build_algorithm,
         name,
         model_fn,
-        training.batch_element_spec(femnist),
+        simulation.batch_element_spec(femnist),
         config,
         ensemble_size=k,
         local_objective=objective,

@@ -27,9 +27,10 @@ import psutil
 import report
 from tasks import femnist
 from tff_ens import algorithms
+from tff_ens import experiment
 from tff_ens import runtime
 from tff_ens import server_data as server_data_lib
-from tff_ens import training
+from tff_ens import simulation
 
 SECTION = "## State on the worker and worker memory (issue 7)"
 PLACES = (
@@ -49,7 +50,7 @@ FLAGS = flags.FLAGS
 
 def run_rounds(name: str, place: str, data, datasets):
   """(worker RSS bytes after each round, seconds of each round)."""
-  config = training.ExperimentConfig(
+  config = experiment.ExperimentConfig(
     task="femnist", algorithm=name, distill_steps=FLAGS.distill_steps
   )
   server_data = server_config = None
@@ -61,7 +62,7 @@ def run_rounds(name: str, place: str, data, datasets):
     algorithm = algorithms.build_algorithm(
       name,
       lambda k=0: femnist.build_model("cnn", seed=k),
-      training.batch_element_spec(femnist),
+      simulation.batch_element_spec(femnist),
       config.local_training_config(),
       ensemble_size=5,
       server_data=server_data,
@@ -93,7 +94,7 @@ def main(argv):
   run = report.start(argv)
   data = femnist.load_data(FLAGS.data_dir)
   datasets = [
-    training.client_dataset(data.train.x[c], data.train.y[c], epochs=1, batch_size=20, seed=0)
+    simulation.client_dataset(data.train.x[c], data.train.y[c], epochs=1, batch_size=20, seed=0)
     for c in data.train.client_ids[:10]
   ]
   marks = sorted({r for r in (1, 5, 10, FLAGS.rounds) if r <= FLAGS.rounds})

@@ -60,7 +60,7 @@ from tasks import femnist
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
-from tff_ens import training
+from tff_ens import simulation
 
 SECTION = "## Round overhead (issue 2)"
 
@@ -334,7 +334,7 @@ def main(argv):
     tf.data.Dataset.from_tensor_slices((data.train.x[c], data.train.y[c])).batch(FLAGS.batch_size)
     for c in writers
   ]
-  element_spec = training.batch_element_spec(femnist)
+  element_spec = simulation.batch_element_spec(femnist)
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   lr, warmup, rounds = FLAGS.learning_rate, FLAGS.warmup_rounds, FLAGS.rounds
   print(f"{len(writers)} writers, {sum(counts)} examples a round", flush=True)

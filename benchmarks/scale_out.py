@@ -4,7 +4,7 @@ r"""Rounds per minute of FedAvg on a local worker and on two workers (issue 7).
 
 FedAvg with the LEAF CNN on the FEMNIST slice (1 epoch, batch 20, SGD 0.05),
 cohorts of `--cohorts` writers sampled per round as the CLI samples them
-(`training.sample_clients`; the slice has 105 training writers, so 100 are
+(`simulation.sample_clients`; the slice has 105 training writers, so 100 are
 drawn without replacement), in two setups:
 
 * "local": `runtime.execution_context()`, one local `worker_binary`, as
@@ -38,7 +38,7 @@ from tasks import femnist
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
-from tff_ens import training
+from tff_ens import simulation
 
 SECTION = "## Scale-out on TFF workers (issue 7)"
 
@@ -81,9 +81,9 @@ def two_local_workers(concurrent_clients: int):
 def cohort_datasets(data, cohort_size: int, round_num: int) -> tuple[list, np.ndarray]:
   """Round `round_num`'s datasets and client indices, as the CLI makes them."""
   ids = data.train.client_ids
-  cohort = training.sample_clients(len(ids), cohort_size, SEED, round_num)
+  cohort = simulation.sample_clients(len(ids), cohort_size, SEED, round_num)
   return [
-    training.client_dataset(
+    simulation.client_dataset(
       data.train.x[ids[i]], data.train.y[ids[i]], epochs=1, batch_size=20, seed=int(i)
     )
     for i in cohort
@@ -149,7 +149,7 @@ def main(argv):
   algorithm = algorithms.build_algorithm(
     "fedavg",
     lambda k=0: femnist.build_model("cnn", seed=SEED),
-    training.batch_element_spec(femnist),
+    simulation.batch_element_spec(femnist),
     client_work.LocalTrainingConfig(learning_rate=0.05),
   )
   results, weights = time_setups(algorithm, data, cohorts, FLAGS.rounds, FLAGS.concurrent_clients)

@@ -28,7 +28,7 @@ from tasks import femnist
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
-from tff_ens import training
+from tff_ens import simulation
 
 SECTION = "## Worker memory with changing cohort sizes (issue 7)"
 
@@ -60,7 +60,7 @@ def measure(data, factory: str) -> list[int | str]:
       algorithm = algorithms.build_algorithm(
         FLAGS.algorithm,
         lambda k=0: femnist.build_model("cnn", seed=k),
-        training.batch_element_spec(femnist),
+        simulation.batch_element_spec(femnist),
         client_work.LocalTrainingConfig(learning_rate=0.05),
         ensemble_size=5,
       )
@@ -71,7 +71,9 @@ def measure(data, factory: str) -> list[int | str]:
       for round_num in range(FLAGS.rounds):
         n = int(FLAGS.cohorts[round_num % len(FLAGS.cohorts)])
         datasets = [
-          training.client_dataset(data.train.x[w], data.train.y[w], epochs=1, batch_size=20, seed=i)
+          simulation.client_dataset(
+            data.train.x[w], data.train.y[w], epochs=1, batch_size=20, seed=i
+          )
           for i, w in enumerate(writers[:n])
         ]
         try:

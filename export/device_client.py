@@ -9,7 +9,7 @@ client. It loads the `--format=trainable` file once, prints one JSON line
 - request: {"weights": NPZ, "data": NPZ, "batch_size": B, "out": NPZ}: set the file's
   weights to NPZ's w0, w1, ... (the model the server sent), train
   `export.device_training.DeviceTrainer.train_epochs` on data's x, y in batches of B of the
-  examples data's `order` lists (the driver's `tff_ens.training.client_order`: the order a
+  examples data's `order` lists (the driver's `tff_ens.simulation.client_order`: the order a
   TFF client would train in, its epochs and a straggler's share included), and write the
   trained weights to out;
 - answer: {"num_examples": n, "loss": sum of the examples' losses, "correct": number of

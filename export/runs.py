@@ -1,22 +1,16 @@
 """A trained run as `tff_ens.main` writes it: config, summary and Keras model(s).
 
-`model.keras` for one model, `members/member_k.keras` for an ensemble (see
-`tff_ens.training`), with `config.json` and `summary.json` beside them. Reading a run needs
+`model.keras` for one model, `members/member_k.keras` for an ensemble (file names from
+`tff_ens.run_files`), with `config.json` and `summary.json` beside them. Reading a run needs
 no TensorFlow (the device environment reads runs too); `task` and `load_models` import it.
 """
 
 import dataclasses
 import json
 import os
-import re
 
 from export import ExportError
-
-MODEL_FILE = "model.keras"
-MEMBERS_DIR = "members"
-CONFIG_FILE = "config.json"
-SUMMARY_FILE = "summary.json"
-_MEMBER_FILE = re.compile(r"member_(\d+)\.keras")
+from tff_ens import run_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,20 +69,20 @@ def load_run(run_dir: str) -> Run:
       f"--run_dir={run_dir} is not a directory: pass the --output_dir of a "
       "finished `python -m tff_ens.main` run"
     )
-  members_dir = os.path.join(run_dir, MEMBERS_DIR)
+  members_dir = os.path.join(run_dir, run_files.MEMBERS_DIR)
   numbered = [
     (int(m.group(1)), os.path.join(members_dir, m.group(0)))
     for name in (os.listdir(members_dir) if os.path.isdir(members_dir) else ())
-    if (m := _MEMBER_FILE.fullmatch(name))
+    if (m := run_files.MEMBER_FILE_PATTERN.fullmatch(name))
   ]
   members = [path for _, path in sorted(numbered)]
-  single = os.path.join(run_dir, MODEL_FILE)
+  single = os.path.join(run_dir, run_files.MODEL_FILE)
   if not members and not os.path.isfile(single):
     raise ExportError(
-      f"--run_dir={run_dir} has no model ({MODEL_FILE} or "
-      f"{MEMBERS_DIR}/member_k.keras): pass a finished `python -m "
+      f"--run_dir={run_dir} has no model ({run_files.MODEL_FILE} or "
+      f"{run_files.MEMBERS_DIR}/member_k.keras): pass a finished `python -m "
       "tff_ens.main` run (models are saved after the last round)"
     )
-  config = _read_json(os.path.join(run_dir, CONFIG_FILE))
-  summary = _read_json(os.path.join(run_dir, SUMMARY_FILE))
+  config = _read_json(os.path.join(run_dir, run_files.CONFIG_FILE))
+  summary = _read_json(os.path.join(run_dir, run_files.SUMMARY_FILE))
   return Run(run_dir, config, summary, tuple(members) if members else (single,))

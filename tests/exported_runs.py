@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from export import runs
 from tasks import femnist
+from tff_ens import run_files
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "femnist")
@@ -30,11 +31,11 @@ def write_run(run_dir, models, config=None, summary=None) -> runs.Run:
   """A run directory as tff_ens.training writes it, holding `models`."""
   os.makedirs(run_dir, exist_ok=True)
   if len(models) == 1:
-    models[0].save(os.path.join(run_dir, runs.MODEL_FILE))
+    models[0].save(os.path.join(run_dir, run_files.MODEL_FILE))
   else:
-    os.makedirs(os.path.join(run_dir, runs.MEMBERS_DIR))
+    os.makedirs(os.path.join(run_dir, run_files.MEMBERS_DIR))
     for k, model in enumerate(models):
-      model.save(os.path.join(run_dir, runs.MEMBERS_DIR, f"member_{k}.keras"))
+      model.save(os.path.join(run_dir, run_files.MEMBERS_DIR, run_files.member_file(k)))
   config = {
     "task": "femnist",
     "model": "cnn",
@@ -42,7 +43,7 @@ def write_run(run_dir, models, config=None, summary=None) -> runs.Run:
     "data_dir": DATA_DIR,
     **(config or {}),
   }
-  for name, value in ((runs.CONFIG_FILE, config), (runs.SUMMARY_FILE, summary or {})):
+  for name, value in ((run_files.CONFIG_FILE, config), (run_files.SUMMARY_FILE, summary or {})):
     with open(os.path.join(run_dir, name), "w") as f:
       json.dump(value, f)
   return runs.load_run(run_dir)

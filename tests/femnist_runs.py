@@ -4,13 +4,14 @@ import csv
 import os
 import pathlib
 
-from tff_ens import training
+from tff_ens import experiment
+from tff_ens import run_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA_DIR = str(ROOT.parent / "shared" / "data" / "femnist")
 
 # Small but real: 4 writers a round, batch 20, a few rounds.
-QUICK = training.ExperimentConfig(
+QUICK = experiment.ExperimentConfig(
   data_dir=DATA_DIR,
   rounds=4,
   clients_per_round=4,
@@ -23,5 +24,5 @@ QUICK = training.ExperimentConfig(
 
 def read_metrics(output_dir):
   """The rows of a run's metrics.csv."""
-  with open(os.path.join(output_dir, training.METRICS_FILE)) as f:
+  with open(os.path.join(output_dir, run_files.METRICS_FILE)) as f:
     return list(csv.DictReader(f))

@@ -57,7 +57,7 @@ def test_acquisition_reveals_labels_of_the_selected_inputs_only():
   # The training split the loop builds holds exactly the labeled examples.
   x = {c: np.arange(n, dtype=np.float32) for c, n in sizes.items()}
   train = tasks.data.ClientArrays(("a", "b"), x, dict(x))
-  labeled = training._labeled(train, pool, sizes)  # pylint: disable=protected-access
+  labeled = active_learning.labeled(train, pool, sizes)
   for client in sizes:
     np.testing.assert_array_equal(labeled.y[client], np.flatnonzero(masks[client]))
 
@@ -97,7 +97,7 @@ def active_run(tmp_path_factory):
 @pytest.mark.slow
 def test_active_learning_run_reports_the_curve(active_run):
   config, summary = active_run
-  sizes = training.tasks.get_task("femnist").load_data(config.data_dir).train
+  sizes = tasks.get_task("femnist").load_data(config.data_dir).train
   start = sum(int(np.ceil(0.1 * sizes.num_examples(c))) for c in sizes.client_ids)
   curve = summary["active_learning_curve"]
   assert [point[0] for point in curve] == [start, start + 3 * len(sizes.client_ids)]

@@ -8,14 +8,16 @@ import pytest
 
 from tasks import resnet
 from tests.femnist_runs import QUICK
+from tff_ens import experiment
 from tff_ens import main as cli
+from tff_ens import run_files
 from tff_ens import training
 
 
 def recipe(**flags):
   cli.FLAGS.mark_as_parsed()
   with flagsaver.as_parsed(**flags):
-    fields = {f.name for f in dataclasses.fields(training.ExperimentConfig)}
+    fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)}
     return cli._binary_recipe({name: cli.FLAGS[name].value for name in fields})
 
 
@@ -49,7 +51,7 @@ def test_float_models_keep_the_flags_defaults(model):
 
 
 def test_the_recipe_trains_a_valid_config():
-  config = training.ExperimentConfig(model="resnet8_binary", **resnet.BINARY_RECIPE)
+  config = experiment.ExperimentConfig(model="resnet8_binary", **resnet.BINARY_RECIPE)
   config.validate()
 
 
@@ -70,7 +72,7 @@ def test_the_recipe_trains_a_valid_config():
   ],
 )
 def test_bad_recipe_flags_are_one_line_usage_errors(flags, message):
-  with pytest.raises(training.UsageError, match=message):
+  with pytest.raises(experiment.UsageError, match=message):
     dataclasses.replace(QUICK, **flags).validate()
 
 
@@ -90,6 +92,6 @@ def test_bad_recipe_flags_are_one_line_usage_errors(flags, message):
 )
 def test_recalibration_the_run_cannot_do_is_a_usage_error(tmp_path, flags, message):
   config = dataclasses.replace(QUICK, output_dir=str(tmp_path / "run"), **flags)
-  with pytest.raises(training.UsageError, match=message):
+  with pytest.raises(experiment.UsageError, match=message):
     training.run_experiment(config)
-  assert not (tmp_path / "run" / training.METRICS_FILE).exists()
+  assert not (tmp_path / "run" / run_files.METRICS_FILE).exists()

@@ -17,7 +17,10 @@ import tasks
 from tasks import cifar
 from tasks import partition
 from tff_ens import algorithms
+from tff_ens import experiment
+from tff_ens import run_files
 from tff_ens import server_data
+from tff_ens import simulation
 from tff_ens import training
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -448,17 +451,17 @@ def test_data_too_small_for_the_split(cifar10_dir, change, message):
 @pytest.mark.parametrize(
   "change, error, message",
   [
-    (dict(partition="shards"), training.UsageError, "unknown --partition=shards"),
-    (dict(partition_alpha=-1.0), training.UsageError, "--partition_alpha must be > 0"),
+    (dict(partition="shards"), experiment.UsageError, "unknown --partition=shards"),
+    (dict(partition_alpha=-1.0), experiment.UsageError, "--partition_alpha must be > 0"),
     (
       dict(task="femnist", num_clients=3),
-      training.UsageError,
+      experiment.UsageError,
       "--num_clients applies to a pooled split, and femnist's clients are its writers",
     ),
   ],
 )
 def test_bad_partition_flags_of_a_run(cifar10_dir, tmp_path, change, error, message):
-  config = training.ExperimentConfig(
+  config = experiment.ExperimentConfig(
     task="cifar10", data_dir=str(cifar10_dir), output_dir=str(tmp_path)
   )
   with pytest.raises(error, match=message):
@@ -522,8 +525,8 @@ def test_augmentation_is_a_seeded_flip_and_crop():
 def test_client_dataset_augments_training_examples_only_when_asked():
   x = np.random.default_rng(0).random((6, 32, 32, 3)).astype(np.float32)
   y = np.arange(6, dtype=np.int32)
-  plain = training.client_dataset(x, y, epochs=1, batch_size=6, seed=1)
-  augmented = training.client_dataset(
+  plain = simulation.client_dataset(x, y, epochs=1, batch_size=6, seed=1)
+  augmented = simulation.client_dataset(
     x, y, epochs=2, batch_size=6, seed=1, augmentation=cifar.CIFAR10.TRAIN_AUGMENTATION
   )
   assert augmented.element_spec == plain.element_spec
@@ -531,7 +534,7 @@ def test_client_dataset_augments_training_examples_only_when_asked():
   assert {row.tobytes() for row in plain_x} == {row.tobytes() for row in x}
   batches = list(augmented.as_numpy_iterator())
   again = list(
-    training.client_dataset(
+    simulation.client_dataset(
       x, y, epochs=2, batch_size=6, seed=1, augmentation=cifar.CIFAR10.TRAIN_AUGMENTATION
     ).as_numpy_iterator()
   )
@@ -548,7 +551,7 @@ def test_client_dataset_augments_training_examples_only_when_asked():
 
 def _quick(data_dir, output_dir, **changes):
   return dataclasses.replace(
-    training.ExperimentConfig(
+    experiment.ExperimentConfig(
       task="cifar10",
       data_dir=str(data_dir),
       num_clients=4,
@@ -597,7 +600,7 @@ def test_every_algorithm_runs_on_cifar(cifar10_dir, tmp_path, algorithm):
   assert 0.0 <= summary["test_accuracy"] <= 1.0
   assert np.isfinite(summary["test_loss"])
   assert summary["new_client_accuracy"] is None  # CIFAR has no new clients.
-  with open(tmp_path / training.SUMMARY_FILE) as f:
+  with open(tmp_path / run_files.SUMMARY_FILE) as f:
     assert json.load(f)["config"]["partition"] == SMOKE_PARTITIONS[algorithm]
 
 
@@ -631,7 +634,7 @@ def test_cli_runs_cifar100_with_a_resnet(tmp_path):
   )
   assert result.returncode == 0, result.stderr[-2000:]
   assert "test_accuracy=" in result.stdout
-  with open(tmp_path / "out" / training.SUMMARY_FILE) as f:
+  with open(tmp_path / "out" / run_files.SUMMARY_FILE) as f:
     summary = json.load(f)
   assert summary["task"] == "cifar100"
   assert summary["config"]["partition_alpha"] == 0.5

@@ -17,6 +17,7 @@ from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
 from tff_ens import compare
+from tff_ens import run_files
 from tff_ens import training
 
 # Three real runs and CLI processes: minutes (`uv run pytest -m slow`).
@@ -63,7 +64,7 @@ def runs(run_dirs) -> list[compare.Run]:
 
 
 def read_summary(path: str) -> dict:
-  with open(os.path.join(path, training.SUMMARY_FILE)) as f:
+  with open(os.path.join(path, run_files.SUMMARY_FILE)) as f:
     return json.load(f)
 
 
@@ -170,7 +171,7 @@ def test_per_writer_accuracies_are_the_runs_and_its_models(run_dirs, runs, tmp_p
   # on its task's test writers, the same numbers.
   copy = tmp_path / "copy"
   shutil.copytree(run_dirs["fedavg"], copy)
-  os.remove(copy / compare.PER_CLIENT_ACCURACY_FILE)
+  os.remove(copy / run_files.PER_CLIENT_ACCURACY_FILE)
   [computed] = compare.per_writer_accuracies([compare.load_run(str(copy))])
   assert computed.keys() == accuracies[0].keys()
   for writer, accuracy in accuracies[0].items():
@@ -179,16 +180,16 @@ def test_per_writer_accuracies_are_the_runs_and_its_models(run_dirs, runs, tmp_p
 
 def test_per_writer_accuracies_read_from_file_when_present(run_dirs, tmp_path):
   # A copy without models: the accuracies can only come from the file.
-  for name in (training.SUMMARY_FILE, training.METRICS_FILE):
+  for name in (run_files.SUMMARY_FILE, run_files.METRICS_FILE):
     shutil.copy(os.path.join(run_dirs["fedavg"], name), tmp_path)
   saved = {"f0001_01": 0.5, "f0002_02": 1.0}
-  with open(tmp_path / compare.PER_CLIENT_ACCURACY_FILE, "w") as f:
+  with open(tmp_path / run_files.PER_CLIENT_ACCURACY_FILE, "w") as f:
     json.dump(saved, f)
   run = compare.load_run(str(tmp_path))
   assert compare.per_writer_accuracies([run]) == [saved]
   with pytest.raises(compare.CompareError, match="has no model.keras"):
     run.model_paths()
-  (tmp_path / compare.PER_CLIENT_ACCURACY_FILE).write_text("[0.5, 1.0]")
+  (tmp_path / run_files.PER_CLIENT_ACCURACY_FILE).write_text("[0.5, 1.0]")
   with pytest.raises(compare.CompareError, match="not a JSON object"):
     compare.per_writer_accuracies([run])
 
@@ -216,7 +217,7 @@ def test_cli_without_data_warns_and_skips_per_writer_figure(run_dirs, tmp_path):
   # its data.
   old_run = tmp_path / "old_run"
   shutil.copytree(run_dirs["fedavg"], old_run)
-  os.remove(old_run / compare.PER_CLIENT_ACCURACY_FILE)
+  os.remove(old_run / run_files.PER_CLIENT_ACCURACY_FILE)
   output = tmp_path / "figures"
   result = run_module(
     "tff_ens.compare", str(old_run), f"--output={output}", f"--data_dir={tmp_path}/nowhere"
@@ -232,9 +233,9 @@ def test_cli_without_data_warns_and_skips_per_writer_figure(run_dirs, tmp_path):
 def in_progress_copy(run_dir: str, path, rounds: list[int]) -> str:
   """`run_dir` as it was before its summary, with metrics of `rounds` only."""
   path.mkdir()
-  shutil.copy(os.path.join(run_dir, training.CONFIG_FILE), path)
+  shutil.copy(os.path.join(run_dir, run_files.CONFIG_FILE), path)
   row = read_metrics(run_dir)[0]
-  with open(path / training.METRICS_FILE, "w", newline="") as f:
+  with open(path / run_files.METRICS_FILE, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(row))
     writer.writeheader()
     writer.writerows({**row, "round": str(r)} for r in rounds)

@@ -22,10 +22,12 @@ from tests.exported_runs import small_femnist_model
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import device_clients
+from tff_ens import experiment
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
+from tff_ens import run_files
 from tff_ens import runtime
-from tff_ens import training
+from tff_ens import simulation
 
 ModelWeights = tff.learning.models.ModelWeights
 needs_device_env = pytest.mark.skipif(
@@ -73,8 +75,8 @@ def test_one_clients_update_matches_tff_client_in_the_same_order(work):
   initial = ModelWeights.from_model(small_femnist_model(3))
   tff_client = client_work.build_client_work(lambda: small_femnist_model(0), SPEC, CONFIG)
   # Two shuffled epochs in batches of 3 (a straggler with work 0.5: 3 of the 5 batches).
-  order = training.client_order(7, epochs=2, batch_size=3, seed=5, work=work)
-  dataset = training.client_dataset(x, y, epochs=2, batch_size=3, seed=5, work=work)
+  order = simulation.client_order(7, epochs=2, batch_size=3, seed=5, work=work)
+  dataset = simulation.client_dataset(x, y, epochs=2, batch_size=3, seed=5, work=work)
   np.testing.assert_array_equal(np.concatenate([b for _, b in dataset]), y[order])
   with runtime.execution_context():
     tff_result, tff_sums = tff_client.client_update(initial, dataset, np.float32(0.1))
@@ -140,7 +142,7 @@ def test_a_killed_device_is_a_dropout_and_is_replaced(tmp_path, caplog):
   path.write_bytes(trainable.convert_trainable(small_femnist_model(0), learning_rate=0.1))
   weights = [w.numpy() for w in small_femnist_model(0).trainable_variables]
   x, y = femnist_like(5, seed=2)
-  order = training.client_order(5, epochs=1, batch_size=2, seed=0)
+  order = simulation.client_order(5, epochs=1, batch_size=2, seed=0)
   request = {"x": x, "y": y, "order": order, "batch_size": 2, "model": 0}
   pool = device_clients.DevicePool(str(path), 1)
   try:
@@ -181,8 +183,10 @@ def test_device_pool_without_the_device_environment_is_one_line(tmp_path):
   ],
 )
 def test_bad_client_runtime_settings_are_usage_errors(flags, message):
-  config = training.ExperimentConfig(**{"data_dir": DATA_DIR, "client_runtime": "litert", **flags})
-  with pytest.raises(training.UsageError, match=message):
+  config = experiment.ExperimentConfig(
+    **{"data_dir": DATA_DIR, "client_runtime": "litert", **flags}
+  )
+  with pytest.raises(experiment.UsageError, match=message):
     config.validate()
 
 
@@ -219,7 +223,7 @@ def test_cli_litert_run_killed_after_round_1_resumes_to_the_same_model(tmp_path)
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
   )
-  first_checkpoint = tmp_path / "killed" / training.CHECKPOINT_DIR / "round_1"
+  first_checkpoint = tmp_path / "killed" / run_files.CHECKPOINT_DIR / "round_1"
   deadline = time.time() + 600
   while not first_checkpoint.exists() and time.time() < deadline:
     assert killed.poll() is None, "the run ended before it could be killed"

@@ -8,21 +8,23 @@ import tensorflow as tf
 
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
+from tff_ens import experiment
+from tff_ens import simulation
 from tff_ens import training
 
 
 def test_no_faults_by_default():
-  reports, work = training.simulate_faults(
+  reports, work = simulation.simulate_faults(
     10, seed=0, round_num=1, dropout_rate=0.0, straggler_rate=0.0
   )
   assert reports.all() and (work == 1.0).all()
 
 
 def test_faults_are_seeded_and_follow_the_rates():
-  reports, work = training.simulate_faults(
+  reports, work = simulation.simulate_faults(
     10_000, seed=1, round_num=2, dropout_rate=0.3, straggler_rate=0.4
   )
-  again = training.simulate_faults(
+  again = simulation.simulate_faults(
     10_000, seed=1, round_num=2, dropout_rate=0.3, straggler_rate=0.4
   )
   np.testing.assert_array_equal(reports, again[0])
@@ -39,7 +41,7 @@ def test_straggler_dataset_stops_after_its_share_of_batches():
   x = np.zeros((100, 28, 28, 1), np.float32)
   y = np.zeros(100, np.int32)
   count = lambda work: sum(
-    1 for _ in training.client_dataset(x, y, epochs=2, batch_size=10, seed=0, work=work)
+    1 for _ in simulation.client_dataset(x, y, epochs=2, batch_size=10, seed=0, work=work)
   )
   assert count(1.0) == 20
   assert count(0.25) == 5
@@ -64,7 +66,7 @@ def test_fed_ensemble_survives_dropouts_and_stragglers(tmp_path):
   assert np.isfinite(summary["test_accuracy"])
   rows = read_metrics(tmp_path)
   used = [float(r["clients_used"]) for r in rows]
-  expected = [training.simulate_faults(4, config.seed, r, 0.5, 0.5)[0].sum() for r in (1, 2, 3)]
+  expected = [simulation.simulate_faults(4, config.seed, r, 0.5, 0.5)[0].sum() for r in (1, 2, 3)]
   assert used == expected
 
 
@@ -81,19 +83,19 @@ def test_round_where_every_client_drops_out_keeps_the_model(tmp_path):
 
 
 def test_fault_rates_outside_zero_one_are_refused():
-  with pytest.raises(training.UsageError, match="--dropout_rate must be in"):
+  with pytest.raises(experiment.UsageError, match="--dropout_rate must be in"):
     dataclasses.replace(QUICK, dropout_rate=1.5).validate()
 
 
 def test_first_to_finish_keeps_the_fastest_reporting_clients():
   durations = np.array([5.0, 1.0, 3.0, 2.0, 4.0])
   reports = np.array([True, True, True, False, True])
-  kept = training.first_to_finish(durations, reports, m=2)
+  kept = simulation.first_to_finish(durations, reports, m=2)
   # Client 3 would be second but dropped out.
   np.testing.assert_array_equal(kept, [False, True, True, False, False])
-  np.testing.assert_array_equal(training.first_to_finish(durations, reports, m=0), reports)
+  np.testing.assert_array_equal(simulation.first_to_finish(durations, reports, m=0), reports)
   # Fewer reporting clients than m: all of them.
-  np.testing.assert_array_equal(training.first_to_finish(durations, reports, m=9), reports)
+  np.testing.assert_array_equal(simulation.first_to_finish(durations, reports, m=9), reports)
 
 
 def test_round_plan_poisons_and_drops_only_reporting_clients():
@@ -101,10 +103,10 @@ def test_round_plan_poisons_and_drops_only_reporting_clients():
     QUICK, clients_per_round=8, dropout_rate=0.3, aggregate_first=4, nan_clients_per_round=2
   )
   sizes = np.arange(20, 220, 10)
-  speeds = training.client_speeds(len(sizes), config.seed)
+  speeds = simulation.client_speeds(len(sizes), config.seed)
   for round_num in range(1, 30):
-    plan = training.plan_round(config, sizes, speeds, round_num)
-    again = training.plan_round(config, sizes, speeds, round_num)
+    plan = simulation.plan_round(config, sizes, speeds, round_num)
+    again = simulation.plan_round(config, sizes, speeds, round_num)
     np.testing.assert_array_equal(plan.reports, again.reports)
     assert plan.reports.sum() <= 4
     assert not (plan.late & plan.reports).any()

@@ -12,6 +12,7 @@ from tests import tiny
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
 from tff_ens import distillation
+from tff_ens import experiment
 from tff_ens import fedppd
 from tff_ens import runtime
 from tff_ens import server_distillation
@@ -384,7 +385,7 @@ def test_fedppd_run_evaluates_and_saves_the_student(tmp_path):
 )
 def test_bad_fedppd_flags_are_one_line_errors(change, message):
   config = dataclasses.replace(QUICK, algorithm="fedppd", **change)
-  with pytest.raises(training.UsageError, match=message):
+  with pytest.raises(experiment.UsageError, match=message):
     config.validate()
 
 

@@ -15,7 +15,7 @@ import tensorflow_federated as tff
 
 import tasks
 from tasks import femnist
-from tff_ens import training
+from tff_ens import experiment
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared/data/femnist"
 
@@ -490,9 +490,9 @@ def test_load_tff_with_corrupt_cache(tmp_path):
 
 
 def test_split_flags_need_a_split_for_femnist():
-  with pytest.raises(training.UsageError, match="--num_clients applies to a pooled split"):
-    training.ExperimentConfig(task="femnist", num_clients=5).validate()
-  config = training.ExperimentConfig(task="femnist", partition="dirichlet")
+  with pytest.raises(experiment.UsageError, match="--num_clients applies to a pooled split"):
+    experiment.ExperimentConfig(task="femnist", num_clients=5).validate()
+  config = experiment.ExperimentConfig(task="femnist", partition="dirichlet")
   assert config.partition_config().server_unlabeled_examples == femnist.SERVER_EXAMPLES[0]
-  assert training.ExperimentConfig(task="femnist").partition_config() is None
-  assert training.ExperimentConfig(task="cifar10").partition_config().partition == "iid"
+  assert experiment.ExperimentConfig(task="femnist").partition_config() is None
+  assert experiment.ExperimentConfig(task="cifar10").partition_config().partition == "iid"

@@ -33,6 +33,9 @@ import pytest
 import tasks
 from tests.femnist_runs import DATA_DIR
 from tests.femnist_runs import ROOT
+from tff_ens import experiment
+from tff_ens import run_files
+from tff_ens import run_outputs
 from tff_ens import training
 
 # Real writers for the small LEAF directory: three and two writers in two
@@ -89,7 +92,7 @@ def snapshot(directory) -> dict[str, str]:
   }
 
 
-def run_cli(config: training.ExperimentConfig, *extra: str):
+def run_cli(config: experiment.ExperimentConfig, *extra: str):
   """`python -m tff_ens.main` with the flags of `config`, then `extra`."""
   flags = [
     f"--{k}={v}" for k, v in dataclasses.asdict(config).items() if v is not None and k != "resume"
@@ -118,7 +121,7 @@ def previous_run(tmp_path_factory):
   root = tmp_path_factory.mktemp("hostile")
   data_dir = write_leaf(root / "leaf")
   shutil.copytree(data_dir, root / "pristine")
-  config = training.ExperimentConfig(
+  config = experiment.ExperimentConfig(
     data_dir=str(data_dir),
     output_dir=str(root / "run"),
     rounds=1,
@@ -131,7 +134,7 @@ def previous_run(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def damaged_data(config: training.ExperimentConfig, damage):
+def damaged_data(config: experiment.ExperimentConfig, damage):
   """The run's data directory after `damage(path)`; restored afterwards."""
   data_dir = pathlib.Path(config.data_dir)
   try:
@@ -410,7 +413,7 @@ def test_output_dir_inside_a_file(previous_run, tmp_path):
   # What root meets too: the directory cannot be created.
   (tmp_path / "notes.txt").write_text("keep me")
   output_dir = tmp_path / "notes.txt" / "run"
-  with pytest.raises(training.UsageError) as error:
+  with pytest.raises(experiment.UsageError) as error:
     training.run_experiment(dataclasses.replace(previous_run, output_dir=str(output_dir)))
   assert str(error.value) == (
     f"cannot write to --output_dir={output_dir} (Not a directory): choose a writable directory"
@@ -426,14 +429,14 @@ def _run_with_copied_checkpoints(previous_run, tmp_path, **change):
   """
   config = dataclasses.replace(previous_run, output_dir=str(tmp_path / "run"), **change)
   shutil.copytree(previous_run.output_dir, config.output_dir)
-  (tmp_path / "run" / training.CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config)))
+  (tmp_path / "run" / run_files.CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config)))
   return config
 
 
 def _mismatch_message(config) -> str:
   return (
-    f"checkpoint {config.output_dir}/{training.CHECKPOINT_DIR}/"
-    f"{training.CHECKPOINT_PREFIX}1 does not fit the state of "
+    f"checkpoint {config.output_dir}/{run_files.CHECKPOINT_DIR}/"
+    f"{run_files.CHECKPOINT_PREFIX}1 does not fit the state of "
     f"--algorithm={config.algorithm} --model={config.model} (its "
     "nesting differs): another run wrote it; restore this run's own "
     "checkpoints, or choose a new --output_dir"
@@ -455,14 +458,14 @@ def test_checkpoint_of_another_model(previous_run, tmp_path):
     previous_run, tmp_path, model="cnn_ppd_student", resume=True
   )
   before = snapshot(config.output_dir)
-  with pytest.raises(training.UsageError) as error:
+  with pytest.raises(experiment.UsageError) as error:
     training.run_experiment(config)
   assert str(error.value) == _mismatch_message(config)
   assert snapshot(config.output_dir) == before
 
 
 # Checkpoints of the same nesting, and the run's config.json, through the
-# run's outputs (`training._Outputs`) with small states.
+# run's outputs (`run_outputs.RunOutputs`) with small states.
 
 STATE = {
   "bias": np.zeros([3], np.float32),
@@ -472,8 +475,8 @@ STATE = {
 
 
 def _outputs(output_dir, state):
-  return training._Outputs(  # pylint: disable=protected-access
-    training.ExperimentConfig(output_dir=str(output_dir), resume=True), state
+  return run_outputs.RunOutputs(
+    experiment.ExperimentConfig(output_dir=str(output_dir), resume=True), state
   )
 
 
@@ -512,7 +515,7 @@ def test_checkpoint_that_fits_is_resumed(saved_state):
 )
 def test_checkpoint_that_does_not_fit_is_refused(saved_state, state, mismatch):
   before = snapshot(saved_state)
-  with pytest.raises(training.UsageError) as error:
+  with pytest.raises(experiment.UsageError) as error:
     _outputs(saved_state, state)
   assert str(error.value) == (
     f"checkpoint {saved_state}/checkpoints/round_1 does not fit the state "
@@ -527,7 +530,7 @@ def test_unreadable_checkpoint_is_refused(saved_state):
   for path in variables.iterdir():
     path.write_bytes(b"")
   before = snapshot(saved_state)
-  with pytest.raises(training.UsageError) as error:
+  with pytest.raises(experiment.UsageError) as error:
     _outputs(saved_state, STATE)
   message = str(error.value)
   assert message.startswith(f"cannot read checkpoint {saved_state}/checkpoints/round_1 (")
@@ -540,9 +543,9 @@ def test_unreadable_checkpoint_is_refused(saved_state):
 
 @pytest.mark.parametrize("content", [b"", b'{"rounds": 1', b"[1, 2]", b"\xff\xfe"])
 def test_damaged_config_json_is_refused(saved_state, content):
-  (saved_state / training.CONFIG_FILE).write_bytes(content)
+  (saved_state / run_files.CONFIG_FILE).write_bytes(content)
   before = snapshot(saved_state)
-  with pytest.raises(training.UsageError) as error:
+  with pytest.raises(experiment.UsageError) as error:
     _outputs(saved_state, STATE)
   assert str(error.value) == (
     f"{saved_state}/config.json is not a run's config (a JSON object of "

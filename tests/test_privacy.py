@@ -23,10 +23,12 @@ from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
 from tff_ens import algorithms
 from tff_ens import client_work
+from tff_ens import experiment
 from tff_ens import fed_ensemble
 from tff_ens import fedavg
 from tff_ens import fedppd
 from tff_ens import privacy
+from tff_ens import run_files
 from tff_ens import training
 from tiny import SPEC
 from tiny import one_batch
@@ -272,7 +274,7 @@ def test_dp_for_distillation_algorithms_is_refused(algorithm):
   config = dataclasses.replace(
     QUICK, algorithm=algorithm, dp_noise_multiplier=0.1, dp_clip_norm=1.0
   )
-  with pytest.raises(training.UsageError, match=f"--algorithm={algorithm}: its server distills"):
+  with pytest.raises(experiment.UsageError, match=f"--algorithm={algorithm}: its server distills"):
     config.validate()
   with pytest.raises(ValueError, match="distills"):
     algorithms.build_algorithm(
@@ -296,7 +298,7 @@ def test_dp_for_distillation_algorithms_is_refused(algorithm):
   ],
 )
 def test_bad_dp_flags_are_one_line_errors(change, message):
-  with pytest.raises(training.UsageError, match=message) as error:
+  with pytest.raises(experiment.UsageError, match=message) as error:
     dataclasses.replace(QUICK, **change).validate()
   assert "\n" not in str(error.value)
 
@@ -315,7 +317,7 @@ def test_dp_fedavg_run_reports_epsilon_for_its_delta(tmp_path):
   assert summary["dp_epsilon"] == pytest.approx(_library_epsilon(z, m, n, 2, delta), rel=1e-9)
   assert summary["dp_noise_multiplier"] == z
   assert summary["dp_clipping"] == "adaptive"
-  with open(os.path.join(config.output_dir, training.SUMMARY_FILE)) as f:
+  with open(os.path.join(config.output_dir, run_files.SUMMARY_FILE)) as f:
     assert json.load(f)["dp_epsilon"] == summary["dp_epsilon"]
   rows = read_metrics(config.output_dir)
   epsilons = [float(r["dp_epsilon"]) for r in rows]

@@ -28,7 +28,9 @@ from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
 from tff_ens import algorithms
 from tff_ens import client_work
+from tff_ens import experiment
 from tff_ens import main as cli
+from tff_ens import run_files
 from tff_ens import runtime
 from tff_ens import training
 from tiny import SPEC
@@ -99,7 +101,7 @@ def test_two_workers_round_equals_local_round(name, two_workers):
 
 def _checkpoints(output_dir) -> list[str]:
   try:
-    return os.listdir(os.path.join(output_dir, training.CHECKPOINT_DIR))
+    return os.listdir(os.path.join(output_dir, run_files.CHECKPOINT_DIR))
   except FileNotFoundError:
     return []
 
@@ -139,7 +141,7 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_worker
   assert f"last checkpoint is round {last}: rerun with --resume" in message
   assert 1 <= last < 3
   seconds = [r["seconds"] for r in read_metrics(tmp_path)[:last]]
-  assert not (tmp_path / training.SUMMARY_FILE).exists()
+  assert not (tmp_path / run_files.SUMMARY_FILE).exists()
 
   # The run continues on this machine, on a local worker.
   with worker_processes.deadline(300):
@@ -149,7 +151,7 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_worker
   # Rounds up to the checkpoint were kept, not trained again.
   assert [r["seconds"] for r in rows[:last]] == seconds
   assert summary["rounds"] == 3
-  assert (tmp_path / training.SUMMARY_FILE).exists()
+  assert (tmp_path / run_files.SUMMARY_FILE).exists()
 
 
 @pytest.mark.parametrize(
@@ -163,19 +165,19 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_worker
 )
 def test_bad_workers_flag_is_refused(workers, message):
   config = dataclasses.replace(QUICK, workers=workers)
-  with pytest.raises(training.UsageError, match=message) as error:
+  with pytest.raises(experiment.UsageError, match=message) as error:
     config.validate()
   assert str(error.value).startswith(f"--workers={workers}: ")
 
 
 def test_cli_flag_is_the_config_field():
   # `main` builds the config from the flag of each field's name.
-  assert cli.FLAGS["workers"].default == training.ExperimentConfig.workers
+  assert cli.FLAGS["workers"].default == experiment.ExperimentConfig.workers
 
 
 def test_concurrency_limit_with_workers_is_refused():
   config = dataclasses.replace(QUICK, workers="10.0.0.2:8000", max_concurrent_clients=2)
-  with pytest.raises(training.UsageError, match="tff_ens.worker --max_concurrent_clients"):
+  with pytest.raises(experiment.UsageError, match="tff_ens.worker --max_concurrent_clients"):
     config.validate()
 
 
@@ -183,7 +185,7 @@ def test_concurrency_limit_with_workers_is_refused():
 def test_unreachable_worker_is_a_usage_error_naming_the_flag(tmp_path):
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   config = dataclasses.replace(QUICK, workers=address, output_dir=str(tmp_path / "out"))
-  with worker_processes.deadline(120), pytest.raises(training.UsageError) as error:
+  with worker_processes.deadline(120), pytest.raises(experiment.UsageError) as error:
     training.run_experiment(config)
   message = str(error.value)
   assert message.startswith(f"--workers={address}: TFF worker at {address} is unreachable")

@@ -17,6 +17,10 @@ from tests.femnist_runs import DATA_DIR
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
+from tff_ens import experiment
+from tff_ens import run_files
+from tff_ens import run_outputs
+from tff_ens import simulation
 from tff_ens import training
 
 
@@ -59,12 +63,12 @@ def test_fedavg_learns_and_writes_outputs(fedavg_run):
     "config",
   ):
     assert key in summary, key
-  with open(os.path.join(config.output_dir, training.SUMMARY_FILE)) as f:
+  with open(os.path.join(config.output_dir, run_files.SUMMARY_FILE)) as f:
     assert json.load(f)["test_accuracy"] == summary["test_accuracy"]
   assert os.path.exists(os.path.join(config.output_dir, "model.keras"))
   assert os.listdir(os.path.join(config.output_dir, "tensorboard"))
   # The two latest checkpoints are kept.
-  assert sorted(os.listdir(os.path.join(config.output_dir, training.CHECKPOINT_DIR))) == [
+  assert sorted(os.listdir(os.path.join(config.output_dir, run_files.CHECKPOINT_DIR))) == [
     "round_2",
     "round_4",
   ]
@@ -90,11 +94,11 @@ def test_same_seed_same_numbers(fedavg_run, tmp_path):
 
 
 def test_sampling_is_a_function_of_seed_and_round():
-  a = training.sample_clients(105, 10, seed=1, round_num=7)
+  a = simulation.sample_clients(105, 10, seed=1, round_num=7)
   assert len(set(a)) == 10
-  np.testing.assert_array_equal(a, training.sample_clients(105, 10, seed=1, round_num=7))
-  assert not np.array_equal(a, training.sample_clients(105, 10, seed=2, round_num=7))
-  assert not np.array_equal(a, training.sample_clients(105, 10, seed=1, round_num=8))
+  np.testing.assert_array_equal(a, simulation.sample_clients(105, 10, seed=1, round_num=7))
+  assert not np.array_equal(a, simulation.sample_clients(105, 10, seed=2, round_num=7))
+  assert not np.array_equal(a, simulation.sample_clients(105, 10, seed=1, round_num=8))
 
 
 @pytest.mark.slow
@@ -255,33 +259,33 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
 )
 def test_bad_flags_raise_one_line_errors(change, message, tmp_path):
   config = dataclasses.replace(QUICK, output_dir=str(tmp_path / "out"), **change)
-  with pytest.raises(training.UsageError, match=message) as error:
+  with pytest.raises(experiment.UsageError, match=message) as error:
     training.run_experiment(config)
   assert "\n" not in str(error.value)
 
 
 def test_a_config_saved_before_issue_24_keeps_what_its_run_did():
   # Written before --member_average and the pooled FEMNIST split existed.
-  old = dataclasses.asdict(training.ExperimentConfig(algorithm="fedensemble"))
+  old = dataclasses.asdict(experiment.ExperimentConfig(algorithm="fedensemble"))
   for name in ("member_average", "drop_worst_rule", "student_minibatch"):
     del old[name]
   old.update(partition="iid", server_unlabeled_examples=10_000, server_validation_examples=1_000)
-  saved = training.saved_config(old)
+  saved = experiment.saved_config(old)
   assert saved["member_average"] == "examples"
   assert saved["drop_worst_rule"] == "majority"
   assert saved["partition"] is None and saved["server_unlabeled_examples"] is None
-  assert training.ExperimentConfig(**saved).partition_config() is None
-  assert training.saved_config(dataclasses.asdict(QUICK)) == dataclasses.asdict(QUICK)
+  assert experiment.ExperimentConfig(**saved).partition_config() is None
+  assert experiment.saved_config(dataclasses.asdict(QUICK)) == dataclasses.asdict(QUICK)
 
 
 def test_output_dir_of_another_run_is_refused_and_kept(fedavg_run):
   config, _ = fedavg_run
-  metrics_path = os.path.join(config.output_dir, training.METRICS_FILE)
+  metrics_path = os.path.join(config.output_dir, run_files.METRICS_FILE)
   before = pathlib.Path(metrics_path).read_bytes()
   refused = f"holds a different run \\(it has --client_lr={config.client_lr}\\)"
-  with pytest.raises(training.UsageError, match=refused):
+  with pytest.raises(experiment.UsageError, match=refused):
     training.run_experiment(dataclasses.replace(config, client_lr=0.2))
-  with pytest.raises(training.UsageError, match="pass --resume"):
+  with pytest.raises(experiment.UsageError, match="pass --resume"):
     training.run_experiment(config)
   assert pathlib.Path(metrics_path).read_bytes() == before
 
@@ -290,13 +294,11 @@ def test_run_from_before_a_new_flag_resumes_at_its_default(tmp_path):
   config = dataclasses.replace(QUICK, output_dir=str(tmp_path), resume=True)
   old = dataclasses.asdict(config)
   del old["active_budget"]  # As if the run predates --active_budget.
-  (tmp_path / training.CONFIG_FILE).write_text(json.dumps(old))
-  training._Outputs(config, None).close()  # pylint: disable=protected-access
-  (tmp_path / training.CONFIG_FILE).write_text(json.dumps(old))
-  with pytest.raises(training.UsageError, match="it has --active_budget=10\\)"):
-    training._Outputs(  # pylint: disable=protected-access
-      dataclasses.replace(config, active_budget=3), None
-    )
+  (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(old))
+  run_outputs.RunOutputs(config, None).close()
+  (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(old))
+  with pytest.raises(experiment.UsageError, match="it has --active_budget=10\\)"):
+    run_outputs.RunOutputs(dataclasses.replace(config, active_budget=3), None)
 
 
 @pytest.mark.slow
@@ -396,7 +398,7 @@ def _start_and_await(config, output_dir, path):
 def _resume_matches(flags, output_dir, summary):
   result = run_cli(*flags, f"--output_dir={output_dir}", "--resume")
   assert result.returncode == 0, result.stderr[-2000:]
-  with open(output_dir / training.SUMMARY_FILE) as f:
+  with open(output_dir / run_files.SUMMARY_FILE) as f:
     resumed = json.load(f)
   assert resumed["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.005)
   assert [int(r["round"]) for r in read_metrics(output_dir)] == [1, 2, 3, 4]
@@ -406,11 +408,11 @@ def _resume_matches(flags, output_dir, summary):
 def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
   config, summary = fedavg_run
   output_dir = tmp_path / "killed"
-  first_checkpoint = output_dir / training.CHECKPOINT_DIR / "round_2"
+  first_checkpoint = output_dir / run_files.CHECKPOINT_DIR / "round_2"
   process, flags = _start_and_await(config, output_dir, first_checkpoint.exists)
   process.send_signal(signal.SIGKILL)
   process.wait()
-  assert not (output_dir / training.SUMMARY_FILE).exists()
+  assert not (output_dir / run_files.SUMMARY_FILE).exists()
   _resume_matches(flags, output_dir, summary)
 
 
@@ -436,7 +438,7 @@ def test_feddyn_client_states_resume_from_the_checkpoint(tmp_path):
   )
   process.send_signal(signal.SIGKILL)
   process.wait()
-  assert not (tmp_path / "killed" / training.CHECKPOINT_DIR / "round_4").exists(), (
+  assert not (tmp_path / "killed" / run_files.CHECKPOINT_DIR / "round_4").exists(), (
     "killed too late to test the resume"
   )
   _resume_matches(flags, tmp_path / "killed", summary)
@@ -466,10 +468,10 @@ def test_sigterm_checkpoints_the_round_and_stops(fedavg_run, tmp_path):
   last = stderr.strip().splitlines()[-1]
   stopped_after = int(last.split("after round ")[1].split(",")[0])
   assert last.endswith("continue with --resume")
-  checkpoints = os.listdir(output_dir / training.CHECKPOINT_DIR)
+  checkpoints = os.listdir(output_dir / run_files.CHECKPOINT_DIR)
   assert checkpoints == [f"round_{stopped_after}"]
   assert len(read_metrics(output_dir)) == stopped_after
-  assert not (output_dir / training.SUMMARY_FILE).exists()
+  assert not (output_dir / run_files.SUMMARY_FILE).exists()
   _resume_matches(flags, output_dir, summary)
 
 

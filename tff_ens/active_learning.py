@@ -197,3 +197,32 @@ class Pool:
       [{"round": a["round"], "added": as_arrays(a["added"])} for a in value["acquisitions"]],
       value["curve"],
     )
+
+
+def pool_at_round(
+  active: ActiveLearningConfig,
+  seed: int,
+  sizes: dict[str, int],
+  output_dir: str,
+  start_round: int,
+) -> Pool | None:
+  """The labeled pool of an active-learning run at `start_round`, or None."""
+  if not active.enabled:
+    return None
+  pool = Pool.load(output_dir) if start_round else None
+  if pool is None:
+    pool = Pool.start(sizes, active.initial_fraction, seed)
+  pool.rewind(start_round)
+  return pool
+
+
+def labeled(train, pool: Pool | None, sizes):
+  """The training split restricted to the pool's labeled examples."""
+  if pool is None:
+    return train
+  masks = pool.masks(sizes)
+  return dataclasses.replace(
+    train,
+    x={c: train.x[c][masks[c]] for c in train.client_ids},
+    y={c: train.y[c][masks[c]] for c in train.client_ids},
+  )

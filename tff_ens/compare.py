@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging as std_logging
 import os
-import re
 import sys
 from typing import Sequence
 
@@ -41,15 +40,12 @@ import tensorflow as tf
 import tasks
 from tff_ens import algorithms
 from tff_ens import evaluation
+from tff_ens import experiment
 from tff_ens import metrics
-from tff_ens import training
+from tff_ens import run_files
 
-PER_CLIENT_ACCURACY_FILE = training.PER_CLIENT_ACCURACY_FILE
 ACCURACY_FIGURE = "test_accuracy_by_round.png"
 PER_WRITER_FIGURE = "per_writer_accuracy.png"
-MODEL_FILE = "model.keras"
-MEMBERS_DIR = "members"
-_MEMBER_FILE = re.compile(r"member_(\d+)\.keras")
 
 # Flags that change where or how a run executes, not what it computes; seed
 # and rounds have their own columns.
@@ -125,7 +121,7 @@ _ALGORITHM_FLAGS = {
 }
 # Flags that define an algorithm's variant: shown even at their default.
 _VARIANT_FLAGS = {"fedensemble": ("ensemble_size", "local_objective"), "fedbe": ("fedbe_targets",)}
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(training.ExperimentConfig)}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(experiment.ExperimentConfig)}
 
 # The table's columns (see `table_rows`); text is aligned left, numbers right.
 _HEADER = (
@@ -175,11 +171,11 @@ class Run:
 
   @property
   def config(self) -> dict:
-    return training.saved_config(self.summary["config"])
+    return experiment.saved_config(self.summary["config"])
 
-  def experiment_config(self) -> training.ExperimentConfig:
+  def experiment_config(self) -> experiment.ExperimentConfig:
     """The run's flags; a flag unknown to this version is left out."""
-    return training.ExperimentConfig(**{k: v for k, v in self.config.items() if k in _DEFAULTS})
+    return experiment.ExperimentConfig(**{k: v for k, v in self.config.items() if k in _DEFAULTS})
 
   def key_flags(self) -> str:
     """ "k=v ..." of the flags that define the run beyond its algorithm, seed
@@ -206,18 +202,19 @@ class Run:
 
   def model_paths(self) -> list[str]:
     """`model.keras`, or the ensemble's `members/member_k.keras` in order."""
-    members_dir = os.path.join(self.path, MEMBERS_DIR)
+    members_dir = os.path.join(self.path, run_files.MEMBERS_DIR)
     numbered = sorted(
       (int(m.group(1)), os.path.join(members_dir, m.group(0)))
       for name in (os.listdir(members_dir) if os.path.isdir(members_dir) else ())
-      if (m := _MEMBER_FILE.fullmatch(name))
+      if (m := run_files.MEMBER_FILE_PATTERN.fullmatch(name))
     )
     if numbered:
       return [path for _, path in numbered]
-    single = os.path.join(self.path, MODEL_FILE)
+    single = os.path.join(self.path, run_files.MODEL_FILE)
     if not os.path.isfile(single):
       raise CompareError(
-        f"{self.path} has no {MODEL_FILE} or {MEMBERS_DIR}/member_k.keras to evaluate"
+        f"{self.path} has no {run_files.MODEL_FILE} or "
+        f"{run_files.MEMBERS_DIR}/member_k.keras to evaluate"
       )
     return [single]
 
@@ -259,16 +256,16 @@ def _ranges(numbers: Sequence[int]) -> str:
 def _in_progress_error(path: str, metrics_path: str) -> CompareError:
   """The error for a run with metrics.csv but no summary.json yet."""
   rounds = [int(r["round"]) for r in _read_metrics(metrics_path)]
-  config_path = os.path.join(path, training.CONFIG_FILE)
+  config_path = os.path.join(path, run_files.CONFIG_FILE)
   config = _read_json(config_path) if os.path.isfile(config_path) else {}
   total = config.get("rounds") if isinstance(config, dict) else None
   done = (
     f"has round{'s' if len(rounds) > 1 else ''} {_ranges(rounds)}" if rounds else "has no round yet"
   )
   return CompareError(
-    f"{path} is a run in progress (or stopped): its {training.METRICS_FILE} "
+    f"{path} is a run in progress (or stopped): its {run_files.METRICS_FILE} "
     f"{done}{f' of {total}' if total else ''} and it has no "
-    f"{training.SUMMARY_FILE} yet: compare it when it has finished (a "
+    f"{run_files.SUMMARY_FILE} yet: compare it when it has finished (a "
     "stopped run continues with --resume)"
   )
 
@@ -283,20 +280,20 @@ def load_run(path: str) -> Run:
     raise CompareError(
       f"{path} is not a directory: pass the --output_dir of a `python -m tff_ens.main` run"
     )
-  metrics_path = os.path.join(path, training.METRICS_FILE)
-  summary_path = os.path.join(path, training.SUMMARY_FILE)
+  metrics_path = os.path.join(path, run_files.METRICS_FILE)
+  summary_path = os.path.join(path, run_files.SUMMARY_FILE)
   has_metrics, has_summary = (os.path.isfile(metrics_path), os.path.isfile(summary_path))
   if not has_metrics and not has_summary:
     raise CompareError(
-      f"{path} is not a run (no {training.METRICS_FILE} or "
-      f"{training.SUMMARY_FILE}): pass the --output_dir of a `python -m "
+      f"{path} is not a run (no {run_files.METRICS_FILE} or "
+      f"{run_files.SUMMARY_FILE}): pass the --output_dir of a `python -m "
       "tff_ens.main` run"
     )
   if not has_summary:
     raise _in_progress_error(path, metrics_path)
   if not has_metrics:
     raise CompareError(
-      f"{path} has a {training.SUMMARY_FILE} but no {training.METRICS_FILE}: restore it"
+      f"{path} has a {run_files.SUMMARY_FILE} but no {run_files.METRICS_FILE}: restore it"
     )
   summary = _read_json(summary_path)
   if not (
@@ -483,7 +480,7 @@ def per_writer_accuracies(
   loaded = {}
   accuracies = []
   for run in runs:
-    saved = os.path.join(run.path, PER_CLIENT_ACCURACY_FILE)
+    saved = os.path.join(run.path, run_files.PER_CLIENT_ACCURACY_FILE)
     if os.path.isfile(saved):
       accuracies.append(_read_accuracies(saved))
       continue

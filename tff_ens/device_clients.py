@@ -7,7 +7,7 @@ device environment (`device/`: LiteRT and NumPy, no TensorFlow) stand in for the
 `--device_processes` of them at a time. Each trains from the weights the server sent it
 (FedAvg's model, or the Fed-ensemble member it is assigned), with
 the run's batch size, learning rate and momentum, on its client's examples in the order a
-TFF client of the same round would (`training.client_order`: the run's epochs, the client's
+TFF client of the same round would (`simulation.client_order`: the run's epochs, the client's
 round seed, a straggler's share), and returns its weights and sums of loss, correct
 predictions and examples. TFF then runs the
 round as for any client (`client_work.build_device_client_work`): the update, its weight,

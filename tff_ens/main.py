@@ -3,7 +3,7 @@ r"""Command line: train a federated model and write its metrics and summary.
   python -m tff_ens.main --task=femnist --algorithm=fedavg --rounds=100 \
       --data_dir=../shared/data/femnist --output_dir=runs/fedavg
 
-Flags map one to one onto `training.ExperimentConfig`; see `--help`.
+Flags map one to one onto `experiment.ExperimentConfig`; see `--help`.
 """
 
 import argparse
@@ -47,8 +47,10 @@ from tff_ens import client_states
 from tff_ens import client_work
 from tff_ens import device_clients
 from tff_ens import distillation
+from tff_ens import experiment
 from tff_ens import fed_ensemble
 from tff_ens import fedppd
+from tff_ens import run_files
 from tff_ens import runtime
 from tff_ens import training
 from tff_ens import weight_posterior
@@ -488,23 +490,23 @@ def main(argv):
     std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
     # On a terminal the progress bar reports; log lines would break it.
     logging.set_verbosity(logging.WARNING if sys.stderr.isatty() else logging.INFO)
-  fields = {f.name for f in dataclasses.fields(training.ExperimentConfig)}
+  fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)}
   values = {name: FLAGS[name].value for name in fields}
-  config = training.ExperimentConfig(**{**values, **_binary_recipe(values)})
+  config = experiment.ExperimentConfig(**{**values, **_binary_recipe(values)})
   try:
     summary = training.run_experiment(config)
-  except (training.UsageError, tasks.DataError, client_states.ClientStateError) as e:
+  except (experiment.UsageError, tasks.DataError, client_states.ClientStateError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except runtime.WorkerError as e:  # Lost mid-run; the message says resume.
     print(f"error: {e}", file=sys.stderr)
     return 1
-  except training.Stopped as e:
+  except experiment.Stopped as e:
     print(str(e), file=sys.stderr)
     return 128 + signal.SIGTERM
   print(
     f"test_accuracy={summary['test_accuracy']:.4f} "
-    f"summary={os.path.join(config.output_dir, training.SUMMARY_FILE)}"
+    f"summary={os.path.join(config.output_dir, run_files.SUMMARY_FILE)}"
   )
   return 0
 

@@ -143,7 +143,7 @@ def round_event(
   """The privacy event of one DP-FedAvg round, for an RDP accountant.
 
   The training loop samples a cohort of exactly m of the N clients uniformly
-  without replacement (`training.sample_clients`), so the event is
+  without replacement (`simulation.sample_clients`), so the event is
   `SampledWithoutReplacementDpEvent` (Wang, Balle, Kasiviswanathan,
   AISTATS 2019, Theorem 27), not the Poisson sampling the DP-FedAvg paper
   assumes. Its analysis is for the replace-one relation (N is public), under

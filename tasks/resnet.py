@@ -38,7 +38,7 @@ BINARY_BATCH_NORM_MOMENTUM = 0.9
 # "A binarized ResNet-8 worth shipping"): the flags the CLI sets for them unless given. Adam
 # on the latent weights (larq's guides), and batch-norm statistics measured on server images
 # after each round, since the clients' statistics belong to their own binary weights.
-BINARY_RECIPE = {"client_optimizer": "adam", "client_lr": 0.005, "recalibrate_batch_norm": 500}
+BINARY_RECIPE = {"client_optimizer": "adam", "client_lr": 0.01, "recalibrate_batch_norm": 500}
 
 
 def seed_stream(seed: int) -> Iterator[int]:

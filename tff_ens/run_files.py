@@ -35,6 +35,8 @@ def member_file(k: int) -> str:
 
 
 def write_json_atomically(path: str, value):
+  """Writes `value` as JSON to `path` through a temporary file, so a crash leaves the old file
+  or the new one, never half of one."""
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
     json.dump(value, f, indent=2, sort_keys=True)

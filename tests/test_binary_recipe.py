@@ -1,5 +1,6 @@
 """The binarized ResNets' recipe (`tasks.resnet.BINARY_RECIPE`): the CLI's defaults for a
-binarized model, given flags kept, and only what the run's algorithm and runtime use."""
+binarized model, given flags kept, and only what the run's algorithm and runtime use; and
+the CLI's choices, which come from the modules' constants."""
 
 import dataclasses
 
@@ -8,10 +9,16 @@ import pytest
 
 from tasks import resnet
 from tests.femnist_runs import QUICK
+from tff_ens import active_learning
+from tff_ens import algorithms
+from tff_ens import client_work
 from tff_ens import experiment
+from tff_ens import fed_ensemble
 from tff_ens import main as cli
 from tff_ens import run_files
+from tff_ens import server_distillation
 from tff_ens import training
+from tff_ens import weight_posterior
 
 
 def recipe(**flags):
@@ -95,3 +102,20 @@ def test_recalibration_the_run_cannot_do_is_a_usage_error(tmp_path, flags, messa
   with pytest.raises(experiment.UsageError, match=message):
     training.run_experiment(config)
   assert not (tmp_path / "run" / run_files.METRICS_FILE).exists()
+
+
+def test_cli_choices_are_the_modules_own_constants():
+  # --help lists every algorithm and each enum's choices from the module that defines them.
+  assert all(name in cli.FLAGS["algorithm"].help for name in algorithms.ALGORITHMS)
+  for flag, choices in (
+    ("norm", resnet.NORMS),
+    ("lr_schedule", client_work.LR_SCHEDULES),
+    ("client_optimizer", client_work.OPTIMIZERS),
+    ("assignment", fed_ensemble.ASSIGNMENTS),
+    ("member_average", fed_ensemble.MEMBER_AVERAGES),
+    ("local_objective", algorithms.LOCAL_OBJECTIVES),
+    ("fedbe_distribution", server_distillation.DISTRIBUTIONS),
+    ("fedbe_targets", weight_posterior.TARGETS),
+    ("active_selection", active_learning.SELECTIONS),
+  ):
+    assert cli.FLAGS[flag].parser.enum_values == list(choices), flag

@@ -42,6 +42,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", cpp_log_level(sys.argv))
 # Sequential model must be the output of a TensorFlow `Layer`").
 import tasks
 from tasks import resnet
+from tff_ens import active_learning
 from tff_ens import algorithms
 from tff_ens import client_states
 from tff_ens import client_work
@@ -52,6 +53,7 @@ from tff_ens import fed_ensemble
 from tff_ens import fedppd
 from tff_ens import run_files
 from tff_ens import runtime
+from tff_ens import server_distillation
 from tff_ens import training
 from tff_ens import weight_posterior
 
@@ -110,15 +112,15 @@ flags.DEFINE_integer(
 flags.DEFINE_string(
   "algorithm",
   "fedavg",
-  "fedavg, fedprox, fedavgm, fedensemble, fedbe, feddf, vdistill "
-  "(FedBE's v-Distillation baseline) or fedppd.",
+  f"One of {', '.join(algorithms.ALGORITHMS)} (docs/algorithms.md; vdistill is FedBE's "
+  "v-Distillation baseline, fedppd_distill FedPPD with the server's distillation).",
 )
 flags.DEFINE_string(
   "model",
   "cnn",
   "Model: cnn (FEMNIST: LEAF CNN; CIFAR: FedBE's ConvNet), resnet8, resnet20, resnet32 (CIFAR).",
 )
-flags.DEFINE_enum("norm", "batch", ["batch", "group"], "Normalization layers of ResNets.")
+flags.DEFINE_enum("norm", "batch", list(resnet.NORMS), "Normalization layers of ResNets.")
 flags.DEFINE_integer("rounds", 100, "Communication rounds.")
 flags.DEFINE_integer("clients_per_round", 10, "Clients sampled per round.")
 flags.DEFINE_integer("client_epochs", 1, "Local epochs per round.")
@@ -136,7 +138,7 @@ flags.DEFINE_float("weight_decay", 0.0, "Client (coupled L2) weight decay.")
 flags.DEFINE_enum(
   "lr_schedule",
   "constant",
-  ["constant", "step"],
+  list(client_work.LR_SCHEDULES),
   "Client learning rate: constant, or x0.1 at 30% and 60% of the rounds (step).",
 )
 flags.DEFINE_float("proximal_mu", 0.01, "FedProx mu (--algorithm=fedprox).")
@@ -153,7 +155,7 @@ flags.DEFINE_integer("ensemble_size", 5, "K, the models of --algorithm=fedensemb
 flags.DEFINE_enum(
   "assignment",
   "permutation",
-  ["permutation", "random"],
+  list(fed_ensemble.ASSIGNMENTS),
   "Fed-ensemble: which model a client trains; random is the paper's Table VII ablation.",
 )
 flags.DEFINE_enum(
@@ -166,7 +168,7 @@ flags.DEFINE_enum(
 flags.DEFINE_enum(
   "local_objective",
   "sgd",
-  ["sgd", "fedprox", "feddyn"],
+  list(algorithms.LOCAL_OBJECTIVES),
   "Fed-ensemble clients' objective (fedprox uses --proximal_mu, feddyn --feddyn_alpha).",
 )
 flags.DEFINE_float(
@@ -192,14 +194,14 @@ flags.DEFINE_bool("swa", True, "FedBE: distill with SWA (False: plain SGD, the p
 flags.DEFINE_enum(
   "fedbe_distribution",
   "gaussian",
-  ["gaussian", "dirichlet"],
+  list(server_distillation.DISTRIBUTIONS),
   "FedBE: distribution over global models (eq. 5 / eq. 7).",
 )
 flags.DEFINE_integer("fedbe_samples", 10, "FedBE: M, models sampled.")
 flags.DEFINE_enum(
   "fedbe_targets",
   "S+A+C",
-  ["A", "S", "S+A", "A+C", "S+C", "S+A+C"],
+  list(weight_posterior.TARGETS),
   "FedBE: teachers (A average, C clients, S samples; Table 3).",
 )
 flags.DEFINE_float("dirichlet_alpha", 1.0, "FedBE: Dirichlet alpha (eq. 7).")
@@ -373,7 +375,7 @@ flags.DEFINE_float(
 flags.DEFINE_enum(
   "active_selection",
   "entropy",
-  ["entropy", "random"],
+  list(active_learning.SELECTIONS),
   "Active learning: annotate the highest predictive entropy, or at random (the baseline).",
 )
 flags.DEFINE_float(

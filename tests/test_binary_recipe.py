@@ -73,9 +73,9 @@ def test_the_recipe_trains_a_valid_config():
     ),
     (
       {"client_optimizer": "adam", "client_momentum": 0.9},
-      r"--client_momentum=0.9 is SGD's: Adam keeps its own moments",
+      r"client momentum 0.9 is SGD's: Adam keeps its own moments; set it to 0 or use the sgd",
     ),
-    ({"client_optimizer": "lamb"}, r"unknown --client_optimizer=lamb: choose one of sgd, adam"),
+    ({"client_optimizer": "lamb"}, r"unknown client optimizer 'lamb': choose one of sgd, adam"),
   ],
 )
 def test_bad_recipe_flags_are_one_line_usage_errors(flags, message):

@@ -309,5 +309,5 @@ def test_adams_first_local_step_moves_each_weight_by_the_learning_rate_against_i
 
 
 def test_adam_with_sgd_momentum_is_refused():
-  with pytest.raises(ValueError, match="momentum is SGD's"):
+  with pytest.raises(ValueError, match="client momentum 0.9 is SGD's"):
     Config(optimizer="adam", momentum=0.9)

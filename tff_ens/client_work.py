@@ -64,10 +64,13 @@ class LocalTrainingConfig:
       )
     if self.optimizer not in OPTIMIZERS:
       raise ValueError(
-        f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
+        f"unknown client optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
       )
     if self.optimizer == "adam" and self.momentum:
-      raise ValueError("momentum is SGD's: Adam has its own moments; set momentum=0")
+      raise ValueError(
+        f"client momentum {self.momentum} is SGD's: Adam keeps its own moments; set it to 0 "
+        "or use the sgd optimizer"
+      )
     for name in ("learning_rate", "total_rounds"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

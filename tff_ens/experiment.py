@@ -244,7 +244,6 @@ class ExperimentConfig:
       ("member_average", self.member_average, fed_ensemble.MEMBER_AVERAGES),
       ("local_objective", self.local_objective, algorithms.LOCAL_OBJECTIVES),
       ("client_runtime", self.client_runtime, device_clients.CLIENT_RUNTIMES),
-      ("client_optimizer", self.client_optimizer, client_work_lib.OPTIMIZERS),
     ):
       if value not in choices:
         raise UsageError(f"unknown --{name}={value}: choose one of {', '.join(choices)}")
@@ -257,11 +256,6 @@ class ExperimentConfig:
         f"--recalibrate_batch_norm is the server step of "
         f"{', '.join(algorithms.FEDAVG_ALGORITHMS)}, not of --algorithm={self.algorithm}: "
         "drop it"
-      )
-    if self.client_optimizer == "adam" and self.client_momentum:
-      raise UsageError(
-        f"--client_momentum={self.client_momentum} is SGD's: Adam keeps its own moments; "
-        "drop it or use --client_optimizer=sgd"
       )
     if self.client_runtime == "litert":
       self._validate_litert_clients(task)

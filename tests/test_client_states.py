@@ -7,9 +7,7 @@ import pytest
 
 from tff_ens import client_states
 
-SPEC = client_states.ClientStateSpec(
-  shape=(6,), dtype=np.dtype(np.float32), models=lambda clients, _: [0 for _ in clients]
-)
+SPEC = client_states.ClientStateSpec(shape=(6,), dtype=np.dtype(np.float32))
 
 
 def state(value):

@@ -504,7 +504,7 @@ def test_feddyn_client_state_stays_on_the_client():
   assert zeros.dtype == np.float32 and zeros.shape == (
     sum(int(np.prod(v.shape)) for v in member_model(0).trainable_variables),
   )
-  assert feddyn.client_state.models([0, 1, 3], 2) == [assign(0, c, 2, 3) for c in (0, 1, 3)]
+  assert feddyn.client_models([0, 1, 3], 2) == [assign(0, c, 2, 3) for c in (0, 1, 3)]
   with pytest.raises(ValueError, match="fedensemble"):
     algorithms.build_algorithm(
       "fedavg", member_model, SPEC, Config(), local_objective="feddyn", num_clients=10

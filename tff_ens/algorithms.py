@@ -347,7 +347,7 @@ def _build_fed_ensemble(
   if feddyn_alpha:
     state_type = built.process.next.type_signature.parameter[3].member
     spec = client_states.ClientStateSpec(
-      shape=tuple(state_type.shape), dtype=np.dtype(state_type.dtype), models=client_models
+      shape=tuple(state_type.shape), dtype=np.dtype(state_type.dtype)
     )
 
   return FederatedAlgorithm(

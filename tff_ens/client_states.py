@@ -19,7 +19,6 @@ import collections
 import dataclasses
 import os
 import re
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -36,14 +35,12 @@ class ClientStateSpec:
   """What an algorithm's clients keep between rounds.
 
   Attributes:
-    shape, dtype: a client's state (zeros before its first round).
-    models: `(client indices, 0-based round) -> model index` of each client,
-      the model whose state it trains on this round (0 for one model).
+    shape, dtype: a client's state (zeros before its first round), one per model it
+      trains (`FederatedAlgorithm.client_models`).
   """
 
   shape: tuple[int, ...]
   dtype: np.dtype
-  models: Callable[[Sequence[int], int], list[int]]
 
   def zeros(self) -> np.ndarray:
     """A client's state before its first round."""

@@ -310,7 +310,7 @@ def _next_round(held, algorithm, store, datasets, cohort, round_num) -> dict:
   if store is None:
     round_metrics = held.next(*algorithm.next_args(datasets, cohort))
   else:
-    models = algorithm.client_state.models(cohort, round_num - 1)
+    models = algorithm.client_models(cohort, round_num - 1)
     round_metrics, new_states = held.next(
       *algorithm.next_args(
         datasets, cohort, [store.load(int(c), m) for c, m in zip(cohort, models)]

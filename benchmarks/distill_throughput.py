@@ -1,4 +1,4 @@
-r"""Examples/second of server distillation against Keras `fit` (issue 4).
+r"""Examples/second of server distillation against Keras `fit` (issues 4 and 20).
 
   uv run python benchmarks/distill_throughput.py [--steps=150] [--repeats=2]
 
@@ -9,31 +9,31 @@ Variants, each `--steps` steps:
 
   fit, SGD        Keras `model.fit(x, targets)` compiled with SGD (1e-3,
                   momentum 0.9) and cross-entropy to the targets;
-  distill, SWA    `distillation.distill` with FedBE's config (cyclical step
-                  size, SWA collection every 25 steps), eagerly (tf.function);
+  distill, SWA    `distillation.Student.distill` with FedBE's config (cyclical
+                  step size, SWA collection every 25 steps), in the driver as
+                  the server step runs it (`tf.data`, one compiled step);
+  distill, SWA, from files
+                  the same, the images streamed from a `.npy` file and the
+                  targets from a temporary file (`server_data.ImageFile`);
   fit, Adam       Keras `fit` with Adam 1e-3 and KL divergence;
   distill, Adam   `distill` with FedDF's config (Adam, cosine, early stopping
                   on 500 training images as validation every 100 steps, with
                   a patience above `--steps` so every step runs);
-  distill, SWA in TFF
-                  `distill` in a `tff.tensorflow.computation` (the model built
-                  by `model_fn()` inside it) run by the TFF C++ worker of
-                  `runtime.execution_context`: how the server step calls it.
 
 Each variant runs once untimed (tracing, graph set-up), then the variants take
 turns for `--repeats` timed runs (so that other jobs' load falls on all of
 them); the table gives the best examples/second of each (examples processed
 in training steps over wall time, teacher labeling excluded), the best
-examples per CPU-second (this process and the TFF worker; less sensitive to
-other jobs on a shared machine) and the ratios to `fit` with the same
-optimizer. Writes the section "## Distillation throughput
-(issue 4)" of `--results`.
+examples per CPU-second (less sensitive to other jobs on a shared machine) and
+the ratios to `fit` with the same optimizer. Writes the section "## Distillation
+throughput (issues 4 and 20)" of `--results`.
 """
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tempfile
 import time
 
 from absl import app
@@ -46,11 +46,10 @@ import tensorflow_federated as tff
 
 import report
 from tasks import femnist
-from tff_ens import client_work
 from tff_ens import distillation
-from tff_ens import runtime
+from tff_ens import server_data
 
-SECTION = "## Distillation throughput (issue 4)"
+SECTION = "## Distillation throughput (issues 4 and 20)"
 
 report.define_flags()
 flags.DEFINE_integer("steps", 150, "Training steps per timed run.")
@@ -102,38 +101,32 @@ def fit_variant(x, targets, optimizer: str):
 
 
 def distill_variant(x, targets, config, validation=None):
-  """A timed eager `distill` (tf.function) call."""
+  """A timed `distill` of arrays (a `Student` built once, as the server step keeps it)."""
   model = model_fn()
   weights = tf.nest.map_structure(tf.identity, ModelWeights.from_model(model))
-  x, targets = tf.constant(x), tf.constant(targets)
+  student = distillation.Student(model, config)
 
   def timed():
     start = time.perf_counter()
-    _, stats = distillation.distill(model, weights, x, targets, config, 0, validation=validation)
+    _, stats = student.distill(weights, x, targets, 0, validation=validation)
     return int(stats["examples"]), time.perf_counter() - start
 
   return timed
 
 
-def tff_variant(x, targets, config):
-  """A timed `distill` inside a TFF computation (worker of the context)."""
-  weights_type = client_work.weights_type_of(model_fn)
-
-  @tff.tensorflow.computation(
-    weights_type, tff.TensorType(np.float32, x.shape), tff.TensorType(np.float32, targets.shape)
-  )
-  def server_distill(weights, images, soft):
-    return distillation.distill(model_fn(), weights, images, soft, config, 0)
-
-  @tff.tensorflow.computation
-  def initial_weights():
-    return ModelWeights.from_model(model_fn())
-
-  weights = initial_weights()
+def file_variant(x, targets, config, directory):
+  """A timed `distill` whose images and targets stream from files (`ImageFile`s)."""
+  np.save(os.path.join(directory, "x.npy"), x)
+  images = server_data.ImageFile.npy(os.path.join(directory, "x.npy"))
+  soft = server_data.ImageFile.temporary(targets.shape)
+  soft[0 : len(targets)] = targets
+  model = model_fn()
+  weights = tf.nest.map_structure(tf.identity, ModelWeights.from_model(model))
+  student = distillation.Student(model, config)
 
   def timed():
     start = time.perf_counter()
-    _, stats = server_distill(weights, x, targets)
+    _, stats = student.distill(weights, images, soft, 0)
     return int(stats["examples"]), time.perf_counter() - start
 
   return timed
@@ -150,17 +143,13 @@ def main(argv):
   adam = distillation.feddf_config(
     FLAGS.steps, batch_size=FLAGS.batch_size, patience=FLAGS.steps + 1, eval_every=100
   )
-  with runtime.execution_context():
-    # The TFF computation first: Keras swaps the base class of `Sequential`
-    # to its TF1 `Model` when one is built in a graph (as TFF traces
-    # `model_fn()`), which breaks `fit` of models built eagerly before.
-    in_tff = tff_variant(x, targets, swa)
+  with tempfile.TemporaryDirectory() as directory:
     variants = {
       "fit, SGD": fit_variant(x, targets, "sgd"),
       "distill, SWA": distill_variant(x, targets, swa),
+      "distill, SWA, from files": file_variant(x, targets, swa, directory),
       "fit, Adam": fit_variant(x, targets, "adam"),
       "distill, Adam (early stopping)": distill_variant(x, targets, adam, validation),
-      "distill, SWA in TFF": in_tff,
     }
     for name, timed in variants.items():
       examples, seconds = timed()  # Untimed.
@@ -186,15 +175,14 @@ def main(argv):
     f"slice (test-only writers), batch {FLAGS.batch_size}, about "
     f"{FLAGS.steps} steps per run, soft targets of two CNNs; best of "
     f"{FLAGS.repeats} timed runs after one untimed run, variants taking "
-    "turns; examples per CPU-second count the CPU time of this process "
-    "and of the TFF worker. `distill` runs FedBE's config (SGD momentum "
-    "0.9, cyclical step size, SWA every 25 steps) or FedDF's (Adam, "
-    "cosine, validation on 500 "
-    "images every 100 steps); each is compared with Keras `fit` with the "
-    'same optimizer and loss. "in TFF" is `distill` inside a '
-    "`tff.tensorflow.computation` run by the C++ worker of "
-    "`runtime.execution_context` (call time, including sending the images "
-    "and weights to the worker).",
+    "turns, all on the device TensorFlow chooses (the CPU here). `distill` "
+    "runs in the driver as the server step runs it (issue 20: a `tf.data` "
+    "pipeline, one compiled step) with FedBE's config (SGD momentum 0.9, "
+    "cyclical step size, SWA every 25 steps) or FedDF's (Adam, cosine, "
+    "validation on 500 images every 100 steps); each is compared with Keras "
+    '`fit` with the same optimizer and loss. "from files" streams the images '
+    "from a `.npy` file and the targets from a temporary file "
+    "(`server_data.ImageFile`), as a `--server_data=FILE.npy` run does.",
     "",
     *report.run_facts(
       run,

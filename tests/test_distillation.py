@@ -17,8 +17,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_ens import client_work
 from tff_ens import distillation
+from tff_ens import server_data
 from tiny import tiny_model
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -447,7 +447,7 @@ def test_recompute_batch_norm_of_a_fused_layer_uses_keras_statistics():
     ]
   )
   x = np.random.RandomState(0).randn(10, 2, 2, 1).astype(np.float32)
-  tf.function(distillation.recompute_batch_norm)(model, tf.constant(x), 4)
+  distillation.recompute_batch_norm(model, x, 4)
   batches = [x[:4].ravel(), x[4:8].ravel(), x[8:].ravel()]
   layer = model.layers[0]
   np.testing.assert_allclose(layer.moving_mean, [np.mean([b.mean() for b in batches])], rtol=1e-5)
@@ -634,40 +634,45 @@ Y_VAL = np.array([0, 2, 1, 1, 0, 2], np.int32)
 
 
 @pytest.mark.parametrize("mode", ["swa", "early_stopping"])
-def test_distill_in_a_tff_computation_matches_eager(mode):
-  # Also checks the reshuffling of later epochs (12 steps of 2 over 6 images)
-  # and SWA's collection steps, whose conditions must not use `==` on
-  # tensors: in the graphs TFF traces, == compares object identity.
+def test_distill_streamed_from_files_matches_arrays(mode, tmp_path):
+  # 12 steps of 2 over 6 images: later epochs reshuffle; SWA collects twice.
   config = swa_config() if mode == "swa" else ES_CONFIG
   model_fn = lambda: tiny_model(batch_norm=mode == "swa")
-  weights_type = client_work.weights_type_of(model_fn)
-
-  @tff.tensorflow.computation(
-    weights_type,
-    tff.TensorType(np.float32, [6, 2, 2, 1]),
-    tff.TensorType(np.float32, [6, 3]),
-    tff.TensorType(np.int32, [6]),
-  )
-  def server_distill(weights, x, targets, y_val):
-    validation = (x, y_val) if config.eval_every else None
-    return distillation.distill(
-      model_fn(), weights, x, targets, config, seed=3, validation=validation, device="/CPU:0"
-    )
-
+  np.save(tmp_path / "x.npy", X.reshape(6, 2, 2, 1))
+  x_file = server_data.ImageFile.npy(str(tmp_path / "x.npy"))
+  targets_file = server_data.ImageFile.temporary(TARGETS.shape)
+  targets_file[0:6] = TARGETS
   initial = weights_of(model_fn())
-  got, got_stats = server_distill(initial, X.reshape(6, 2, 2, 1), TARGETS, Y_VAL)
   validation = (images(X), Y_VAL) if config.eval_every else None
+  got, got_stats = distillation.distill(
+    model_fn(), initial, x_file, targets_file, config, seed=3, validation=validation
+  )
   want, want_stats = distillation.distill(
     model_fn(), initial, images(X), TARGETS, config, seed=3, validation=validation
   )
   for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(g, w)
   for key, value in want_stats.items():
-    np.testing.assert_allclose(got_stats[key], value, rtol=1e-6)
+    np.testing.assert_array_equal(got_stats[key], value)
   if mode == "swa":
     assert got_stats["swa_models"] == 2
   else:
     assert 9 <= got_stats["steps"] < 40  # Stopped early.
+
+
+def test_training_batches_visit_each_example_once_an_epoch_in_a_new_order():
+  x = np.arange(7, dtype=np.float32).reshape(7, 1)
+  batches = [
+    b.numpy()[:, 0].astype(int)
+    for b, _ in distillation.training_batches(x, x, batch_size=3, num_steps=6, seed=5)
+  ]
+  assert [len(b) for b in batches] == [3] * 6
+  epochs = [np.concatenate(batches[k : k + 2]) for k in (0, 2, 4)]  # 2 full batches an epoch.
+  for epoch in epochs:
+    assert len(set(epoch)) == 6  # No repeat; the 7th example waits for a later epoch.
+  assert len({tuple(e) for e in epochs}) == 3
+  again = [b.numpy() for b, _ in distillation.training_batches(x, x, 3, 6, seed=5)]
+  np.testing.assert_array_equal(np.concatenate(again)[:, 0], np.concatenate(batches))
 
 
 def test_teachers_and_drop_worst_in_a_tff_computation():

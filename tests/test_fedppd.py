@@ -425,10 +425,10 @@ def test_fedppd_distill_distills_the_teachers_when_asked():
     with runtime.execution_context():
       built = build()
       state = built.process.initialize()
-      output = built.process.next(state, data)
+      new_state, metrics = runtime.state_and_metrics(built.process.next(state, data))
       return (
-        fedppd.split(built.process.get_model_weights(output.state), built.teacher_sizes),
-        output.metrics,
+        fedppd.split(built.process.get_model_weights(new_state), built.teacher_sizes),
+        metrics,
       )
 
   student = lambda: tiny.tiny_model(7)

@@ -97,12 +97,12 @@ def test_one_round_distills_every_prototype_from_all_clients():
   assert finalizer["student_validation_accuracy"] == finalizer["student_validation_accuracy_dense"]
   assert finalizer["dropped_clients"] == 0
   assert finalizer["distill_steps"] >= 2
-  for before, after in zip(state["prototypes"], new_state["prototypes"]):
+  for before, after in zip(state["model"], new_state["model"]):
     assert any(
       not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before))
     )
   again, _ = process.next(state, datasets, [0, 1, 2])
-  for a, b in zip(tf.nest.flatten(again["prototypes"]), tf.nest.flatten(new_state["prototypes"])):
+  for a, b in zip(tf.nest.flatten(again["model"]), tf.nest.flatten(new_state["model"])):
     np.testing.assert_array_equal(a, b)
 
 
@@ -114,7 +114,7 @@ def test_a_prototype_no_client_ran_is_distilled_from_the_others():
   built = _build(drop_worst=False, keep_initial_student=True)
   state = built.process.initialize()
   model = MODEL_FNS[1]()
-  distillation.assign_weights(model, state["prototypes"][1])
+  distillation.assign_weights(model, state["model"][1])
   before = distillation.accuracy(model(SERVER.validation_x), SERVER.validation_y)
   datasets = [one_batch(*CLIENT_DATA[0]), one_batch(*CLIENT_DATA[1])]
   _, metrics = built.process.next(state, datasets, [0, 2])
@@ -131,10 +131,11 @@ def test_teachers_are_the_avglogits_of_every_clients_model():
   state = built.process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   images = SERVER.validation_x
-  teachers = built.teacher_probabilities(state, datasets, [0, 1, 2], images)["probabilities"]
+  built.process.next(state, datasets, [0, 1, 2])
+  teachers = built.process.last_round_teachers(images)["probabilities"]
   logits = []
   for i, data in enumerate(datasets):
-    model_fn, start = MODEL_FNS[i % 2], state["prototypes"][i % 2]
+    model_fn, start = MODEL_FNS[i % 2], state["model"][i % 2]
     result, _ = client_work.build_client_work(model_fn, SPEC, LOCAL).client_update(start, data, 0.5)
     model = model_fn()
     distillation.assign_weights(

@@ -28,11 +28,14 @@ from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
 from tff_ens import algorithms
 from tff_ens import client_work
+from tff_ens import distillation
 from tff_ens import experiment
 from tff_ens import main as cli
 from tff_ens import run_files
 from tff_ens import runtime
+from tff_ens import server_distillation
 from tff_ens import training
+from tiny import SERVER
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model
@@ -56,8 +59,9 @@ def _cpu_seconds(process) -> float:
   return times.user + times.system
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedensemble"])
+@pytest.mark.parametrize("name", ["fedavg", "fedensemble", "fedbe"])
 def test_two_workers_round_equals_local_round(name, two_workers):
+  # FedBE: the clients train on the workers, the server step runs here (issue 20).
   addresses, processes = two_workers
   algorithm = algorithms.build_algorithm(
     name,
@@ -66,6 +70,11 @@ def test_two_workers_round_equals_local_round(name, two_workers):
     client_work.LocalTrainingConfig(learning_rate=0.5),
     ensemble_size=2,
     seed=1,
+    server_data=SERVER,
+    server_config=server_distillation.ServerDistillationConfig(
+      method="fedbe", distill=distillation.fedbe_config(25, batch_size=8), num_samples=2
+    ),
+    clients_per_round=4,
   )  # Fed-ensemble: clients 5, 2 train member 0; 1, 7 member 1.
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   clients = np.array([5, 1, 7, 2])

@@ -80,3 +80,37 @@ def test_bad_npz_sources_get_one_line_errors(data, tmp_path, arrays, message):
 def test_missing_npz_is_named(data, tmp_path):
   with pytest.raises(tasks.DataError, match="does not exist"):
     server_data.server_split(data, femnist, seed=0, unlabeled_path=str(tmp_path / "none.npz"))
+
+
+def test_npy_source_streams_from_the_file_and_is_checked(data, tmp_path):
+  path = str(tmp_path / "server.npy")
+  x = np.random.default_rng(0).random((9, 28, 28, 1), dtype=np.float32)
+  np.save(path, x)
+  split = server_data.server_split(data, femnist, seed=0, unlabeled_path=path)
+  assert isinstance(split.unlabeled, server_data.ImageFile)  # Not loaded.
+  np.testing.assert_array_equal(split.unlabeled[0:9], x)
+  np.save(path, data.test.concatenated()[0][:2])
+  with pytest.raises(tasks.DataError, match="2 images of the test data"):
+    server_data.server_split(data, femnist, seed=0, unlabeled_path=path)
+
+
+@pytest.mark.parametrize(
+  "content, message",
+  [
+    (np.zeros((2, 28, 28)), "shape"),
+    (np.full((2, 28, 28, 1), np.inf), "NaN or Inf"),
+    (np.asfortranarray(np.zeros((2, 28, 28, 1))), "Fortran"),
+    (b"not an array", "not a readable .npy"),
+  ],
+)
+def test_bad_npy_sources_get_one_line_errors(data, tmp_path, content, message):
+  path = str(tmp_path / "bad.npy")
+  if isinstance(content, bytes):
+    with open(path, "wb") as f:
+      f.write(content)
+  else:
+    np.save(path, content)
+  with pytest.raises(tasks.DataError, match=message) as error:
+    server_data.server_split(data, femnist, seed=0, unlabeled_path=path)
+  assert "\n" not in str(error.value)
+  assert "--server_data" in str(error.value)

@@ -1,4 +1,5 @@
-"""FedBE / FedDF / v-Distillation as TFF processes (tff_ens/server_distillation.py)."""
+"""FedBE / FedDF / v-Distillation: TFF stages and the server step in the driver
+(tff_ens/server_distillation.py, tff_ens/server_step.py)."""
 
 import numpy as np
 import pytest
@@ -149,8 +150,8 @@ def test_feddf_drops_clients_at_chance_and_averages_the_others():
   )
   assert not bool(informative)
   data = server_data_lib.ServerData(SERVER.unlabeled, images, validation[1].numpy(), "test")
-  new, measurements = sd.server_update(
-    tiny_model, good, _collected(updates, [1.0, 3.0]), 0, data, config
+  new, measurements = sd.DistillationStep(tiny_model, data, config)(
+    good, _collected(updates, [1.0, 3.0]), 0
   )
   np.testing.assert_allclose(new.trainable[1], [1.25, 3.75, 0.0], rtol=1e-6)  # (1, 3) / 4 x 5
   assert int(measurements["distilled"]) == 0
@@ -245,16 +246,18 @@ def test_one_round_distills_from_the_cohort(method):
   process = algorithm.process
   state = process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
-  teacher = algorithm.teacher_fn(state, datasets, SERVER.validation_x)
-  output = process.next(state, datasets)
-  finalizer = output.metrics["finalizer"]
-  assert output.metrics["aggregator"]["clients_collected"] == 3
+  state_after, metrics = process.next(state, datasets)
+  teacher = algorithm.teacher_fn(SERVER.validation_x)
+  finalizer = metrics["finalizer"]
+  assert metrics["aggregator"]["clients_collected"] == 3
   assert finalizer["distill_steps"] >= 1
   assert finalizer["distill_examples"] == 8 * finalizer["distill_steps"]
   assert 0.0 <= finalizer["student_validation_accuracy"] <= 1.0
   assert finalizer["server_seconds"] > 0.0
+  assert int(state_after["round"]) == 1
+  assert algorithm.server_device() == "/CPU:0"  # Where TF placed the step (no GPU here).
   before = process.get_model_weights(state)
-  after = process.get_model_weights(output.state)
+  after = process.get_model_weights(state_after)
   assert any(not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before)))
   # The teachers' probabilities of that round: one distribution per image,
   # and their members' mean entropy, at least 0 and at most the entropy of
@@ -268,8 +271,8 @@ def test_one_round_distills_from_the_cohort(method):
     entropy = -np.sum(probabilities * np.log(probabilities), -1)
     assert (teacher["mean_entropy"] <= entropy + 1e-5).all()
   # Same state and data, same round: the process is deterministic.
-  again = process.next(state, datasets)
-  for a, b in zip(tf.nest.flatten(process.get_model_weights(again.state)), tf.nest.flatten(after)):
+  again, _ = process.next(state, datasets)
+  for a, b in zip(tf.nest.flatten(process.get_model_weights(again)), tf.nest.flatten(after)):
     np.testing.assert_array_equal(a, b)
 
 

@@ -395,25 +395,62 @@ def _start_and_await(config, output_dir, path):
   return process, flags
 
 
-def _resume_matches(flags, output_dir, summary):
+def _killed_after_round_2(config, output_dir) -> list[str]:
+  """SIGKILLs the CLI run of `config` once round 2 is checkpointed; returns its flags."""
+  first_checkpoint = output_dir / run_files.CHECKPOINT_DIR / "round_2"
+  process, flags = _start_and_await(config, output_dir, first_checkpoint.exists)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert not (output_dir / run_files.SUMMARY_FILE).exists()
+  return flags
+
+
+def _resumed_summary(flags, output_dir) -> dict:
+  """The summary of the run in `output_dir` continued with --resume."""
   result = run_cli(*flags, f"--output_dir={output_dir}", "--resume")
   assert result.returncode == 0, result.stderr[-2000:]
-  with open(output_dir / run_files.SUMMARY_FILE) as f:
-    resumed = json.load(f)
-  assert resumed["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.005)
   assert [int(r["round"]) for r in read_metrics(output_dir)] == [1, 2, 3, 4]
+  with open(output_dir / run_files.SUMMARY_FILE) as f:
+    return json.load(f)
+
+
+def _resume_matches(flags, output_dir, summary):
+  resumed = _resumed_summary(flags, output_dir)
+  assert resumed["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.005)
 
 
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
   config, summary = fedavg_run
   output_dir = tmp_path / "killed"
-  first_checkpoint = output_dir / run_files.CHECKPOINT_DIR / "round_2"
-  process, flags = _start_and_await(config, output_dir, first_checkpoint.exists)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  assert not (output_dir / run_files.SUMMARY_FILE).exists()
+  flags = _killed_after_round_2(config, output_dir)
   _resume_matches(flags, output_dir, summary)
+
+
+@pytest.mark.slow
+def test_fedbe_sigkilled_then_resumed_ends_where_an_uninterrupted_run_does(tmp_path):
+  # The server step runs in the driver between TFF calls; its state (the model and
+  # the round that seeds it) is all in the checkpoint (issue 20).
+  from tasks import femnist  # pylint: disable=g-import-not-at-top
+
+  np.save(tmp_path / "server.npy", femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:96])
+  config = dataclasses.replace(
+    QUICK,
+    algorithm="fedbe",
+    distill_steps=25,
+    distill_batch_size=32,
+    fedbe_samples=2,
+    server_data=str(tmp_path / "server.npy"),
+    output_dir=str(tmp_path / "uninterrupted"),
+  )
+  summary = training.run_experiment(config)
+  output_dir = tmp_path / "killed"
+  resumed = _resumed_summary(_killed_after_round_2(config, output_dir), output_dir)
+  for key in ("test_accuracy", "test_loss", "ensemble_test_accuracy"):
+    assert resumed[key] == pytest.approx(summary[key], rel=1e-6, abs=1e-9), key
+  rows, uninterrupted = read_metrics(output_dir), read_metrics(tmp_path / "uninterrupted")
+  for row, want in zip(rows[2:], uninterrupted[2:]):  # The rounds run after the resume.
+    assert float(row["train_loss"]) == pytest.approx(float(want["train_loss"]), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from tff_ens import model_prototypes
 from tff_ens import privacy
 from tff_ens import runtime
 from tff_ens import server_distillation
+from tff_ens import server_step
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -54,10 +55,12 @@ class FederatedAlgorithm:
       indices (int32 at CLIENTS) after its data (Fed-ensemble's permutation
       rows, FedDF's prototypes); `tff.learning` processes do not.
     models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate.
-    teacher_fn: for server-distillation algorithms, `(state, *next_args,
-      images) -> probabilities` of the teachers the round
-      `process.next(state, *next_args)` distills from; None otherwise.
-    server_device: where their server step runs; None otherwise.
+    teacher_fn: for server-distillation algorithms, `images ->
+      OrderedDict(probabilities, mean_entropy)` of the teachers the last
+      round distilled from (`server_step.DriverProcess.last_round_teachers`);
+      None otherwise.
+    server_device: for algorithms whose server step runs in the driver, `() ->`
+      the device its ops last ran on (None before the first round); None otherwise.
     evaluation_model_fn: builds the Keras model `models_fn`'s weights fit
       when it is not the task's `--model` (FedPPD's student); None otherwise.
     prototypes_fn: for FedDF over model prototypes, `state -> [(name,
@@ -72,13 +75,13 @@ class FederatedAlgorithm:
   """
 
   name: str
-  process: tff.templates.IterativeProcess
+  process: tff.templates.IterativeProcess | server_step.DriverProcess
   download_type: tff.Type
   upload_type: tff.Type
   indexed_clients: bool
   models_fn: Callable[[Any], list[ModelWeights]]
-  teacher_fn: Callable[..., np.ndarray] | None = None
-  server_device: str | None = None
+  teacher_fn: Callable[[np.ndarray], dict] | None = None
+  server_device: Callable[[], str | None] | None = None
   evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
   prototypes_fn: (
     Callable[[Any], list[tuple[str, Callable[[], tf.keras.Model], ModelWeights]]] | None
@@ -266,7 +269,7 @@ def build_algorithm(
           else None
         ),
       )
-    return _fedppd_algorithm(name, built, student_fn, server_config)
+    return _fedppd_algorithm(name, built, student_fn)
   if prototypes:
     return _build_heterogeneous_feddf(
       prototypes,
@@ -383,8 +386,8 @@ def _build_server_distillation(
     upload_type=client_update.result,
     indexed_clients=False,
     models_fn=lambda state: [process.get_model_weights(state)],
-    teacher_fn=built.teacher_probabilities,
-    server_device=server_config.device,
+    teacher_fn=process.last_round_teachers,
+    server_device=lambda: process.step.device,
   )
 
 
@@ -409,14 +412,14 @@ def _build_heterogeneous_feddf(
     download_type=built.download_type,
     upload_type=built.upload_type,
     indexed_clients=True,
-    models_fn=lambda state: [state["prototypes"][0]],
-    teacher_fn=built.teacher_probabilities,
-    server_device=server_config.device,
-    prototypes_fn=lambda state: list(zip(names, model_fns, state["prototypes"])),
+    models_fn=lambda state: [state["model"][0]],
+    teacher_fn=built.process.last_round_teachers,
+    server_device=lambda: built.process.step.device,
+    prototypes_fn=lambda state: list(zip(names, model_fns, state["model"])),
   )
 
 
-def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn, server_config) -> FederatedAlgorithm:
+def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn) -> FederatedAlgorithm:
   client_update = built.client_work.client_update.type_signature
   return FederatedAlgorithm(
     name=name,
@@ -425,6 +428,6 @@ def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn, server_config) -> 
     upload_type=client_update.result,
     indexed_clients=False,
     models_fn=lambda state: [built.student_weights(state)],
-    server_device=server_config.device if server_config else None,
+    server_device=(lambda: built.process.step.device) if name == "fedppd_distill" else None,
     evaluation_model_fn=student_fn,
   )

@@ -11,19 +11,19 @@ Federated Learning", NeurIPS 2020 (arXiv:2006.07242), Algorithm 1: the student
 matches softmax(mean of the teachers' logits) (AVGLOGITS) with Adam and early
 stopping on server validation data; the worst models are dropped.
 
-The pieces are plain TensorFlow, built for use inside a SERVER
-`tff.tensorflow.computation` where the Keras model is built by `model_fn()` in
-the computation and its variables are assigned from tensors (as
-`client_work.train_locally` does):
+The pieces are plain TensorFlow; the Keras models' variables are assigned
+from tensors (as `client_work.train_locally` does):
 
 * `ensemble_predictions` and `member_accuracies` run a stack of teacher
   weights through one Keras model, once over all unlabeled images (no
   augmentation when labeling);
 * the targets (`avg_logits_targets`, `mean_probability_targets`, `sharpen`)
   and losses (`distillation_loss`, `avg_logits_kl`);
-* `distill`, the training loop: everything inside one graph (a
-  `tf.while_loop` over steps, stateless shuffles, functional TFF optimizers),
-  so it runs as well in a TFF worker as in eager code;
+* `distill`, the training loop, in the driver's TensorFlow (issue 20: TFF
+  0.87's worker uses no GPU): a `tf.data` pipeline streams the images and
+  targets (`training_batches`, `ordered_batches`; arrays or
+  `server_data.ImageFile`s), one compiled step (`Student`) trains, with
+  stateless shuffles and functional TFF optimizers;
 * `drop_worst_mask` (FedDF) and `choose_device`.
 
 Where the authors' released code (hongyouc/FedBE; epfml/federated-learning-
@@ -36,8 +36,11 @@ import contextlib
 import dataclasses
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
+
+from tff_ens import server_data
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -397,6 +400,23 @@ def ensemble_predictions(
   )
 
 
+def streamed_ensemble_predictions(
+  model: tf.keras.Model, stacked_weights, x, member_weights=None, batch_size: int = EVAL_BATCH_SIZE
+):
+  """`ensemble_predictions` over `x` one batch at a time: yields `(start, predictions)`.
+
+  `x` is an array or a `server_data.ImageFile` (`ordered_batches`); the
+  batches are those `ensemble_predictions` would take over all of `x`, so
+  the predictions are the same.
+  """
+  stacked_weights = tf.nest.map_structure(tf.convert_to_tensor, stacked_weights)
+  for start, images in ordered_batches(x, batch_size):
+    yield (
+      int(start),
+      ensemble_predictions(model, stacked_weights, images, member_weights, batch_size),
+    )
+
+
 def accuracy(logits, y):
   """Fraction of rows of `logits` whose argmax is `y`."""
   hits = tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32))
@@ -584,27 +604,87 @@ def recompute_batch_norm(model: tf.keras.Model, x, batch_size: int) -> None:
   so one pass over the data in training mode recomputes them; as PyTorch's
   `bn_update` (momentum None), each layer's statistics are the plain mean of
   its per-batch statistics, as Keras' training mode computes them. Keras has
-  no cumulative-average mode, hence written here. A model without batch
-  normalization is left unchanged. Call in a `tf.function`.
+  no cumulative-average mode, hence written here. `x`: images (an array or a
+  `server_data.ImageFile`), streamed in order (`ordered_batches`). A model
+  without batch normalization is left unchanged.
   """
   layers = _batch_norm_layers(model)
   if not layers:
     return
   variables = [v for layer in layers for v in (layer.moving_mean, layer.moving_variance)]
-  n = tf.shape(x)[0]
-  num_batches = (n + batch_size - 1) // batch_size
-
-  def body(i, sums):
-    model(x[i * batch_size : (i + 1) * batch_size], training=True)
-    return i + 1, [s + tf.identity(v) for s, v in zip(sums, variables)]
-
   with _zero_momentum(layers):
-    _, sums = tf.while_loop(
-      lambda i, _: i < num_batches, body, (tf.constant(0), [tf.zeros_like(v) for v in variables])
-    )
-  count = tf.cast(num_batches, tf.float32)
+    # Traced here: Keras reads the momentum when the layers are called.
+    @tf.function
+    def batch_statistics(images):
+      model(images, training=True)
+      return [tf.identity(v) for v in variables]
+
+    sums = [tf.zeros_like(v) for v in variables]
+    count = 0
+    for _, images in ordered_batches(x, batch_size):
+      sums = [s + v for s, v in zip(sums, batch_statistics(images))]
+      count += 1
   for v, s in zip(variables, sums):
-    v.assign(s / count)
+    v.assign(s / float(count))
+
+
+# Streaming the server's images ----------------------------------------------
+
+
+def _as_rows(x):
+  """`x` as rows to index: a `server_data.ImageFile` as is, else a float32 array."""
+  return x if isinstance(x, server_data.ImageFile) else np.asarray(x, np.float32)
+
+
+def _reader(read, row_shape):
+  """A `tf.data` map `key -> read(key)`: NumPy rows read as the pipeline needs them."""
+
+  def map_fn(key):
+    return tf.ensure_shape(tf.numpy_function(read, [key], tf.float32), [None, *row_shape])
+
+  return map_fn
+
+
+def ordered_batches(x, batch_size: int) -> tf.data.Dataset:
+  """`(start, images)` batches of `x` in order, the last one partial.
+
+  `x` is an array or a `server_data.ImageFile`; each batch is read when the
+  pipeline reaches it and the next is prefetched, so memory holds a few
+  batches whatever the number of images.
+  """
+  rows = _as_rows(x)
+  read = _reader(lambda start: rows[int(start) : int(start) + batch_size], rows.shape[1:])
+  starts = tf.data.Dataset.range(0, len(rows), batch_size)
+  return starts.map(lambda start: (start, read(start))).prefetch(2)
+
+
+def training_batches(x, targets, batch_size: int, num_steps: int, seed) -> tf.data.Dataset:
+  """The student's `num_steps` minibatches `(images, targets)`.
+
+  Each epoch visits the examples in a stateless random order drawn from
+  `seed` and the epoch number; the last partial batch of an epoch is
+  skipped. The rows are read from `x` and `targets` (arrays or
+  `server_data.ImageFile`s) batch by batch and prefetched.
+  """
+  rows, target_rows = _as_rows(x), _as_rows(targets)
+  n = len(rows)
+  batch_size = min(batch_size, n)
+  num_epochs = -(-num_steps // (n // batch_size))
+  seed = _as_seed(seed)
+
+  def epoch_batches(epoch):
+    order = tf.random.experimental.stateless_shuffle(
+      tf.range(n), seed=tf.random.experimental.stateless_fold_in(seed, epoch)
+    )
+    return tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=True)
+
+  read_images = _reader(lambda i: rows[i], rows.shape[1:])
+  read_targets = _reader(lambda i: target_rows[i], target_rows.shape[1:])
+  indices = tf.data.Dataset.range(num_epochs).flat_map(epoch_batches).take(num_steps)
+  return indices.map(lambda i: (read_images(i), read_targets(i))).prefetch(2)
+
+
+# Training ------------------------------------------------------------------
 
 
 def _build_optimizer(config: DistillationConfig):
@@ -625,7 +705,99 @@ def _snapshot(model_weights: ModelWeights) -> ModelWeights:
   return tf.nest.map_structure(tf.identity, model_weights)
 
 
-@tf.function
+class Student:
+  """A student model and its compiled training step, for `distill`.
+
+  Built once per model: each `distill` call reuses the traced step, so a
+  server step that distills every round traces it once per run.
+  """
+
+  def __init__(self, model: tf.keras.Model, config: DistillationConfig):
+    self.model = model
+    self.config = config
+    self._weights = ModelWeights.from_model(model)
+    self._optimizer = _build_optimizer(config)
+
+  @tf.function
+  def validation_accuracy(self, x, y):
+    """The student's accuracy on labeled data `(x, y)`."""
+    return accuracy(predict_logits(self.model, x, EVAL_BATCH_SIZE), y)
+
+  @tf.function
+  def _train_step(self, x, targets, step, opt_state):
+    """One minibatch step of the distillation loss; returns the optimizer state."""
+    trainable = self._weights.trainable
+    with tf.GradientTape() as tape:
+      logits = self.model(x, training=True)
+      loss = distillation_loss(self.config.loss, targets, logits)
+    gradients = tape.gradient(loss, trainable)
+    if self.config.clip_norm:
+      gradients, _ = tf.clip_by_global_norm(gradients, self.config.clip_norm)
+    opt_state = self._optimizer.set_hparams(
+      opt_state, {"learning_rate": learning_rate_at(step, self.config)}
+    )
+    opt_state, new_weights = self._optimizer.next(opt_state, tuple(trainable), tuple(gradients))
+    for v, t in zip(trainable, new_weights):
+      # As `client_work.train_locally`: Keras' kernel constraints.
+      v.assign(v.constraint(t) if v.constraint is not None else t)
+    return opt_state
+
+  def distill(self, initial_weights, x, targets, seed, validation=None):
+    """`distill` with this student's model and config."""
+    config = self.config
+    if config.eval_every and validation is None:
+      raise ValueError("early stopping (eval_every > 0) needs validation data")
+    assign_weights(self.model, initial_weights)
+    trainable = self._weights.trainable
+    opt_state = self._optimizer.initialize(
+      tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable)
+    )
+    opt_state = tf.nest.map_structure(tf.convert_to_tensor, opt_state)
+    if validation is not None:
+      validation = tuple(tf.convert_to_tensor(t) for t in validation)
+
+    def validation_accuracy():
+      return self.validation_accuracy(*validation)
+
+    average, num_averaged = _snapshot(self._weights), 0  # SWA.
+    best, best_step = _snapshot(self._weights), 0  # Early stopping.
+    best_accuracy = (
+      validation_accuracy()
+      if config.eval_every and config.keep_initial_student
+      else tf.constant(-float("inf"))
+    )
+    steps = 0
+    batches = training_batches(x, targets, config.batch_size, config.num_steps, seed)
+    for images, batch_targets in batches:
+      opt_state = self._train_step(images, batch_targets, tf.constant(steps), opt_state)
+      step, steps = steps, steps + 1
+      if config.swa:
+        if bool(is_swa_collection_step(step, config)):
+          average = swa_average(average, _snapshot(self._weights), num_averaged)
+          num_averaged += 1
+      elif config.eval_every:
+        if steps % config.eval_every == 0:
+          current = validation_accuracy()
+          if bool(current > best_accuracy + config.min_improvement):
+            best, best_accuracy, best_step = _snapshot(self._weights), current, steps
+        if steps - best_step >= config.patience:
+          break
+    validation_out = tf.constant(-1.0)
+    if config.swa:
+      assign_weights(self.model, average)
+      recompute_batch_norm(self.model, x, config.batch_size)
+    elif config.eval_every:
+      validation_out = tf.maximum(best_accuracy, -1.0)
+      assign_weights(self.model, best)
+    stats = collections.OrderedDict(
+      steps=tf.constant(steps),
+      examples=tf.constant(steps * min(config.batch_size, len(_as_rows(x)))),
+      swa_models=tf.constant(num_averaged),
+      validation_accuracy=validation_out,
+    )
+    return _snapshot(self._weights), stats
+
+
 def distill(
   model: tf.keras.Model,
   initial_weights: ModelWeights,
@@ -641,9 +813,8 @@ def distill(
   Mini-batch training on unlabeled images `x` [N, ...] and fixed teacher
   targets [N, C] (probabilities: `mean_probability_targets` for FedBE,
   `avg_logits_targets` for FedDF, `sharpen`ed for v-Distillation), from
-  `initial_weights` (the weight average in both papers). Each epoch visits
-  the examples in a stateless random order drawn from `seed` and the epoch
-  number (the last partial batch is skipped). Then:
+  `initial_weights` (the weight average in both papers), in the order of
+  `training_batches`. Then:
 
   * with `config.swa` (FedBE, Sec. 4; Izmailov et al., Algorithm 1): the
     models at the end of each cycle after the warm-up are averaged
@@ -655,19 +826,17 @@ def distill(
     beat it);
   * otherwise the last student.
 
-  To run in a SERVER `tff.tensorflow.computation`, build the model there:
-  `distill(model_fn(), weights, x, targets, config, seed)`. The model's
-  variables are overwritten.
+  It runs in the driver's TensorFlow: a Python loop over a `tf.data`
+  pipeline and one compiled step (`Student`; reuse a `Student` to trace it
+  once). The model's variables are overwritten.
 
   Args:
     model: a Keras model with logits output (the student's architecture).
     initial_weights: `ModelWeights` of tensors to start from.
-    x: unlabeled images [N, ...].
-    targets: teacher probabilities [N, C].
-    config: a `DistillationConfig` (Python value, fixed at tracing).
-    seed: int, int scalar tensor or shape [2] integer tensor (a Python int
-      is a constant of the trace: pass tensors to vary it without
-      retracing).
+    x: unlabeled images [N, ...]: an array, tensor or `server_data.ImageFile`.
+    targets: teacher probabilities [N, C], the same kinds.
+    config: a `DistillationConfig`.
+    seed: int, int scalar or shape [2] integer tensor.
     validation: `(x_val, y_val)` labeled server data; needed for early
       stopping.
     device: a device to run on (`choose_device`), or None to let TF place.
@@ -679,130 +848,8 @@ def distill(
     `validation_accuracy` (the returned student's, float32; -1 without early
     stopping or without an evaluated student).
   """
-  if config.eval_every and validation is None:
-    raise ValueError("early stopping (eval_every > 0) needs validation data")
   with tf.device(device) if device else contextlib.nullcontext():
-    return _distill(model, initial_weights, x, targets, config, _as_seed(seed), validation)
-
-
-def _distill(model, initial_weights, x, targets, config, seed, validation):
-  """`distill` without argument checks and device placement."""
-  model_weights = ModelWeights.from_model(model)
-  assign_weights(model, initial_weights)
-  trainable = model_weights.trainable
-  optimizer = _build_optimizer(config)
-  opt_state = optimizer.initialize(tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable))
-  opt_state = tf.nest.map_structure(tf.convert_to_tensor, opt_state)
-  n = tf.shape(x)[0]
-  batch_size = tf.minimum(config.batch_size, n)
-  steps_per_epoch = n // batch_size
-  targets = tf.cast(targets, tf.float32)
-
-  def permutation(epoch):
-    return tf.random.experimental.stateless_shuffle(
-      tf.range(n), seed=tf.random.experimental.stateless_fold_in(seed, tf.cast(epoch, tf.int64))
-    )
-
-  def train_step(step, order, opt_state):
-    position = step % steps_per_epoch
-    new_order = tf.cond(
-      tf.logical_and(tf.equal(position, 0), step > 0),
-      lambda: permutation(step // steps_per_epoch),
-      lambda: order,
-    )
-    new_order.set_shape(order.shape)  # A loop variable keeps its shape.
-    order = new_order
-    indices = order[position * batch_size : (position + 1) * batch_size]
-    x_batch = tf.gather(x, indices)
-    with tf.GradientTape() as tape:
-      logits = model(x_batch, training=True)
-      loss = distillation_loss(config.loss, tf.gather(targets, indices), logits)
-    gradients = tape.gradient(loss, trainable)
-    if config.clip_norm:
-      gradients, _ = tf.clip_by_global_norm(gradients, config.clip_norm)
-    opt_state = optimizer.set_hparams(opt_state, {"learning_rate": learning_rate_at(step, config)})
-    opt_state, new_weights = optimizer.next(opt_state, tuple(trainable), tuple(gradients))
-    for v, t in zip(trainable, new_weights):
-      # As `client_work.train_locally`: Keras' kernel constraints.
-      v.assign(v.constraint(t) if v.constraint is not None else t)
-    return order, opt_state
-
-  def validation_accuracy():
-    x_val, y_val = validation
-    return accuracy(predict_logits(model, x_val, EVAL_BATCH_SIZE), y_val)
-
-  # Loop state beyond (step, order, optimizer state), by mode.
-  if config.swa:
-    extra = (_snapshot(model_weights), tf.constant(0))  # (average, count)
-  elif config.eval_every:
-    # (best weights, best accuracy, step of the best); without the initial
-    # student as a candidate, any evaluated student replaces it.
-    extra = (
-      _snapshot(model_weights),
-      validation_accuracy() if config.keep_initial_student else tf.constant(-float("inf")),
-      tf.constant(0),
-    )
-  else:
-    extra = ()
-
-  def after_step(step, extra):
-    """SWA collection or early-stopping bookkeeping after `step`."""
-    if config.swa:
-      average, count = extra
-      collect = is_swa_collection_step(step, config)
-      average = tf.cond(
-        collect, lambda: swa_average(average, _snapshot(model_weights), count), lambda: average
-      )
-      return (average, count + tf.cast(collect, tf.int32)), tf.constant(False)
-    if config.eval_every:
-      best, best_accuracy, best_step = extra
-
-      def evaluate():
-        current = validation_accuracy()
-        improved = current > best_accuracy + config.min_improvement
-        return tf.cond(
-          improved,
-          lambda: (_snapshot(model_weights), current, step + 1),
-          lambda: (best, best_accuracy, best_step),
-        )
-
-      best, best_accuracy, best_step = tf.cond(
-        tf.equal((step + 1) % config.eval_every, 0),
-        evaluate,
-        lambda: (best, best_accuracy, best_step),
-      )
-      stop = step + 1 - best_step >= config.patience
-      return (best, best_accuracy, best_step), stop
-    return extra, tf.constant(False)
-
-  def body(step, stop, order, opt_state, extra):
-    order, opt_state = train_step(step, order, opt_state)
-    extra, stop = after_step(step, extra)
-    return step + 1, stop, order, opt_state, extra
-
-  steps, _, _, _, extra = tf.while_loop(
-    lambda step, stop, *_: tf.logical_and(step < config.num_steps, tf.logical_not(stop)),
-    body,
-    (tf.constant(0), tf.constant(False), permutation(0), opt_state, extra),
-  )
-
-  swa_models = tf.constant(0)
-  validation_accuracy_out = tf.constant(-1.0)
-  if config.swa:
-    average, swa_models = extra
-    assign_weights(model, average)
-    recompute_batch_norm(model, x, config.batch_size)
-  elif config.eval_every:
-    best, best_accuracy, _ = extra
-    validation_accuracy_out = tf.maximum(best_accuracy, -1.0)
-    assign_weights(model, best)
-  stats = collections.OrderedDict(
-    steps=steps,
-    examples=steps * batch_size,
-    swa_models=swa_models,
-    validation_accuracy=validation_accuracy_out,
-  )
-  return _snapshot(model_weights), stats
+    return Student(model, config).distill(initial_weights, x, targets, seed, validation)
 
 
 def choose_device(requested: Optional[str] = None) -> str:

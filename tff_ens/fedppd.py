@@ -65,6 +65,7 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import fedavg
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation
+from tff_ens import server_step
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -557,13 +558,14 @@ class FedPPD:
   """A built FedPPD process and how to read its student.
 
   Attributes:
-    process: the `LearningProcess`; its model is `join(teacher, student)`.
+    process: the `LearningProcess` (FedPPD) or `server_step.DriverProcess`
+      (FedPPD+Distill); its model is `join(teacher, student)`.
     client_work: its client work (for communication accounting).
     teacher_sizes: (trainable, non-trainable) tensor counts of the teacher,
       for `split`.
   """
 
-  process: tff.learning.templates.LearningProcess
+  process: tff.learning.templates.LearningProcess | server_step.DriverProcess
   client_work: client_work_lib.ClientWork
   teacher_sizes: tuple[int, int]
 
@@ -602,6 +604,45 @@ def build_fedppd(
   )
 
 
+class FedPPDDistillStep:
+  """FedPPD+Distill's server step in the driver (`server_step.ServerStep`).
+
+  The clients' students are distilled into the global student by FedBE's
+  step (`server_distillation.DistillationStep`); the teachers are averaged
+  or, with a teacher step, distilled the same way (measurements prefixed
+  `teacher_`).
+  """
+
+  def __init__(self, teacher_sizes, student_step, teacher_step=None):
+    self._teacher_sizes = teacher_sizes
+    self._student_step = student_step
+    self._teacher_step = teacher_step
+
+  @property
+  def device(self):
+    return self._student_step.device
+
+  def __call__(self, global_weights, collected, round_num: int):
+    updates, weights = collected
+    global_teacher, global_student = split(global_weights, self._teacher_sizes)
+    teacher_updates, student_updates = split(updates, self._teacher_sizes)
+    student, measurements = self._student_step(
+      global_student, (student_updates, weights), round_num
+    )
+    if self._teacher_step is None:
+      teacher = global_teacher
+      if np.any(np.asarray(weights) > 0):
+        teacher = server_distillation.weighted_average(
+          server_distillation.client_models(global_teacher, teacher_updates), weights
+        )
+    else:
+      teacher, teacher_measurements = self._teacher_step(
+        global_teacher, (teacher_updates, weights), round_num
+      )
+      measurements.update((f"teacher_{k}", v) for k, v in teacher_measurements.items())
+    return join(teacher, student), measurements
+
+
 def build_fedppd_distill(
   teacher_fn: Callable[[], tf.keras.Model],
   student_fn: Callable[[], tf.keras.Model],
@@ -617,57 +658,41 @@ def build_fedppd_distill(
 
   The clients' students are distilled into the global student on the
   server's unlabeled data by FedBE's server step
-  (`server_distillation.server_update` with `server_config`: teachers from
-  the average, the clients' students and samples around them, SWA), instead
-  of averaged. The clients' teachers are averaged as in FedPPD or, with
-  `teacher_server_config`, distilled the same way into the global teacher
-  as the authors' code does (train_femnist.py); that step's measurements
-  are prefixed `teacher_`. Aggregator and finalizer are FedBE's, client
-  work FedPPD's.
+  (`server_distillation.DistillationStep` with `server_config`: teachers
+  from the average, the clients' students and samples around them, SWA),
+  instead of averaged. The clients' teachers are averaged as in FedPPD or,
+  with `teacher_server_config`, distilled the same way into the global
+  teacher as the authors' code does (train_femnist.py); that step's
+  measurements are prefixed `teacher_`. Aggregator FedBE's, client work
+  FedPPD's; the step runs in the driver (`server_step.DriverProcess`).
   """
   teacher_sizes = _teacher_sizes(teacher_fn)
   weights_type = joint_weights_type(teacher_fn, student_fn)
-  aggregator = server_distillation.build_collect_aggregator(weights_type, clients_per_round)
-  collected_type = aggregator.next.type_signature.result.result.member
-
-  @tff.tensorflow.computation(weights_type, collected_type, np.int32)
-  def server_step(global_weights, collected, round_num):
-    updates, weights = collected
-    global_teacher, global_student = split(global_weights, teacher_sizes)
-    teacher_updates, student_updates = split(updates, teacher_sizes)
-    student, measurements = server_distillation.server_update(
-      student_fn, global_student, (student_updates, weights), round_num, data, server_config
-    )
-    if teacher_server_config is None:
-      clients = server_distillation.client_models(global_teacher, teacher_updates)
-      received = tf.reduce_any(weights > 0)
-      teacher = tf.nest.map_structure(
-        lambda a, g: tf.where(received, a, g),
-        server_distillation.weighted_average(clients, weights),
-        global_teacher,
-      )
-    else:
-      teacher, teacher_measurements = server_distillation.server_update(
-        teacher_fn,
-        global_teacher,
-        (teacher_updates, weights),
-        round_num,
-        data,
-        teacher_server_config,
-      )
-      measurements.update((f"teacher_{k}", v) for k, v in teacher_measurements.items())
-    return join(teacher, student), measurements
-
-  return _compose(
-    teacher_fn,
-    student_fn,
-    element_spec,
-    config,
-    weights_type,
-    teacher_sizes,
-    aggregator,
-    server_distillation.build_step_finalizer(server_step),
+  client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
+  initialize_fn, collect = server_step.build_collect(
+    _initial_weights_fn(teacher_fn, student_fn),
+    tff.learning.templates.build_broadcast_process(weights_type),
+    client_work.process,
+    server_distillation.build_collect_aggregator(weights_type, clients_per_round),
   )
+  step = FedPPDDistillStep(
+    teacher_sizes,
+    server_distillation.DistillationStep(student_fn, data, server_config),
+    (
+      server_distillation.DistillationStep(teacher_fn, data, teacher_server_config)
+      if teacher_server_config is not None
+      else None
+    ),
+  )
+  return FedPPD(server_step.DriverProcess(initialize_fn, collect, step), client_work, teacher_sizes)
+
+
+def _initial_weights_fn(teacher_fn, student_fn) -> tff.Computation:
+  @tff.tensorflow.computation
+  def initial_weights():
+    return join(ModelWeights.from_model(teacher_fn()), ModelWeights.from_model(student_fn()))
+
+  return initial_weights
 
 
 def _compose(
@@ -675,13 +700,8 @@ def _compose(
 ) -> FedPPD:
   """FedPPD's distributor and client work with `aggregator` and finalizer."""
   client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
-
-  @tff.tensorflow.computation
-  def initial_weights():
-    return join(ModelWeights.from_model(teacher_fn()), ModelWeights.from_model(student_fn()))
-
   process = tff.learning.templates.compose_learning_process(
-    initial_weights,
+    _initial_weights_fn(teacher_fn, student_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
     aggregator,

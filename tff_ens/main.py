@@ -184,7 +184,8 @@ flags.DEFINE_float(
 flags.DEFINE_string(
   "server_data",
   None,
-  "FedBE/FedDF unlabeled server data: a LEAF directory or a .npz with x. "
+  "FedBE/FedDF unlabeled server data: a LEAF directory, a .npz with x, or a .npy of "
+  "images (streamed from disk, not loaded: for sets larger than memory). "
   "Default: the task's (FEMNIST: writers with test data only; CIFAR: "
   "--server_unlabeled_examples set aside; see tff_ens/server_data.py).",
 )
@@ -281,7 +282,10 @@ flags.DEFINE_integer("distill_eval_every", 20, "FedDF: validation every N distil
 flags.DEFINE_string(
   "server_device",
   "auto",
-  "Server distillation device: auto (GPU if TensorFlow sees one), cpu, gpu or e.g. /GPU:1.",
+  "Device of the server step (FedBE/FedDF/FedPPD+Distill distillation, run in this "
+  "process's TensorFlow): auto (GPU if TensorFlow sees one), cpu, gpu or e.g. /GPU:1. "
+  "summary.json's server_device says where its ops ran. Client training stays on the "
+  "CPU: TFF 0.87's worker uses no GPU.",
 )
 flags.DEFINE_string(
   "student_model",

@@ -20,7 +20,8 @@ once:
   prototype's index;
 * aggregator: `server_distillation.build_collect_aggregator` on the
   (packed update, prototype) pairs, FedDF's;
-* finalizer (`server_update`): per prototype, the clients' models (global
+* finalizer (`PrototypeStep`, in the driver's TensorFlow as
+  `server_step.DriverProcess` runs it): per prototype, the clients' models (global
   minus update) and their weighted average; drop-worst on each client with
   its own architecture; AVGLOGITS over every kept client; each prototype's
   student distilled from its average with FedDF's config
@@ -29,6 +30,7 @@ once:
 
 import collections
 import dataclasses
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -39,6 +41,7 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation
+from tff_ens import server_step
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -128,158 +131,128 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
   return clients, client_weights, keep, informative, received
 
 
-def _ensemble_predictions(models, clients, keep, images):
-  """Every prototype's `distillation.ensemble_predictions` of its kept
-  clients, and how many each kept."""
-  return (
-    [
-      distillation.ensemble_predictions(model, stack, images, k)
-      for model, stack, k in zip(models, clients, keep)
-    ],
-    [tf.reduce_sum(k) for k in keep],
-  )
-
-
-def _avg_logits(models, clients, keep, images):
-  """AVGLOGITS of every kept client model, whatever its prototype."""
-  return mean_logits_across(*_ensemble_predictions(models, clients, keep, images))
-
-
-@tf.function
-def _prototype_step(
-  models, global_prototypes, collected, seed, unlabeled, validation, config, names
-):
-  start = tf.timestamp()
-  with tf.control_dependencies([start]):
-    clients, client_weights, keep, informative, received = _prototype_teachers(
-      models, global_prototypes, collected, validation, config
+def _teacher_batches(models, clients, keep, images):
+  """Every prototype's `distillation.ensemble_predictions` of its kept clients on
+  `images`, batch by batch: yields `(start, predictions per prototype, kept per
+  prototype)`."""
+  counts = [tf.reduce_sum(k) for k in keep]
+  for start, batch in distillation.ordered_batches(images, distillation.EVAL_BATCH_SIZE):
+    yield (
+      int(start),
+      [
+        distillation.ensemble_predictions(model, stack, batch, k)
+        for model, stack, k in zip(models, clients, keep)
+      ],
+      counts,
     )
-    val_x, val_y = validation
-    targets = distillation.avg_logits_targets(_avg_logits(models, clients, keep, unlabeled))
-    new_prototypes, measurements = [], collections.OrderedDict()
-    steps = examples = tf.constant(0)
-    for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
-      kept = client_weights[p] * keep[p]
-      start_p = tf.nest.map_structure(
-        lambda a, g, any_kept=tf.reduce_sum(kept) > 0: tf.where(any_kept, a, g),
-        server_distillation.weighted_average(clients[p], kept),
-        global_p,
-      )
-      student, stats = server_distillation.distill_if(
-        informative,
-        model,
-        start_p,
-        unlabeled,
-        targets,
-        config.distill,
-        tf.random.experimental.stateless_fold_in(seed, p),
-        validation,
-      )
-      new_prototypes.append(
-        tf.nest.map_structure(lambda s, a: tf.where(informative, s, a), student, start_p)
-      )
-      distillation.assign_weights(model, new_prototypes[p])
-      measurements[f"student_validation_accuracy_{names[p]}"] = distillation.accuracy(
-        distillation.predict_logits(model, val_x, distillation.EVAL_BATCH_SIZE), val_y
-      )
-      steps += stats["steps"]
-      examples += stats["examples"]
-  # With no client this round, every prototype stays as it was.
-  any_received = tf.reduce_any(received)
-  new_prototypes = tf.nest.map_structure(
-    lambda n, g: tf.where(any_received, n, g), tuple(new_prototypes), tuple(global_prototypes)
-  )
-  with tf.control_dependencies(tf.nest.flatten(new_prototypes) + list(measurements.values())):
-    seconds = tf.timestamp() - start
-  measurements.update(
-    student_validation_accuracy=measurements[f"student_validation_accuracy_{names[0]}"],
-    dropped_clients=(
-      tf.reduce_sum(tf.cast(received, tf.int32))
-      - tf.cast(tf.add_n([tf.reduce_sum(k) for k in keep]), tf.int32)
-    ),
-    distilled=tf.cast(informative, tf.int32),
-    distill_steps=steps,
-    distill_examples=examples,
-    server_seconds=tf.cast(seconds, tf.float32),
-  )
-  return new_prototypes, measurements
 
 
-def server_update(
-  model_fns: Sequence[Callable[[], tf.keras.Model]],
-  names: Sequence[str],
-  global_prototypes,
-  collected,
-  round_num,
-  data: server_data_lib.ServerData,
-  config: server_distillation.ServerDistillationConfig,
-):
-  """One round's server step over all prototypes (see the module docstring).
+class PrototypeStep:
+  """FedDF's server step over the prototypes, in the driver's TensorFlow.
 
-  Args:
-    model_fns: builds each prototype's Keras model.
-    names: the prototypes' names (measurement keys).
-    global_prototypes: a tuple of P `ModelWeights`.
-    collected: `((packed updates [C, size], prototypes [C]), weights [C])`
-      from the collect aggregator.
-    round_num: 0-based round (seeds the step).
-    data: the server's unlabeled and validation data.
-    config: FedDF's `ServerDistillationConfig`.
-
-  Returns:
-    `(new prototypes, measurements)`.
+  `step(global prototypes, collected, round) -> (new prototypes,
+  measurements)` (`server_step.ServerStep`; see the module docstring), on
+  `config.device`, each prototype's student a `distillation.Student`.
   """
-  validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
-  with tf.device(config.device):
-    return _prototype_step(
-      [fn() for fn in model_fns],
-      global_prototypes,
-      collected,
-      server_distillation.round_seed(config, round_num),
-      tf.constant(data.unlabeled),
-      validation,
-      config,
-      tuple(names),
+
+  def __init__(
+    self,
+    model_fns: Sequence[Callable[[], tf.keras.Model]],
+    names: Sequence[str],
+    data: server_data_lib.ServerData,
+    config: server_distillation.ServerDistillationConfig,
+  ):
+    self.names = tuple(names)
+    self.data = data
+    self.config = config
+    self.device = None  # Where the last step's ops ran.
+    with tf.device(config.device):
+      self._models = [fn() for fn in model_fns]
+      self._students = [distillation.Student(m, config.distill) for m in self._models]
+      self._validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
+
+  @tf.function
+  def _teachers(self, global_prototypes, collected):
+    return _prototype_teachers(
+      self._models, global_prototypes, collected, self._validation, self.config
     )
 
-
-def teacher_probabilities(
-  model_fns: Sequence[Callable[[], tf.keras.Model]],
-  global_prototypes,
-  collected,
-  data: server_data_lib.ServerData,
-  config: server_distillation.ServerDistillationConfig,
-  images,
-):
-  """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
-  mean_entropy)`, the softmax of its AVGLOGITS and the kept clients' mean
-  entropy.
-
-  For `ensemble_test_accuracy` and the teachers' uncertainty; the same kept
-  clients as `server_update` distills from, given the same inputs.
-  """
-  validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
-  with tf.device(config.device):
-    return _teacher_step(
-      [fn() for fn in model_fns], global_prototypes, collected, validation, images, config
+  def __call__(self, global_prototypes, collected, round_num: int):
+    start = time.perf_counter()
+    config = self.config
+    with tf.device(config.device):
+      seed = server_distillation.round_seed(config, round_num)
+      clients, client_weights, keep, informative, received = self._teachers(
+        global_prototypes, collected
+      )
+      any_received = bool(tf.reduce_any(received))
+      distilled = any_received and bool(informative)
+      targets = self._targets(clients, keep) if distilled else None
+      new_prototypes, steps, examples = [], 0, 0
+      for p, global_p in enumerate(global_prototypes):
+        kept = client_weights[p] * keep[p]
+        start_p = global_p
+        if any_received and float(tf.reduce_sum(kept)) > 0:
+          start_p = server_distillation.weighted_average(clients[p], kept)
+        if distilled:
+          start_p, stats = self._students[p].distill(
+            start_p,
+            self.data.unlabeled,
+            targets,
+            tf.random.experimental.stateless_fold_in(seed, p),
+            self._validation,
+          )
+          steps += int(stats["steps"])
+          examples += int(stats["examples"])
+        distillation.assign_weights(self._models[p], start_p)
+        new_prototypes.append(start_p)
+      accuracies = [s.validation_accuracy(*self._validation) for s in self._students]
+    self.device = server_step.placed_device(accuracies[0])
+    measurements = collections.OrderedDict(
+      (f"student_validation_accuracy_{name}", a) for name, a in zip(self.names, accuracies)
     )
+    measurements.update(
+      student_validation_accuracy=accuracies[0],
+      dropped_clients=(
+        int(tf.reduce_sum(tf.cast(received, tf.int32)))
+        - int(tf.add_n([tf.reduce_sum(k) for k in keep]))
+      ),
+      distilled=int(distilled),
+      distill_steps=steps,
+      distill_examples=examples,
+      server_seconds=time.perf_counter() - start,
+    )
+    return tuple(new_prototypes), measurements
 
+  def _targets(self, clients, keep):
+    """AVGLOGITS of every kept client model on the unlabeled images."""
+    unlabeled = self.data.unlabeled
+    targets = server_data_lib.rows_like(unlabeled, self._models[0].output_shape[-1:])
+    for start, predictions, counts in _teacher_batches(self._models, clients, keep, unlabeled):
+      batch = distillation.avg_logits_targets(mean_logits_across(predictions, counts)).numpy()
+      targets[start : start + len(batch)] = batch
+    return targets
 
-@tf.function
-def _teacher_step(models, global_prototypes, collected, validation, images, config):
-  # A tf.function orders the variable assignments and reads (see
-  # `distillation.assign_weights`).
-  clients, _, keep, _, _ = _prototype_teachers(
-    models, global_prototypes, collected, validation, config
-  )
-  predictions, counts = _ensemble_predictions(models, clients, keep, images)
-  kept = tf.stack(counts)
-  mean_entropy = tf.math.divide_no_nan(
-    tf.tensordot(kept, tf.stack([p["mean_entropy"] for p in predictions]), 1), tf.reduce_sum(kept)
-  )
-  return collections.OrderedDict(
-    probabilities=tf.nn.softmax(mean_logits_across(predictions, counts)), mean_entropy=mean_entropy
-  )
+  def teacher_probabilities(self, global_prototypes, collected, round_num: int, images):
+    """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
+    mean_entropy)`, the softmax of its AVGLOGITS and the kept clients' mean
+    entropy (the same kept clients as the step distills from)."""
+    del round_num  # FedDF's teachers are the clients; nothing is sampled.
+    with tf.device(self.config.device):
+      clients, _, keep, _, _ = self._teachers(global_prototypes, collected)
+      probabilities, entropies = [], []
+      for _, predictions, counts in _teacher_batches(self._models, clients, keep, images):
+        kept = tf.stack(counts)
+        probabilities.append(tf.nn.softmax(mean_logits_across(predictions, counts)))
+        entropies.append(
+          tf.math.divide_no_nan(
+            tf.tensordot(kept, tf.stack([p["mean_entropy"] for p in predictions]), 1),
+            tf.reduce_sum(kept),
+          )
+        )
+    return collections.OrderedDict(
+      probabilities=np.concatenate(probabilities), mean_entropy=np.concatenate(entropies)
+    )
 
 
 def build_prototype_client_work(
@@ -327,15 +300,11 @@ class PrototypeProcess:
 
   `download_type` is what one client receives in a round, `upload_type`
   what it sends (the largest prototype's size, see the module docstring).
-  `teacher_probabilities(state, client_data, client_indices, images)` is
-  what the teachers of the round `process.next(state, client_data,
-  client_indices)` predict on `images` (float32 [n, ...] at SERVER).
   """
 
-  process: tff.templates.IterativeProcess
+  process: server_step.DriverProcess
   download_type: tff.Type
   upload_type: tff.Type
-  teacher_probabilities: tff.Computation
 
 
 def build_heterogeneous_feddf(
@@ -348,11 +317,11 @@ def build_heterogeneous_feddf(
   *,
   clients_per_round: int,
 ) -> PrototypeProcess:
-  """Builds FedDF over P prototypes as a `tff.templates.IterativeProcess`.
+  """Builds FedDF over P prototypes as a `server_step.DriverProcess`.
 
   `next(state, client_data, client_indices)`: client i (its fixed index in
-  the population) runs prototype `i mod P`. The state's `prototypes` are
-  the P global models.
+  the population) runs prototype `i mod P`. The state's `model` is the
+  tuple of the P global models.
 
   Args:
     model_fns: builds prototype p's Keras model (logits), its initial
@@ -386,18 +355,11 @@ def build_heterogeneous_feddf(
   download_type = client_update.type_signature.parameter[0]
   update_type = client_update.type_signature.result[0].update
   aggregator = server_distillation.build_collect_aggregator(update_type, clients_per_round)
-  collected_type = aggregator.next.type_signature.result.result.member
   prototypes_type = tff.StructWithPythonType(weights_types, tuple)
 
   @tff.tensorflow.computation
   def initial_prototypes():
     return tuple(ModelWeights.from_model(fn()) for fn in model_fns)
-
-  @tff.tensorflow.computation(prototypes_type, collected_type, np.int32)
-  def server_step(global_prototypes, collected, round_num):
-    return server_update(model_fns, names, global_prototypes, collected, round_num, data, config)
-
-  finalizer = server_distillation.build_step_finalizer(server_step)
 
   @tff.tensorflow.computation(np.int32)
   def prototype_of(client_index):
@@ -416,77 +378,47 @@ def build_heterogeneous_feddf(
     return packed, key[0]
 
   @tff.federated_computation
-  def init_fn():
+  def initialize_fn():
     return tff.federated_zip(
       collections.OrderedDict(
-        prototypes=tff.federated_eval(initial_prototypes, tff.SERVER),
+        model=tff.federated_eval(initial_prototypes, tff.SERVER),
         client_work=client_work.process.initialize(),
         aggregator=aggregator.initialize(),
-        finalizer=finalizer.initialize(),
       )
     )
 
-  state_type = init_fn.type_signature.result
+  state_type = initialize_fn.type_signature.result
   data_type = client_work.process.next.type_signature.parameter[2]
 
-  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
-
-  def clients_and_aggregator(state, client_data, client_indices):
+  @tff.federated_computation(state_type, data_type, tff.FederatedType(np.int32, tff.CLIENTS))
+  def collect(state, client_data, client_indices):
     # Distributor: each client downloads its own prototype's model.
     keys = tff.federated_map(prototype_of, client_indices)
     selected = tff.federated_select(
       keys,
       tff.federated_value(np.int32(num_prototypes - 1), tff.SERVER),
-      state.prototypes,
+      state.model,
       select_packed,
     )
     work = client_work.process.next(
       state.client_work, tff.federated_map(to_download, (selected, keys)), client_data
     )
     collected = aggregator.next(state.aggregator, work.result.update, work.result.update_weight)
-    return work, collected
-
-  @tff.federated_computation(state_type, data_type, indices_type)
-  def next_fn(state, client_data, client_indices):
-    work, collected = clients_and_aggregator(state, client_data, client_indices)
-    final = finalizer.next(state.finalizer, state.prototypes, collected.result)
-    new_state = tff.federated_zip(
-      collections.OrderedDict(
-        prototypes=final.result,
-        client_work=work.state,
-        aggregator=collected.state,
-        finalizer=final.state,
-      )
+    stage_states = tff.federated_zip(
+      collections.OrderedDict(client_work=work.state, aggregator=collected.state)
     )
-    metrics = tff.federated_zip(
-      collections.OrderedDict(
-        client_work=work.measurements,
-        aggregator=collected.measurements,
-        finalizer=final.measurements,
-      )
+    measurements = tff.federated_zip(
+      collections.OrderedDict(client_work=work.measurements, aggregator=collected.measurements)
     )
-    return new_state, metrics
+    return stage_states, collected.result, measurements
 
-  images_type = tff.TensorType(np.float32, [None, *server_distillation.input_shape(model_fns[0])])
-
-  @tff.tensorflow.computation(prototypes_type, collected_type, images_type)
-  def teacher_step(global_prototypes, collected, images):
-    return teacher_probabilities(model_fns, global_prototypes, collected, data, config, images)
-
-  @tff.federated_computation(
-    state_type, data_type, indices_type, tff.FederatedType(images_type, tff.SERVER)
-  )
-  def teachers_of_round(state, client_data, client_indices, images):
-    _, collected = clients_and_aggregator(state, client_data, client_indices)
-    return tff.federated_map(teacher_step, (state.prototypes, collected.result, images))
-
+  step = PrototypeStep(model_fns, names, data, config)
   client_type = client_update.type_signature
   download = tff.StructType(
     [("model", download_type), ("learning_rate", client_type.parameter.learning_rate)]
   )
   return PrototypeProcess(
-    tff.templates.IterativeProcess(init_fn, next_fn),
+    server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities),
     download,
     client_type.result,
-    teachers_of_round,
   )

@@ -144,7 +144,7 @@ def write_summary(config, data, algorithm, state, outputs, evaluator, teacher_te
   rows = outputs.metrics_rows()
   if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
     summary.update(
-      server_distillation_summary(data, rows, summary, teacher_test, algorithm.server_device)
+      server_distillation_summary(data, rows, summary, teacher_test, algorithm.server_device())
     )
   if config.dp_config() is not None:
     summary.update(privacy_summary(config, rows, len(data.train.client_ids)))
@@ -268,8 +268,12 @@ def privacy_summary(config, rows, num_clients: int) -> dict:
   }
 
 
-def server_distillation_summary(data, rows, summary, teacher_test, server_device: str) -> dict:
-  """FedBE/FedDF keys: teacher and student accuracy, server time, device."""
+def server_distillation_summary(
+  data, rows, summary, teacher_test, server_device: str | None
+) -> dict:
+  """FedBE/FedDF keys: teacher and student accuracy, server time, and the device the
+  server step's ops ran on (read from TensorFlow's placement; None if no round ran in
+  this process)."""
   server_seconds = [float(r["server_seconds"]) for r in rows if r.get("server_seconds")]
   # Throughput over the rounds that distilled (others skip the student).
   distilling = [r for r in rows if float(r.get("distill_examples") or 0)]

@@ -440,9 +440,10 @@ class ResidentState:
   """
 
   def __init__(self, next_computation, state, *, max_growth_bytes: int = 2 * 2**30):
-    """`next_computation`: a TFF computation `(state, *args) -> (state, metrics)`."""
+    """`next_computation`: a TFF computation `(state, *args) -> (state, metrics)`, or a
+    Python function (a `server_step.DriverProcess`'s `next`), whose state is in Python."""
     self._next = next_computation
-    self._worker = _current_worker()
+    self._worker = _current_worker() if isinstance(next_computation, tff.Computation) else None
     self._state = state  # The Python value, or None while only on the worker.
     self._remote = None
     self._max_growth_bytes = max_growth_bytes

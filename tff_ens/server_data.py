@@ -18,17 +18,138 @@ measured on all test-only writers, so for FedBE and FedDF it is transductive:
 the server saw those writers' images, unlabeled.)
 
 `--server_data=PATH` replaces the unlabeled set by another source: a LEAF
-directory of the same task (all its images) or a `.npz` file with an array
-`x` of images shaped like the task's inputs.
+directory of the same task (all its images), a `.npz` file with an array `x`
+of images shaped like the task's inputs, or a `.npy` file of such images. A
+`.npy` file is not loaded: `ImageFile` reads the rows each batch needs from
+it, so a set far larger than memory (ImageNet32-sized) streams from disk.
 """
 
 import dataclasses
 import hashlib
 import os
+import tempfile
 
 import numpy as np
 
 import tasks
+
+# Rows read at a time when a whole file is scanned (checks, hashes).
+_SCAN_ROWS = 8_192
+
+
+class ImageFile:
+  """Rows of one shape and dtype stored in a file, read and written by offset.
+
+  A `.npy` file (`ImageFile.npy`) or an anonymous temporary file
+  (`ImageFile.temporary`, deleted when closed). Reads and writes are
+  `os.pread`/`os.pwrite` of the rows asked for, not a memory map, so the
+  process's resident memory holds only those rows whatever the file's size.
+  Indexing as a NumPy array's first axis: `f[i:j]`, `f[indices]` (float32
+  copies) and `f[i:j] = rows`.
+  """
+
+  def __init__(self, fd: int, offset: int, shape: tuple, dtype, *, name: str, close_fd: bool):
+    self._fd = fd
+    self._offset = offset
+    self.shape = tuple(shape)
+    self.dtype = np.dtype(dtype)
+    self.name = name
+    self._close_fd = close_fd
+    self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+  @classmethod
+  def npy(cls, path: str) -> "ImageFile":
+    """The array of a C-ordered `.npy` file; raises DataError naming the problem."""
+    try:
+      with open(path, "rb") as f:
+        read_header = {
+          (1, 0): np.lib.format.read_array_header_1_0,
+          (2, 0): np.lib.format.read_array_header_2_0,
+        }.get(np.lib.format.read_magic(f))
+        if read_header is None:
+          raise ValueError("unsupported .npy version")
+        shape, fortran_order, dtype = read_header(f)
+        offset = f.tell()
+    except (OSError, ValueError) as e:
+      raise tasks.DataError(
+        f"--server_data={path} is not a readable .npy file ({e}): pass a file written by np.save"
+      ) from None
+    if fortran_order or dtype.hasobject or not shape:
+      raise tasks.DataError(
+        f"--server_data={path} holds a {'Fortran-ordered ' if fortran_order else ''}"
+        f"{dtype} array of shape {shape}: save C-ordered numeric images with np.save"
+      )
+    return cls(os.open(path, os.O_RDONLY), offset, shape, dtype, name=path, close_fd=True)
+
+  @classmethod
+  def temporary(cls, shape: tuple, dtype=np.float32) -> "ImageFile":
+    """A zero-filled file of `shape`, removed from disk when closed."""
+    f = tempfile.TemporaryFile()
+    rows = cls(os.dup(f.fileno()), 0, shape, dtype, name="<temporary>", close_fd=True)
+    f.close()
+    os.ftruncate(rows._fd, rows.shape[0] * rows._row_bytes)
+    return rows
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def _read(self, start: int, stop: int) -> np.ndarray:
+    count = max(0, min(stop, len(self)) - start)
+    data = os.pread(self._fd, count * self._row_bytes, self._offset + start * self._row_bytes)
+    return np.frombuffer(data, self.dtype).reshape((count, *self.shape[1:]))
+
+  def __getitem__(self, key) -> np.ndarray:
+    if isinstance(key, slice):
+      start, stop, step = key.indices(len(self))
+      if step != 1:
+        raise IndexError("ImageFile reads slices with step 1 only")
+      rows = self._read(start, stop)
+    else:
+      indices = np.asarray(key, np.int64).reshape(-1)
+      if np.any((indices < 0) | (indices >= len(self))):
+        raise IndexError(f"row index out of range for {len(self)} rows")
+      rows = np.empty((len(indices), *self.shape[1:]), self.dtype)
+      for k, i in enumerate(indices):
+        rows[k] = self._read(i, i + 1)[0]
+    return rows.astype(np.float32)
+
+  def __setitem__(self, key: slice, rows) -> None:
+    start, stop, _ = key.indices(len(self))
+    rows = np.ascontiguousarray(rows, self.dtype)
+    if rows.shape != (stop - start, *self.shape[1:]):
+      raise ValueError(f"cannot write rows of shape {rows.shape} to rows {start}:{stop}")
+    os.pwrite(self._fd, rows.tobytes(), self._offset + start * self._row_bytes)
+
+  def chunks(self):
+    """The rows in order, `_SCAN_ROWS` at a time."""
+    for start in range(0, len(self), _SCAN_ROWS):
+      yield self[start : start + _SCAN_ROWS]
+
+  def close(self) -> None:
+    if self._close_fd and self._fd >= 0:
+      os.close(self._fd)
+      self._fd = -1
+
+  def __del__(self):
+    self.close()
+
+
+def rows_like(images, row_shape: tuple):
+  """Zero float32 rows, one per image of `images`, stored as the images are: an
+  array, or a temporary `ImageFile` when the images stream from a file (teacher
+  targets that must not fill memory either)."""
+  shape = (len(images), *row_shape)
+  if isinstance(images, ImageFile):
+    return ImageFile.temporary(shape)
+  return np.zeros(shape, np.float32)
+
+
+def _chunks(x):
+  """`x`'s rows in order, a bounded number at a time."""
+  if isinstance(x, ImageFile):
+    yield from x.chunks()
+  else:
+    yield x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +157,8 @@ class ServerData:
   """Unlabeled images and a labeled validation split, owned by the server.
 
   Attributes:
-    unlabeled: float32 images [n, *input_shape] (no labels).
+    unlabeled: float32 images [n, *input_shape] (no labels): an array, or
+      an `ImageFile` read as the server step needs its rows.
     validation_x: float32 images [m, *input_shape].
     validation_y: int32 labels [m].
     source: where `unlabeled` came from.
@@ -48,9 +170,17 @@ class ServerData:
   source: str
 
 
-def _load_unlabeled(path: str, task) -> np.ndarray:
-  """Images of `path`: a `.npz` with `x`, or a LEAF directory of `task`."""
-  if path.endswith(".npz"):
+def _load_unlabeled(path: str, task):
+  """Images of `path`: a `.npy` file (an `ImageFile`), a `.npz` with `x`, or a LEAF
+  directory of `task`."""
+  if path.endswith(".npy"):
+    if not os.path.isfile(path):
+      raise tasks.DataError(
+        f"--server_data={path} does not exist: pass a .npy file of images, a .npz file "
+        "with an array x, or a LEAF directory"
+      )
+    x = ImageFile.npy(path)
+  elif path.endswith(".npz"):
     if not os.path.isfile(path):
       raise tasks.DataError(
         f"--server_data={path} does not exist: pass a "
@@ -79,15 +209,16 @@ def _load_unlabeled(path: str, task) -> np.ndarray:
       f"--server_data={path} holds images of shape {x.shape[1:]}, the task "
       f"needs {tuple(task.INPUT_SHAPE)}: pass images of the task"
     )
-  if not np.all(np.isfinite(x)):
+  if not all(np.all(np.isfinite(chunk)) for chunk in _chunks(x)):
     raise tasks.DataError(f"--server_data={path} has NaN or Inf pixels: clean the images")
   return x
 
 
-def _row_hashes(x: np.ndarray) -> set[bytes]:
+def _row_hashes(x) -> set[bytes]:
   return {
     hashlib.blake2b(row.tobytes(), digest_size=16).digest()
-    for row in np.ascontiguousarray(x, np.float32)
+    for chunk in _chunks(x)
+    for row in np.ascontiguousarray(chunk, np.float32)
   }
 
 

@@ -1,20 +1,20 @@
 """FedBE, FedDF and v-Distillation: weight averaging replaced by server-side
-ensemble distillation, as TFF learning processes.
+ensemble distillation, the server step in the driver (`server_step`).
 
 Chen and Chao, "FedBE: Making Bayesian Model Ensemble Applicable to Federated
 Learning", ICLR 2021, Algorithm 1; Lin, Kong, Stich and Jaggi, "Ensemble
 Distillation for Robust Model Fusion in Federated Learning", NeurIPS 2020,
 Algorithm 1.
 
-FedAvg's four stages with two swapped (`compose_learning_process`):
+FedAvg's four stages with two swapped, composed by `server_step.build_collect`:
 
 * distributor and client work: FedAvg's (`client_work.build_client_work`);
 * aggregator (`build_collect_aggregator`): the server needs every client's
   model, not only their mean. A `tff.federated_aggregate` places the i-th
   client's update into slot i of `capacity` slots (a counter in the
   accumulator), so the result is the cohort's updates and weights;
-* finalizer (`build_distillation_finalizer`): a SERVER
-  `tff.tensorflow.computation` rebuilds the client models (global - update),
+* finalizer (`DistillationStep`): the driver's TensorFlow (on the GPU when
+  there is one; TFF 0.87's worker uses none) rebuilds the client models (global - update),
   forms the teachers, labels the server's unlabeled data with them and
   distills into the student, which starts from the weight average:
   - "fedbe": teachers {average, clients, M samples of a Gaussian (eq. 5) or
@@ -27,12 +27,13 @@ FedAvg's four stages with two swapped (`compose_learning_process`):
   - "vdistill": FedBE's v-Distillation baseline, teachers the clients,
     sharpened mean probabilities, plain SGD.
 
-The server's data (`server_data.ServerData`) is part of the finalizer's
-computation (constants of its graph), never of the clients'.
+The server's data (`server_data.ServerData`) reaches the step through
+`tf.data` pipelines, never the clients.
 """
 
 import collections
 import dataclasses
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -43,6 +44,7 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
 from tff_ens import fedavg
 from tff_ens import server_data as server_data_lib
+from tff_ens import server_step
 from tff_ens import weight_posterior
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -326,41 +328,6 @@ def distillation_targets(config: ServerDistillationConfig, predictions):
   return distillation.sharpen(predictions["mean_probabilities"], temperature)
 
 
-def distill_if(
-  informative,
-  model: tf.keras.Model,
-  start,
-  unlabeled,
-  targets,
-  distill_config: distillation.DistillationConfig,
-  seed,
-  validation,
-):
-  """`distillation.distill` from `start` if `informative`, else `start`.
-
-  A round whose clients drop-worst all drops keeps their average, so the
-  server skips the distillation whose student it would discard; its stats
-  then count 0 steps.
-  """
-
-  def skip():
-    zero = tf.constant(0)
-    return (
-      tf.nest.pack_sequence_as(ModelWeights.from_model(model), tf.nest.flatten(start)),
-      collections.OrderedDict(
-        steps=zero, examples=zero, swa_models=zero, validation_accuracy=tf.constant(-1.0)
-      ),
-    )
-
-  return tf.cond(
-    informative,
-    lambda: distillation.distill(
-      model, start, unlabeled, targets, distill_config, seed, validation=validation
-    ),
-    skip,
-  )
-
-
 def round_seed(config: ServerDistillationConfig, round_num):
   """The server step's stateless seed for 0-based `round_num`."""
   return tf.random.experimental.stateless_fold_in(
@@ -368,175 +335,116 @@ def round_seed(config: ServerDistillationConfig, round_num):
   )
 
 
-# One tf.function per server step: the steps share one Keras model, and only
-# a tf.function orders its variable assignments and reads (a TFF computation's
-# graph does not: a read after an assignment may see the old value).
-@tf.function
-def _server_step(
-  model, global_weights, collected, seed, unlabeled, validation, config: ServerDistillationConfig
-):
-  start = tf.timestamp()
-  # tf.timestamp is not ordered with the other ops unless told.
-  with tf.control_dependencies([start]):
-    stack, teacher_weights, average, num_dropped, informative = teachers(
-      model, global_weights, collected, seed, config, validation
-    )
-    predictions = distillation.ensemble_predictions(model, stack, unlabeled, teacher_weights)
-    student, stats = distill_if(
-      informative,
-      model,
-      average,
-      unlabeled,
-      distillation_targets(config, predictions),
-      config.distill,
-      seed,
-      validation,
-    )
-    distillation.assign_weights(model, student)
-    student_accuracy = distillation.accuracy(
-      distillation.predict_logits(model, validation[0], distillation.EVAL_BATCH_SIZE), validation[1]
-    )
-  # With no client this round, the model stays as it was; if drop-worst
-  # drops every client, it is their average.
-  received = tf.reduce_any(collected[1] > 0)
-  new_weights = tf.nest.map_structure(
-    lambda s, a, w: tf.where(received, tf.where(informative, s, a), w),
-    student,
-    average,
-    global_weights,
-  )
-  with tf.control_dependencies(tf.nest.flatten(new_weights) + [student_accuracy]):
-    seconds = tf.timestamp() - start
-  measurements = collections.OrderedDict(
-    student_validation_accuracy=student_accuracy,
-    dropped_clients=num_dropped,
-    distilled=tf.cast(informative, tf.int32),
-    distill_steps=stats["steps"],
-    distill_examples=stats["examples"],
-    server_seconds=tf.cast(seconds, tf.float32),
-  )
-  return new_weights, measurements
-
-
-def server_update(
-  model_fn: Callable[[], tf.keras.Model],
-  global_weights,
-  collected,
-  round_num,
-  data: server_data_lib.ServerData,
-  config: ServerDistillationConfig,
-):
-  """One round's server step: teachers, pseudo-labels, distillation.
+class DistillationStep:
+  """FedBE's, FedDF's or v-Distillation's server step, in the driver's TensorFlow.
 
   FedBE Algorithm 1 lines 7-10 / FedDF Algorithm 1 lines 6-9 (see the module
-  docstring). Returns `(student weights, measurements)`.
+  docstring): `step(global weights, collected, round) -> (new weights,
+  measurements)`, a `server_step.ServerStep`. The teachers label the server's
+  unlabeled images batch by batch (`distillation.streamed_ensemble_predictions`)
+  into a target store as large as the images' (an array, or a temporary
+  `server_data.ImageFile` when the images stream from a file), and the
+  student (`distillation.Student`, traced once per run) starts from the
+  weight average. Everything runs on `config.device`.
   """
-  model = model_fn()
-  validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
-  with tf.device(config.device):
-    return _server_step(
-      model,
-      global_weights,
-      collected,
-      round_seed(config, round_num),
-      tf.constant(data.unlabeled),
-      validation,
-      config,
+
+  def __init__(
+    self,
+    model_fn: Callable[[], tf.keras.Model],
+    data: server_data_lib.ServerData,
+    config: ServerDistillationConfig,
+  ):
+    self.config = config
+    self.data = data
+    self.device = None  # Where the last step's ops ran (`server_step.placed_device`).
+    with tf.device(config.device):
+      self._model = model_fn()
+      self._student = distillation.Student(self._model, config.distill)
+      self._validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
+
+  @tf.function
+  def _teachers(self, global_weights, collected, seed):
+    return teachers(self._model, global_weights, collected, seed, self.config, self._validation)
+
+  def __call__(self, global_weights, collected, round_num: int):
+    start = time.perf_counter()
+    config = self.config
+    received = bool(np.any(np.asarray(collected[1]) > 0))
+    with tf.device(config.device):
+      seed = round_seed(config, round_num)
+      stack, teacher_weights, average, num_dropped, informative = self._teachers(
+        global_weights, collected, seed
+      )
+      stats = collections.OrderedDict(steps=0, examples=0)
+      if not received:  # No client this round: the model stays as it was.
+        new_weights = global_weights
+      elif not bool(informative):  # Drop-worst dropped every client: their average.
+        new_weights = average
+      else:
+        new_weights, stats = self._student.distill(
+          average, self.data.unlabeled, self.targets(stack, teacher_weights), seed, self._validation
+        )
+      distillation.assign_weights(self._model, new_weights)
+      student_accuracy = self._student.validation_accuracy(*self._validation)
+    self.device = server_step.placed_device(student_accuracy)
+    return new_weights, collections.OrderedDict(
+      student_validation_accuracy=student_accuracy,
+      dropped_clients=num_dropped,
+      distilled=int(received and bool(informative)),
+      distill_steps=stats["steps"],
+      distill_examples=stats["examples"],
+      server_seconds=time.perf_counter() - start,
     )
 
+  def targets(self, stack, teacher_weights):
+    """The student's targets on the unlabeled images (`distillation_targets`)."""
+    unlabeled = self.data.unlabeled
+    targets = server_data_lib.rows_like(unlabeled, self._model.output_shape[-1:])
+    for start, predictions in distillation.streamed_ensemble_predictions(
+      self._model, stack, unlabeled, teacher_weights
+    ):
+      batch = distillation_targets(self.config, predictions).numpy()
+      targets[start : start + len(batch)] = batch
+    return targets
 
-@tf.function
-def _teacher_step(
-  model, global_weights, collected, seed, validation, images, config: ServerDistillationConfig
-):
-  stack, teacher_weights, _, _, _ = teachers(
-    model, global_weights, collected, seed, config, validation
-  )
-  predictions = distillation.ensemble_predictions(model, stack, images, teacher_weights)
-  return collections.OrderedDict(
-    probabilities=(
-      tf.nn.softmax(predictions["mean_logits"])
-      if config.method == "feddf"
-      else predictions["mean_probabilities"]
-    ),
-    mean_entropy=predictions["mean_entropy"],
-  )
-
-
-def teacher_probabilities(
-  model_fn,
-  global_weights,
-  collected,
-  round_num,
-  data: server_data_lib.ServerData,
-  config: ServerDistillationConfig,
-  images,
-):
-  """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
-  mean_entropy)`, its predictive distribution (FedDF: the softmax of
-  AVGLOGITS) and its members' mean entropy.
-
-  For reporting the teachers' accuracy (`ensemble_test_accuracy`) and
-  uncertainty; the same teachers as `server_update` builds from the same
-  inputs.
-  """
-  validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
-  with tf.device(config.device):
-    return _teacher_step(
-      model_fn(),
-      global_weights,
-      collected,
-      round_seed(config, round_num),
-      validation,
-      images,
-      config,
+  def teacher_probabilities(self, global_weights, collected, round_num: int, images):
+    """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
+    mean_entropy)`, its predictive distribution (FedDF: the softmax of
+    AVGLOGITS) and its members' mean entropy; the same teachers as the step
+    distills from, for `ensemble_test_accuracy` and the teachers' uncertainty."""
+    with tf.device(self.config.device):
+      stack, teacher_weights, _, _, _ = self._teachers(
+        global_weights, collected, round_seed(self.config, round_num)
+      )
+      batches = [
+        p
+        for _, p in distillation.streamed_ensemble_predictions(
+          self._model, stack, images, teacher_weights
+        )
+      ]
+    probabilities = [
+      tf.nn.softmax(p["mean_logits"]) if self.config.method == "feddf" else p["mean_probabilities"]
+      for p in batches
+    ]
+    return collections.OrderedDict(
+      probabilities=np.concatenate(probabilities),
+      mean_entropy=np.concatenate([p["mean_entropy"] for p in batches]),
     )
-
-
-def build_step_finalizer(server_step: tff.Computation) -> tff.learning.templates.FinalizerProcess:
-  """The finalizer running `server_step` at SERVER once a round.
-
-  `server_step(global_weights, collected, round_num) -> (new weights,
-  measurements)` is a `tff.tensorflow.computation`; the finalizer's state is
-  the 0-based round number, which seeds the step.
-  """
-  weights_type, collected_type, _ = server_step.type_signature.parameter
-
-  finalizer_init, increment = client_work_lib.round_counter()
-
-  @tff.federated_computation(
-    finalizer_init.type_signature.result,
-    tff.FederatedType(weights_type, tff.SERVER),
-    tff.FederatedType(collected_type, tff.SERVER),
-  )
-  def finalizer_next(round_num, global_weights, collected):
-    new_weights, measurements = tff.federated_map(
-      server_step, (global_weights, collected, round_num)
-    )
-    return tff.templates.MeasuredProcessOutput(
-      tff.federated_map(increment, round_num), new_weights, measurements
-    )
-
-  return tff.learning.templates.FinalizerProcess(finalizer_init, finalizer_next)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerDistillationProcess:
-  """The built process and its companion computations.
+  """The built process and its client work.
 
   Attributes:
-    process: the `tff.learning.templates.LearningProcess`.
+    process: the `server_step.DriverProcess`; its `last_round_teachers`
+      are the last round's teachers.
     client_work: the shared client work (its `client_update` gives the
       per-client download and upload types).
-    teacher_probabilities: `(state, client_data, images) ->
-      OrderedDict(probabilities, mean_entropy)`:
-      what the teachers of the round `process.next(state, client_data)`
-      would predict on `images` (float32 [n, ...] at SERVER).
   """
 
-  process: tff.learning.templates.LearningProcess
+  process: server_step.DriverProcess
   client_work: client_work_lib.ClientWork
-  teacher_probabilities: tff.Computation
 
 
 def build_server_distillation(
@@ -560,48 +468,12 @@ def build_server_distillation(
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = client_work_lib.build_client_work(model_fn, element_spec, local_config)
-  distributor = tff.learning.templates.build_broadcast_process(weights_type)
-  aggregator = build_collect_aggregator(weights_type, clients_per_round)
-  collected_type = aggregator.next.type_signature.result.result.member
-
-  @tff.tensorflow.computation(weights_type, collected_type, np.int32)
-  def server_step(global_weights, collected, round_num):
-    return server_update(model_fn, global_weights, collected, round_num, data, config)
-
-  process = tff.learning.templates.compose_learning_process(
+  initialize_fn, collect = server_step.build_collect(
     fedavg.build_initial_weights_fn(model_fn),
-    distributor,
+    tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
-    aggregator,
-    build_step_finalizer(server_step),
+    build_collect_aggregator(weights_type, clients_per_round),
   )
-
-  images_type = tff.TensorType(np.float32, [None, *input_shape(model_fn)])
-
-  @tff.tensorflow.computation(weights_type, collected_type, np.int32, images_type)
-  def teacher_step(global_weights, collected, round_num, images):
-    return teacher_probabilities(
-      model_fn, global_weights, collected, round_num, data, config, images
-    )
-
-  state_type = process.next.type_signature.parameter[0]
-  data_type = process.next.type_signature.parameter[1]
-
-  @tff.federated_computation(state_type, data_type, tff.FederatedType(images_type, tff.SERVER))
-  def teachers_of_round(state, client_data, images):
-    global_weights = state.global_model_weights
-    work = client_work.process.next(
-      state.client_work, tff.federated_broadcast(global_weights), client_data
-    )
-    collected = aggregator.next(
-      state.aggregator, work.result.update, work.result.update_weight
-    ).result
-    return tff.federated_map(teacher_step, (global_weights, collected, state.finalizer, images))
-
-  return ServerDistillationProcess(process, client_work, teachers_of_round)
-
-
-def input_shape(model_fn) -> tuple[int, ...]:
-  """The input shape (without batch) of the model `model_fn` builds."""
-  with tf.Graph().as_default():
-    return tuple(model_fn().input_shape[1:])
+  step = DistillationStep(model_fn, data, config)
+  process = server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities)
+  return ServerDistillationProcess(process, client_work)

@@ -207,9 +207,9 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       }
       if datasets:
         cohort = plan.cohort[reports]
-        if round_num == config.rounds and algorithm.teacher_fn is not None:
-          teacher_test = _teacher_predictions(data, algorithm, held, datasets, cohort)
         row.update(_next_round(held, algorithm, store, datasets, cohort, round_num))
+        if round_num == config.rounds and algorithm.teacher_fn is not None:
+          teacher_test = _teacher_predictions(data, algorithm)
       # else: every sampled client dropped out; no model changes this round.
       if dp_epsilons is not None:
         row["dp_epsilon"] = float(dp_epsilons[round_num - 1])
@@ -295,13 +295,11 @@ def _client_datasets(config, train, plan, augmentation) -> list:
   ]
 
 
-def _teacher_predictions(data, algorithm, held, datasets, cohort):
+def _teacher_predictions(data, algorithm):
   """The last round's teacher ensemble on the evaluation splits, for
   `ensemble_test_accuracy`."""
   return algorithm.teacher_fn(
-    held.value,
-    *algorithm.next_args(datasets, cohort),
-    np.concatenate([s.concatenated()[0] for s in reporting.evaluation_splits(data).values()]),
+    np.concatenate([s.concatenated()[0] for s in reporting.evaluation_splits(data).values()])
   )
 
 

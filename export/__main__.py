@@ -12,12 +12,17 @@ the run's). See `export.convert`.
 """
 
 import logging as std_logging
-import os
 import sys
 
 from absl import app
 from absl import flags
 from absl import logging
+
+from tff_ens import cpp_log
+
+# Before TensorFlow's import (through the modules below) starts its C++ log.
+if __name__ == "__main__":
+  cpp_log.quiet_unless_verbose(sys.argv)
 
 # TensorFlow before absl parses flags (see tff_ens/main.py).
 from export import ExportError
@@ -104,6 +109,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   define_flags()
   app.run(main)

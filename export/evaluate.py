@@ -35,6 +35,12 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+
+from tff_ens import cpp_log
+
+# Before TensorFlow's import (through the modules below) starts its C++ log.
+if __name__ == "__main__":
+  cpp_log.quiet_unless_verbose(sys.argv)
 import numpy as np
 import scipy.special
 
@@ -254,6 +260,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   define_flags()
   app.run(main)

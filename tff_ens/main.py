@@ -6,7 +6,6 @@ r"""Command line: train a federated model and write its metrics and summary.
 Flags map one to one onto `experiment.ExperimentConfig`; see `--help`.
 """
 
-import argparse
 import dataclasses
 import logging as std_logging
 import os
@@ -17,25 +16,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tff_ens import cpp_log
 
-def cpp_log_level(argv: list[str]) -> str:
-  """TF_CPP_MIN_LOG_LEVEL for a run: "3" (silent) unless `--verbosity` >= 1 asks for "0".
-
-  TensorFlow's C++ log (CUDA factory registration, TensorRT, grappler lines) starts when
-  TensorFlow is imported, before absl parses flags, so `--verbosity` (absl's own flag) is
-  read here from `argv`. A TF_CPP_MIN_LOG_LEVEL set in the environment wins; the TFF
-  workers this process starts inherit the level.
-  """
-  parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-  parser.add_argument("--verbosity", "-v", type=int, default=0)
-  try:
-    verbosity = parser.parse_known_args(argv[1:])[0].verbosity
-  except argparse.ArgumentError:  # absl reports the bad value.
-    verbosity = 0
-  return "0" if verbosity >= 1 else "3"
-
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", cpp_log_level(sys.argv))
+cpp_log.quiet_unless_verbose(sys.argv)
 
 # TensorFlow must be imported before absl parses flags: Keras 2.14 imported
 # inside `main` builds broken Sequential models ("Output tensors of a

@@ -9,7 +9,7 @@ Variants, each `--steps` steps:
 
   fit, SGD        Keras `model.fit(x, targets)` compiled with SGD (1e-3,
                   momentum 0.9) and cross-entropy to the targets;
-  distill, SWA    `distillation.Student.distill` with FedBE's config (cyclical
+  distill, SWA    `student_lib.Student.distill` with FedBE's config (cyclical
                   step size, SWA collection every 25 steps), in the driver as
                   the server step runs it (`tf.data`, one compiled step);
   distill, SWA, from files
@@ -48,6 +48,7 @@ import report
 from tasks import femnist
 from tff_ens import distillation
 from tff_ens import server_data
+from tff_ens import student as student_lib
 
 SECTION = "## Distillation throughput (issues 4 and 20)"
 
@@ -104,7 +105,7 @@ def distill_variant(x, targets, config, validation=None):
   """A timed `distill` of arrays (a `Student` built once, as the server step keeps it)."""
   model = model_fn()
   weights = tf.nest.map_structure(tf.identity, ModelWeights.from_model(model))
-  student = distillation.Student(model, config)
+  student = student_lib.Student(model, config)
 
   def timed():
     start = time.perf_counter()
@@ -122,7 +123,7 @@ def file_variant(x, targets, config, directory):
   soft[0 : len(targets)] = targets
   model = model_fn()
   weights = tf.nest.map_structure(tf.identity, ModelWeights.from_model(model))
-  student = distillation.Student(model, config)
+  student = student_lib.Student(model, config)
 
   def timed():
     start = time.perf_counter()

@@ -19,6 +19,7 @@ import tensorflow_federated as tff
 
 from tff_ens import distillation
 from tff_ens import server_data
+from tff_ens import student as student_lib
 from tiny import tiny_model
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -266,14 +267,14 @@ def test_cyclical_and_cosine_learning_rates():
   )
   # t = (step mod 4 + 1) / 4; lr = (1 - t) * 1.0 + t * 0.2.
   np.testing.assert_allclose(
-    [distillation.learning_rate_at(s, config) for s in range(6)],
+    [student_lib.learning_rate_at(s, config) for s in range(6)],
     [0.8, 0.6, 0.4, 0.2, 0.8, 0.6],
     rtol=1e-6,
   )
   np.testing.assert_array_equal(
     [
       bool(
-        distillation.is_swa_collection_step(
+        student_lib.is_swa_collection_step(
           s, Config(num_steps=12, cycle_steps=4, swa_warmup_steps=4)
         )
       )
@@ -283,7 +284,7 @@ def test_cyclical_and_cosine_learning_rates():
   )
   cosine = Config(num_steps=10, learning_rate=1.0, lr_schedule="cosine", swa=False)
   np.testing.assert_allclose(
-    [distillation.learning_rate_at(s, cosine) for s in (0, 5, 10)], [1.0, 0.5, 0.0], atol=1e-6
+    [student_lib.learning_rate_at(s, cosine) for s in (0, 5, 10)], [1.0, 0.5, 0.0], atol=1e-6
   )
 
 
@@ -295,7 +296,7 @@ def test_swa_average_is_the_mean_of_the_collected_models():
   ]
   average = models[0]
   for n, model in enumerate(models[1:], start=1):
-    average = distillation.swa_average(average, model, n)
+    average = student_lib.swa_average(average, model, n)
   np.testing.assert_allclose(average[0], [3.0, 1.0], rtol=1e-6)
   np.testing.assert_allclose(average[1], 2.0, rtol=1e-6)
 
@@ -309,7 +310,7 @@ def test_fedbe_swa_warm_up_is_a_fraction_of_the_budget():
   assert distillation.fedbe_config(100, swa_warmup_fraction=0.0).swa_warmup_steps == 0
   # 200 steps, 32 warm-up: the cycles ending at 50, ..., 200 are collected.
   config = distillation.fedbe_config(200)
-  assert [s + 1 for s in range(200) if distillation.is_swa_collection_step(s, config)] == list(
+  assert [s + 1 for s in range(200) if student_lib.is_swa_collection_step(s, config)] == list(
     range(50, 201, 25)
   )
   with pytest.raises(ValueError, match="swa_warmup_fraction"):
@@ -347,7 +348,7 @@ def test_one_full_batch_sgd_step_by_hand():
   config = Config(
     num_steps=1, batch_size=6, learning_rate=0.5, lr_schedule="constant", momentum=0.0, swa=False
   )
-  weights, stats = distillation.distill(model, initial, images(X), TARGETS, config, seed=0)
+  weights, stats = student_lib.distill(model, initial, images(X), TARGETS, config, seed=0)
   kernel, bias = (np.asarray(t, np.float64) for t in initial.trainable)
   d = (softmax(numpy_logits(initial, X)) - TARGETS) / len(X)
   np.testing.assert_allclose(weights.trainable[0], kernel - 0.5 * X.T @ d, rtol=1e-5, atol=1e-6)
@@ -369,7 +370,7 @@ def test_gradient_clipping_scales_a_large_step_to_the_clip_norm():
     swa=False,
     clip_norm=5.0,
   )
-  weights, _ = distillation.distill(model, initial, images(x), TARGETS, config, seed=0)
+  weights, _ = student_lib.distill(model, initial, images(x), TARGETS, config, seed=0)
   kernel, bias = (np.asarray(t, np.float64) for t in initial.trainable)
   d = (softmax(numpy_logits(initial, x)) - TARGETS) / len(x)
   gradient = [x.T @ d, d.sum(0)]
@@ -390,7 +391,7 @@ def test_gradient_clipping_scales_a_large_step_to_the_clip_norm():
     )
   )
   np.testing.assert_allclose(moved, 0.5 * 5.0, rtol=1e-4)
-  unclipped, _ = distillation.distill(
+  unclipped, _ = student_lib.distill(
     model, initial, images(x), TARGETS, dataclasses.replace(config, clip_norm=0.0), seed=0
   )
   np.testing.assert_allclose(
@@ -417,11 +418,11 @@ def test_swa_returns_the_mean_of_cycle_end_models_with_recomputed_bn():
   model = tiny_model(seed=0, batch_norm=True)
   initial = weights_of(model)
   x = images(X)
-  swa, stats = distillation.distill(model, initial, x, TARGETS, swa_config(), seed=3)
+  swa, stats = student_lib.distill(model, initial, x, TARGETS, swa_config(), seed=3)
   # The same SGD trajectory without SWA, stopped at the cycle ends past the
   # warm-up (steps 8 and 12; step 4 is the warm-up's end).
   collected = [
-    distillation.distill(model, initial, x, TARGETS, swa_config(num_steps=n, swa=False), seed=3)[0]
+    student_lib.distill(model, initial, x, TARGETS, swa_config(num_steps=n, swa=False), seed=3)[0]
     for n in (8, 12)
   ]
   for got, *ends in zip(swa.trainable, *(c.trainable for c in collected)):
@@ -447,7 +448,7 @@ def test_recompute_batch_norm_of_a_fused_layer_uses_keras_statistics():
     ]
   )
   x = np.random.RandomState(0).randn(10, 2, 2, 1).astype(np.float32)
-  distillation.recompute_batch_norm(model, x, 4)
+  student_lib.recompute_batch_norm(model, x, 4)
   batches = [x[:4].ravel(), x[4:8].ravel(), x[8:].ravel()]
   layer = model.layers[0]
   np.testing.assert_allclose(layer.moving_mean, [np.mean([b.mean() for b in batches])], rtol=1e-5)
@@ -475,7 +476,7 @@ def test_early_stopping_with_the_initial_student_returns_it_if_unbeaten():
     patience=4,
     keep_initial_student=True,
   )
-  weights, stats = distillation.distill(
+  weights, stats = student_lib.distill(
     model, initial, images(X), TARGETS, config, seed=1, validation=(images(X), y_val)
   )
   assert int(stats["steps"]) == 4
@@ -483,7 +484,7 @@ def test_early_stopping_with_the_initial_student_returns_it_if_unbeaten():
   for got, want in zip(weights.trainable, initial.trainable):
     np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match="needs validation data"):
-    distillation.distill(model, initial, images(X), TARGETS, config, seed=1)
+    student_lib.distill(model, initial, images(X), TARGETS, config, seed=1)
 
 
 def test_early_stopping_takes_only_improvements_above_the_margin():
@@ -508,7 +509,7 @@ def test_early_stopping_takes_only_improvements_above_the_margin():
       min_improvement=margin,
       keep_initial_student=True,
     )
-    results[margin] = distillation.distill(
+    results[margin] = student_lib.distill(
       model, initial, images(X), TARGETS, config, seed=1, validation=(images(X), y_val)
     )
   # Any improvement counts without a margin; none can beat a margin of 1.
@@ -528,7 +529,7 @@ SGD = dict(batch_size=2, learning_rate=0.5, lr_schedule="constant", momentum=0.0
 def trajectory(model, initial, num_steps):
   """The students after 1, ..., num_steps steps of SGD (seed 2)."""
   return [
-    distillation.distill(model, initial, images(X), TARGETS, Config(num_steps=k, **SGD), seed=2)[0]
+    student_lib.distill(model, initial, images(X), TARGETS, Config(num_steps=k, **SGD), seed=2)[0]
     for k in range(1, num_steps + 1)
   ]
 
@@ -552,7 +553,7 @@ def test_early_stopping_returns_the_student_at_the_validation_peak():
     config = Config(
       num_steps=12, eval_every=1, patience=12, keep_initial_student=keep_initial_student, **SGD
     )
-    weights, stats = distillation.distill(
+    weights, stats = student_lib.distill(
       model, initial, images(X), TARGETS, config, seed=2, validation=(images(X), y_val)
     )
     assert int(stats["steps"]) == 12
@@ -573,14 +574,14 @@ def test_early_stopping_without_the_initial_one_returns_the_best_evaluated():
   assert curve[best] < 1.0
   config = Config(num_steps=12, eval_every=1, patience=12, **SGD)
   assert not config.keep_initial_student  # FedDF's code's default.
-  weights, stats = distillation.distill(
+  weights, stats = student_lib.distill(
     model, initial, images(X), TARGETS, config, seed=2, validation=(images(X), y_val)
   )
   np.testing.assert_allclose(stats["validation_accuracy"], curve[best])
   for got, want in zip(weights.trainable, students[best].trainable):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   # With the initial student as a candidate, it is unbeaten.
-  weights, stats = distillation.distill(
+  weights, stats = student_lib.distill(
     model,
     initial,
     images(X),
@@ -593,7 +594,7 @@ def test_early_stopping_without_the_initial_one_returns_the_best_evaluated():
   for got, want in zip(weights.trainable, initial.trainable):
     np.testing.assert_array_equal(got, want)
   # A budget shorter than eval_every evaluates no student: the initial one.
-  weights, stats = distillation.distill(
+  weights, stats = student_lib.distill(
     model,
     initial,
     images(X),
@@ -612,7 +613,7 @@ def test_shuffles_are_seeded():
   initial = weights_of(model)
   config = Config(num_steps=5, batch_size=2, learning_rate=0.5, lr_schedule="constant", swa=False)
   a, b, c = (
-    distillation.distill(model, initial, images(X), TARGETS, config, seed=s)[0].trainable[0]
+    student_lib.distill(model, initial, images(X), TARGETS, config, seed=s)[0].trainable[0]
     for s in (4, 4, 5)
   )
   np.testing.assert_array_equal(a, b)
@@ -644,10 +645,10 @@ def test_distill_streamed_from_files_matches_arrays(mode, tmp_path):
   targets_file[0:6] = TARGETS
   initial = weights_of(model_fn())
   validation = (images(X), Y_VAL) if config.eval_every else None
-  got, got_stats = distillation.distill(
+  got, got_stats = student_lib.distill(
     model_fn(), initial, x_file, targets_file, config, seed=3, validation=validation
   )
-  want, want_stats = distillation.distill(
+  want, want_stats = student_lib.distill(
     model_fn(), initial, images(X), TARGETS, config, seed=3, validation=validation
   )
   for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
@@ -664,14 +665,14 @@ def test_training_batches_visit_each_example_once_an_epoch_in_a_new_order():
   x = np.arange(7, dtype=np.float32).reshape(7, 1)
   batches = [
     b.numpy()[:, 0].astype(int)
-    for b, _ in distillation.training_batches(x, x, batch_size=3, num_steps=6, seed=5)
+    for b, _ in server_data.training_batches(x, x, batch_size=3, num_steps=6, seed=5)
   ]
   assert [len(b) for b in batches] == [3] * 6
   epochs = [np.concatenate(batches[k : k + 2]) for k in (0, 2, 4)]  # 2 full batches an epoch.
   for epoch in epochs:
     assert len(set(epoch)) == 6  # No repeat; the 7th example waits for a later epoch.
   assert len({tuple(e) for e in epochs}) == 3
-  again = [b.numpy() for b, _ in distillation.training_batches(x, x, 3, 6, seed=5)]
+  again = [b.numpy() for b, _ in server_data.training_batches(x, x, 3, 6, seed=5)]
   np.testing.assert_array_equal(np.concatenate(again)[:, 0], np.concatenate(batches))
 
 

@@ -25,7 +25,7 @@ once:
   minus update) and their weighted average; drop-worst on each client with
   its own architecture; AVGLOGITS over every kept client; each prototype's
   student distilled from its average with FedDF's config
-  (`distillation.distill`).
+  (`student_lib.distill`).
 """
 
 import collections
@@ -42,6 +42,7 @@ from tff_ens import distillation
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation
 from tff_ens import server_step
+from tff_ens import student as student_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -136,7 +137,7 @@ def _teacher_batches(models, clients, keep, images):
   `images`, batch by batch: yields `(start, predictions per prototype, kept per
   prototype)`."""
   counts = [tf.reduce_sum(k) for k in keep]
-  for start, batch in distillation.ordered_batches(images, distillation.EVAL_BATCH_SIZE):
+  for start, batch in server_data_lib.ordered_batches(images, distillation.EVAL_BATCH_SIZE):
     yield (
       int(start),
       [
@@ -152,7 +153,7 @@ class PrototypeStep:
 
   `step(global prototypes, collected, round) -> (new prototypes,
   measurements)` (`server_step.ServerStep`; see the module docstring), on
-  `config.device`, each prototype's student a `distillation.Student`.
+  `config.device`, each prototype's student a `student_lib.Student`.
   """
 
   def __init__(
@@ -168,7 +169,7 @@ class PrototypeStep:
     self.device = None  # Where the last step's ops ran.
     with tf.device(config.device):
       self._models = [fn() for fn in model_fns]
-      self._students = [distillation.Student(m, config.distill) for m in self._models]
+      self._students = [student_lib.Student(m, config.distill) for m in self._models]
       self._validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
 
   @tf.function

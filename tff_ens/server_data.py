@@ -22,6 +22,8 @@ directory of the same task (all its images), a `.npz` file with an array `x`
 of images shaped like the task's inputs, or a `.npy` file of such images. A
 `.npy` file is not loaded: `ImageFile` reads the rows each batch needs from
 it, so a set far larger than memory (ImageNet32-sized) streams from disk.
+`ordered_batches` and `training_batches` are the `tf.data` pipelines through
+which the server step reads images (and teacher targets) batch by batch.
 """
 
 import dataclasses
@@ -30,6 +32,7 @@ import os
 import tempfile
 
 import numpy as np
+import tensorflow as tf
 
 import tasks
 
@@ -299,3 +302,67 @@ def _split_test_only_writers(data, seed: int, validation_fraction: float, need_u
     0
   ]
   return (validation_x, validation_y, unlabeled, f"{data.source} (test-only writers, unlabeled)")
+
+
+# Streaming the server's images to the server step (`tf.data`) --------------
+
+
+def as_rows(x):
+  """`x` as rows to index: an `ImageFile` as is, else a float32 array."""
+  return x if isinstance(x, ImageFile) else np.asarray(x, np.float32)
+
+
+def _reader(read, row_shape):
+  """A `tf.data` map `key -> read(key)`: NumPy rows read as the pipeline needs them."""
+
+  def map_fn(key):
+    return tf.ensure_shape(tf.numpy_function(read, [key], tf.float32), [None, *row_shape])
+
+  return map_fn
+
+
+def ordered_batches(x, batch_size: int) -> tf.data.Dataset:
+  """`(start, images)` batches of `x` in order, the last one partial.
+
+  `x` is an array or an `ImageFile`; each batch is read when the
+  pipeline reaches it and the next is prefetched, so memory holds a few
+  batches whatever the number of images.
+  """
+  rows = as_rows(x)
+  read = _reader(lambda start: rows[int(start) : int(start) + batch_size], rows.shape[1:])
+  starts = tf.data.Dataset.range(0, len(rows), batch_size)
+  return starts.map(lambda start: (start, read(start))).prefetch(2)
+
+
+def training_batches(x, targets, batch_size: int, num_steps: int, seed) -> tf.data.Dataset:
+  """The student's `num_steps` minibatches `(images, targets)`.
+
+  Each epoch visits the examples in a stateless random order drawn from
+  `seed` and the epoch number; the last partial batch of an epoch is
+  skipped. The rows are read from `x` and `targets` (arrays or
+  `ImageFile`s) batch by batch and prefetched.
+  """
+  rows, target_rows = as_rows(x), as_rows(targets)
+  n = len(rows)
+  batch_size = min(batch_size, n)
+  num_epochs = -(-num_steps // (n // batch_size))
+  seed = _as_seed(seed)
+
+  def epoch_batches(epoch):
+    order = tf.random.experimental.stateless_shuffle(
+      tf.range(n), seed=tf.random.experimental.stateless_fold_in(seed, epoch)
+    )
+    return tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=True)
+
+  read_images = _reader(lambda i: rows[i], rows.shape[1:])
+  read_targets = _reader(lambda i: target_rows[i], target_rows.shape[1:])
+  indices = tf.data.Dataset.range(num_epochs).flat_map(epoch_batches).take(num_steps)
+  return indices.map(lambda i: (read_images(i), read_targets(i))).prefetch(2)
+
+
+def _as_seed(seed):
+  """A shape [2] int64 stateless seed from an int, scalar or [2] tensor."""
+  seed = tf.cast(seed, tf.int64)
+  if seed.shape.rank == 0:
+    seed = tf.stack([seed, tf.constant(0, tf.int64)])
+  return seed

@@ -20,7 +20,7 @@ FedAvg's four stages with two swapped, composed by `server_step.build_collect`:
   - "fedbe": teachers {average, clients, M samples of a Gaussian (eq. 5) or
     Dirichlet (eq. 7) over the client models} (`weight_posterior`), targets
     the ensemble's mean probabilities (optionally sharpened), SGD with SWA
-    (`distillation.distill`);
+    (`student_lib.distill`);
   - "feddf": teachers the clients drop-worst keeps on the server's
     validation data, targets softmax(mean logits) (AVGLOGITS), Adam with
     cosine decay and early stopping on validation accuracy;
@@ -45,6 +45,7 @@ from tff_ens import distillation
 from tff_ens import fedavg
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_step
+from tff_ens import student as student_lib
 from tff_ens import weight_posterior
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -344,7 +345,7 @@ class DistillationStep:
   unlabeled images batch by batch (`distillation.streamed_ensemble_predictions`)
   into a target store as large as the images' (an array, or a temporary
   `server_data.ImageFile` when the images stream from a file), and the
-  student (`distillation.Student`, traced once per run) starts from the
+  student (`student_lib.Student`, traced once per run) starts from the
   weight average. Everything runs on `config.device`.
   """
 
@@ -359,7 +360,7 @@ class DistillationStep:
     self.device = None  # Where the last step's ops ran (`server_step.placed_device`).
     with tf.device(config.device):
       self._model = model_fn()
-      self._student = distillation.Student(self._model, config.distill)
+      self._student = student_lib.Student(self._model, config.distill)
       self._validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
 
   @tf.function

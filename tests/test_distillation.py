@@ -720,3 +720,38 @@ def test_choose_device_without_gpu():
     distillation.choose_device("gpu")
   with pytest.raises(ValueError, match="--server_device='tpu'"):
     distillation.choose_device("tpu")
+
+
+def test_the_students_fused_adam_is_tffs_adam():
+  # The student applies Adam with TF's fused kernel; FedDF's student used TFF's functional
+  # `build_adam` before, and the numbers must not change (issue 20).
+  config = Config(
+    num_steps=4,
+    batch_size=4,
+    optimizer="adam",
+    learning_rate=0.05,
+    lr_schedule="constant",
+    loss="kl",
+    swa=False,
+  )
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  got, _ = student_lib.distill(model, initial, images(X), TARGETS, config, seed=2)
+  reference = tiny_model(seed=0)
+  variables = reference.trainable_variables
+  adam = tff.learning.optimizers.build_adam(0.05)
+  state = adam.initialize(tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
+
+  @tf.function
+  def step(x, targets, state):
+    with tf.GradientTape() as tape:
+      loss = distillation.distillation_loss("kl", targets, reference(x, training=True))
+    state, new = adam.next(state, tuple(variables), tuple(tape.gradient(loss, variables)))
+    for v, t in zip(variables, new):
+      v.assign(t)
+    return state
+
+  for x, targets in server_data.training_batches(images(X), TARGETS, 4, 4, seed=2):
+    state = step(x, targets, state)
+  for g, w in zip(got.trainable, variables):
+    np.testing.assert_array_equal(g, w)

@@ -216,6 +216,8 @@ class Student:
     config = self.config
     if config.eval_every and validation is None:
       raise ValueError("early stopping (eval_every > 0) needs validation data")
+    # Once: the pipelines below read these rows without converting them again.
+    x, targets = server_data.as_rows(x), server_data.as_rows(targets)
     distillation.assign_weights(self.model, initial_weights)
     trainable = self._weights.trainable
     opt_state = ()  # Adam's moments are variables, restarted here.
@@ -266,7 +268,7 @@ class Student:
       distillation.assign_weights(self.model, best)
     stats = collections.OrderedDict(
       steps=tf.constant(steps),
-      examples=tf.constant(steps * min(config.batch_size, len(server_data.as_rows(x)))),
+      examples=tf.constant(steps * min(config.batch_size, len(x))),
       swa_models=tf.constant(num_averaged),
       validation_accuracy=validation_out,
     )

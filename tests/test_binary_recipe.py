@@ -68,7 +68,7 @@ def test_the_recipe_trains_a_valid_config():
     ({"recalibrate_batch_norm": -1}, r"--recalibrate_batch_norm must be >= 0"),
     (
       {"recalibrate_batch_norm": 5, "algorithm": "fedbe"},
-      r"--recalibrate_batch_norm is the server step of fedavg, fedprox, fedavgm, not of "
+      r"--recalibrate_batch_norm is the server step of fedavg, fedprox, fedavgm, fedadam, not of "
       r"--algorithm=fedbe: drop it",
     ),
     (

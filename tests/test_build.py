@@ -209,11 +209,12 @@ def test_repository_build_covers_the_tree():
 
 @pytest.fixture
 def tree(tmp_path):
-  """A copy of BUILD, uv.lock and the repository's .py files in tmp_path."""
+  """A copy of BUILD, uv.lock, the docs and the repository's .py files in tmp_path."""
   root = tmp_path / "repo"
   root.mkdir()
-  for name in ("BUILD", "uv.lock"):
+  for name in ("BUILD", "uv.lock", "README.md"):
     shutil.copy(REPO_ROOT / name, root / name)
+  shutil.copytree(REPO_ROOT / "docs", root / "docs")
   for path in _python_files(REPO_ROOT):
     (root / path).parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO_ROOT / path, root / path)

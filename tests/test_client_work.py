@@ -11,6 +11,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import client_work
+from tff_ens import feddyn
 from tiny import SPEC
 from tiny import tiny_model as linear_model
 
@@ -417,7 +418,7 @@ class TestTrainFedDyn:
 
   def run(self, model, batches, lr, alpha, dyn_state):
     initial = model_weights(model)
-    result, metrics, new_state = client_work.train_feddyn(
+    result, metrics, new_state = feddyn.train_feddyn(
       model,
       sgd_optimizer(),
       initial,

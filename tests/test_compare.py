@@ -17,6 +17,7 @@ from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
 from tff_ens import compare
+from tff_ens import finished_runs
 from tff_ens import run_files
 from tff_ens import training
 
@@ -59,8 +60,8 @@ def run_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(run_dirs) -> list[compare.Run]:
-  return [compare.load_run(path) for path in run_dirs.values()]
+def runs(run_dirs) -> list[finished_runs.Run]:
+  return [finished_runs.load_run(path) for path in run_dirs.values()]
 
 
 def read_summary(path: str) -> dict:
@@ -172,7 +173,7 @@ def test_per_writer_accuracies_are_the_runs_and_its_models(run_dirs, runs, tmp_p
   copy = tmp_path / "copy"
   shutil.copytree(run_dirs["fedavg"], copy)
   os.remove(copy / run_files.PER_CLIENT_ACCURACY_FILE)
-  [computed] = compare.per_writer_accuracies([compare.load_run(str(copy))])
+  [computed] = compare.per_writer_accuracies([finished_runs.load_run(str(copy))])
   assert computed.keys() == accuracies[0].keys()
   for writer, accuracy in accuracies[0].items():
     assert computed[writer] == pytest.approx(accuracy, abs=1e-9), writer
@@ -185,12 +186,12 @@ def test_per_writer_accuracies_read_from_file_when_present(run_dirs, tmp_path):
   saved = {"f0001_01": 0.5, "f0002_02": 1.0}
   with open(tmp_path / run_files.PER_CLIENT_ACCURACY_FILE, "w") as f:
     json.dump(saved, f)
-  run = compare.load_run(str(tmp_path))
+  run = finished_runs.load_run(str(tmp_path))
   assert compare.per_writer_accuracies([run]) == [saved]
-  with pytest.raises(compare.CompareError, match="has no model.keras"):
+  with pytest.raises(finished_runs.CompareError, match="has no model.keras"):
     run.model_paths()
   (tmp_path / run_files.PER_CLIENT_ACCURACY_FILE).write_text("[0.5, 1.0]")
-  with pytest.raises(compare.CompareError, match="not a JSON object"):
+  with pytest.raises(finished_runs.CompareError, match="not a JSON object"):
     compare.per_writer_accuracies([run])
 
 
@@ -244,18 +245,20 @@ def in_progress_copy(run_dir: str, path, rounds: list[int]) -> str:
 
 def test_in_progress_message_names_the_rounds(run_dirs, tmp_path):
   path = in_progress_copy(run_dirs["fedavg"], tmp_path / "run", [1, 2, 4])
-  with pytest.raises(compare.CompareError, match=r"rounds 1-2, 4 of 2 and it has no summary.json"):
-    compare.load_run(path)
+  with pytest.raises(
+    finished_runs.CompareError, match=r"rounds 1-2, 4 of 2 and it has no summary.json"
+  ):
+    finished_runs.load_run(path)
 
 
 def test_bad_input_messages(tmp_path):
-  with pytest.raises(compare.CompareError, match="nowhere does not exist"):
-    compare.load_run(str(tmp_path / "nowhere"))
+  with pytest.raises(finished_runs.CompareError, match="nowhere does not exist"):
+    finished_runs.load_run(str(tmp_path / "nowhere"))
   (tmp_path / "notes.txt").write_text("not a run\n")
   with pytest.raises(
-    compare.CompareError, match="is not a run \\(no metrics.csv or summary.json\\)"
+    finished_runs.CompareError, match="is not a run \\(no metrics.csv or summary.json\\)"
   ):
-    compare.load_run(str(tmp_path))
+    finished_runs.load_run(str(tmp_path))
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(run_dirs, tmp_path):

@@ -170,7 +170,10 @@ def test_device_pool_without_the_device_environment_is_one_line(tmp_path):
 @pytest.mark.parametrize(
   "flags, message",
   [
-    ({"algorithm": "fedbe"}, "--client_runtime=litert runs fedavg, fedavgm, fedensemble, not "),
+    (
+      {"algorithm": "fedbe"},
+      "--client_runtime=litert runs fedavg, fedavgm, fedadam, fedensemble, not ",
+    ),
     (
       {"algorithm": "fedensemble", "local_objective": "feddyn"},
       "--local_objective=feddyn is not supported there",

@@ -18,6 +18,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import distillation
+from tff_ens import drop_worst
 from tff_ens import server_data
 from tff_ens import student as student_lib
 from tiny import tiny_model
@@ -168,20 +169,20 @@ def test_ensemble_predictions_and_member_accuracies_match_numpy():
 def test_chance_accuracy_and_the_majority_drop_worst_rule():
   y = np.array([3, 3, 3, 1, 2, 0, 4, 5, 6, 7], np.int32)
   # Majority class 3: 30% > 1/10.
-  np.testing.assert_allclose(distillation.chance_accuracy(y, 10), 0.3)
-  np.testing.assert_allclose(distillation.chance_accuracy(np.arange(5), 62), 0.2)
-  np.testing.assert_allclose(distillation.chance_accuracy(np.arange(62), 62), 1 / 62, rtol=1e-6)
-  keep, informative = distillation.drop_worst_mask(
+  np.testing.assert_allclose(drop_worst.chance_accuracy(y, 10), 0.3)
+  np.testing.assert_allclose(drop_worst.chance_accuracy(np.arange(5), 62), 0.2)
+  np.testing.assert_allclose(drop_worst.chance_accuracy(np.arange(62), 62), 1 / 62, rtol=1e-6)
+  keep, informative = drop_worst.drop_worst_mask(
     "majority", tf.constant([0.9, 0.05, 0.3, 0.31]), y, 10
   )
   np.testing.assert_array_equal(keep, [True, False, False, True])
   assert bool(informative)
   # None above chance: all kept, and nothing to learn from.
-  keep, informative = distillation.drop_worst_mask("majority", tf.constant([0.1, 0.3]), y, 10)
+  keep, informative = drop_worst.drop_worst_mask("majority", tf.constant([0.1, 0.3]), y, 10)
   np.testing.assert_array_equal(keep, [True, True])
   assert not bool(informative)
   with pytest.raises(ValueError, match="unknown drop-worst rule 'best'"):
-    distillation.drop_worst_mask("best", tf.constant([0.1]), y, 10)
+    drop_worst.drop_worst_mask("best", tf.constant([0.1]), y, 10)
 
 
 def authors_drop_worst(accuracies, num_classes):
@@ -203,16 +204,16 @@ def test_authors_drop_worst_rule_drops_below_guessing_by_hand():
   # 1.2 / 10 = 0.12: 0.11 and 0.05 are dropped, 0.13 is kept though the
   # majority rule's 0.1 would keep 0.11 too. No outlier test then.
   accuracies = [0.5, 0.11, 0.13, 0.05, 0.6]
-  keep, informative = distillation.drop_worst_mask(
+  keep, informative = drop_worst.drop_worst_mask(
     "guess_or_outliers", tf.constant(accuracies), Y10, 10
   )
   np.testing.assert_array_equal(keep, [True, False, True, False, True])
   assert bool(informative)
   np.testing.assert_array_equal(keep, authors_drop_worst(accuracies, 10))
-  keep, _ = distillation.drop_worst_mask("majority", tf.constant(accuracies), Y10, 10)
+  keep, _ = drop_worst.drop_worst_mask("majority", tf.constant(accuracies), Y10, 10)
   np.testing.assert_array_equal(keep, [True, True, True, False, True])
   # All below guessing: all kept, nothing to learn from.
-  keep, informative = distillation.drop_worst_mask(
+  keep, informative = drop_worst.drop_worst_mask(
     "guess_or_outliers", tf.constant([0.1, 0.02]), Y10, 10
   )
   np.testing.assert_array_equal(keep, [True, True])
@@ -225,18 +226,18 @@ def test_authors_drop_worst_rule_drops_low_outliers_by_hand():
   accuracies = [0.9, 0.5, 0.52, 0.48, 0.2]
   others = np.array([0.5, 0.52, 0.48, 0.2])
   np.testing.assert_allclose(others.mean() - 1.5 * others.std(), 0.425 - 1.5 * np.sqrt(0.0683 / 4))
-  keep, informative = distillation.drop_worst_mask(
+  keep, informative = drop_worst.drop_worst_mask(
     "guess_or_outliers", tf.constant(accuracies), Y10, 10
   )
   np.testing.assert_array_equal(keep, [True, True, True, True, False])
   assert bool(informative)
   np.testing.assert_array_equal(keep, authors_drop_worst(accuracies, 10))
   # The majority rule keeps all of them.
-  keep, _ = distillation.drop_worst_mask("majority", tf.constant(accuracies), Y10, 10)
+  keep, _ = drop_worst.drop_worst_mask("majority", tf.constant(accuracies), Y10, 10)
   assert np.all(keep)
   # Equal accuracies (std 0) and two models: none is an outlier.
   for equal in ([0.3] * 5, [0.7, 0.2]):
-    keep, _ = distillation.drop_worst_mask("guess_or_outliers", tf.constant(equal), Y10, 10)
+    keep, _ = drop_worst.drop_worst_mask("guess_or_outliers", tf.constant(equal), Y10, 10)
     assert np.all(keep)
 
 
@@ -246,13 +247,13 @@ def test_drop_worst_considers_members_only():
   # (0.6 set aside), mean 0.525 and std 0.025 cut at 0.4875: all kept.
   accuracies = tf.constant([0.6, 0.5, 0.55, 0.0])
   members = tf.constant([True, True, True, False])
-  keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies, Y10, 10, members=members)
+  keep, _ = drop_worst.drop_worst_mask("guess_or_outliers", accuracies, Y10, 10, members=members)
   np.testing.assert_array_equal(keep, [True, True, True, False])
   # With slot 3 a member, it is below guessing and the only one dropped.
-  keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies, Y10, 10)
+  keep, _ = drop_worst.drop_worst_mask("guess_or_outliers", accuracies, Y10, 10)
   np.testing.assert_array_equal(keep, [True, True, True, False])
   # A single member is kept (the authors' code fails on one model).
-  keep, _ = distillation.drop_worst_mask(
+  keep, _ = drop_worst.drop_worst_mask(
     "guess_or_outliers", accuracies, Y10, 10, members=tf.constant([False, True, False, False])
   )
   np.testing.assert_array_equal(keep, [False, True, False, False])
@@ -689,7 +690,7 @@ def test_teachers_and_drop_worst_in_a_tff_computation():
   def teachers(stacked, x, y):
     predictions = distillation.ensemble_predictions(model_fn(), stacked, x)
     accuracies = distillation.member_accuracies(model_fn(), stacked, x, y)
-    keep, _ = distillation.drop_worst_mask("guess_or_outliers", accuracies, y, 3)
+    keep, _ = drop_worst.drop_worst_mask("guess_or_outliers", accuracies, y, 3)
     kept = distillation.ensemble_predictions(
       model_fn(), stacked, x, member_weights=tf.cast(keep, tf.float32)
     )

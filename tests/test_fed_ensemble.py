@@ -16,6 +16,8 @@ import tensorflow_federated as tff
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import fed_ensemble
+from tff_ens import feddyn
+from tff_ens import federated_algorithm
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model
@@ -223,7 +225,7 @@ def test_a_client_downloads_one_member_and_uploads_one_update(built):
   assert broadcasts
   for b in broadcasts:
     assert all(t.shape == () for t in _leaves(b.result.member))
-  assert sum(algorithms.type_size_bytes(b.result) for b in broadcasts) == 4 + 8 + 4
+  assert sum(federated_algorithm.type_size_bytes(b.result) for b in broadcasts) == 4 + 8 + 4
 
   # Clients -> server: one update of one member's shape, its weight and the key.
   (aggregate,) = [t for uri, t in intrinsics if uri == "federated_aggregate"]
@@ -454,7 +456,7 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
     # then the unweighted per-model mean and h's correction.
     updates = {}
     for c, j, data in zip(indices, keys, datasets):
-      result, _, client_g = client_work.train_feddyn(
+      result, _, client_g = feddyn.train_feddyn(
         member_model(0),
         optimizer,
         members[j],

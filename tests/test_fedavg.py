@@ -13,7 +13,9 @@ import tensorflow_federated as tff
 
 from tff_ens import algorithms
 from tff_ens import client_work
+from tff_ens import fedadam
 from tff_ens import fedavg
+from tff_ens import federated_algorithm
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model as make_model
@@ -148,6 +150,14 @@ def test_round_where_every_client_has_weight_zero_keeps_the_model(bn_fedavg, x, 
   assert_weights_close(got, w0, atol=0)
 
 
+def mean_delta(weights):
+  """The mean update of clients A (2 examples) and B (3) from `weights`, by hand."""
+  kernel, bias = [np.asarray(t, np.float64) for t in weights]
+  ua = numpy_sgd_update(kernel, bias, XA, YA)
+  ub = numpy_sgd_update(kernel, bias, XB, YB)
+  return [(2 * a + 3 * b) / 5 for a, b in zip(ua, ub)]
+
+
 @pytest.mark.parametrize("server_lr", [1.0, 0.5])
 def test_fedavgm_second_round_adds_momentum_times_previous_delta(server_lr):
   momentum = 0.9
@@ -155,16 +165,9 @@ def test_fedavgm_second_round_adds_momentum_times_previous_delta(server_lr):
     make_model,
     SPEC,
     Config(learning_rate=LR),
-    server_learning_rate=server_lr,
-    server_momentum=momentum,
+    server_optimizer=fedavg.build_server_optimizer(server_lr, momentum),
   )
   data = [one_batch(XA, YA), one_batch(XB, YB)]
-
-  def mean_delta(weights):
-    kernel, bias = [np.asarray(t, np.float64) for t in weights]
-    ua = numpy_sgd_update(kernel, bias, XA, YA)
-    ub = numpy_sgd_update(kernel, bias, XB, YB)
-    return [(2 * a + 3 * b) / 5 for a, b in zip(ua, ub)]
 
   state = process.initialize()
   w0 = as_numpy(process.get_model_weights(state)).trainable
@@ -184,12 +187,47 @@ def test_fedavgm_second_round_adds_momentum_times_previous_delta(server_lr):
   assert not np.allclose(w2[0], w1[0] - server_lr * d2[0], atol=1e-4)
 
 
+def test_fedadam_is_registered_fedavg_with_adam_on_the_averaged_update():
+  """Two rounds of --algorithm=fedadam against Adam computed by hand (Reddi et al.,
+  Algorithm 2, with TFF's bias correction) on the clients' mean update."""
+  server_lr, epsilon = 0.1, 1e-3
+  algorithm = algorithms.build_algorithm(
+    "fedadam",
+    lambda k=0: make_model(),
+    SPEC,
+    Config(learning_rate=LR),
+    server_learning_rate=server_lr,
+    server_epsilon=epsilon,
+  )
+  process = algorithm.process
+  data = [one_batch(XA, YA), one_batch(XB, YB)]
+
+  state = process.initialize()
+  weights = [
+    np.asarray(w, np.float64) for w in as_numpy(process.get_model_weights(state)).trainable
+  ]
+  m = [np.zeros_like(w) for w in weights]
+  v = [np.zeros_like(w) for w in weights]
+  b1, b2 = fedadam.BETA_1, fedadam.BETA_2
+  for t in (1, 2):
+    d = mean_delta(weights)
+    m = [b1 * a + (1 - b1) * g for a, g in zip(m, d)]
+    v = [b2 * a + (1 - b2) * g * g for a, g in zip(v, d)]
+    step = server_lr * np.sqrt(1 - b2**t) / (1 - b1**t)
+    weights = [w - step * a / (np.sqrt(p) + epsilon) for w, a, p in zip(weights, m, v)]
+    state = process.next(state, data).state
+    got = as_numpy(process.get_model_weights(state)).trainable
+    for g, w in zip(got, weights):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert algorithms.REGISTRY["fedadam"].server_learning_rate == fedadam.LEARNING_RATE
+
+
 class TestTypeSizeBytes:
   def test_tensors(self):
-    assert algorithms.type_size_bytes(tff.TensorType(np.float32, [2, 3])) == 24
-    assert algorithms.type_size_bytes(tff.TensorType(np.int64)) == 8
-    assert algorithms.type_size_bytes(tff.TensorType(np.int32, [1])) == 4
-    assert algorithms.type_size_bytes(tff.TensorType(np.float64, [0, 5])) == 0
+    assert federated_algorithm.type_size_bytes(tff.TensorType(np.float32, [2, 3])) == 24
+    assert federated_algorithm.type_size_bytes(tff.TensorType(np.int64)) == 8
+    assert federated_algorithm.type_size_bytes(tff.TensorType(np.int32, [1])) == 4
+    assert federated_algorithm.type_size_bytes(tff.TensorType(np.float64, [0, 5])) == 0
 
   def test_nested_struct_federated_and_sequence(self):
     struct = tff.StructType(
@@ -207,14 +245,14 @@ class TestTypeSizeBytes:
         ("data", tff.SequenceType(tff.TensorType(np.float32, [100]))),  # 0
       ]
     )
-    assert algorithms.type_size_bytes(struct) == 67
-    assert algorithms.type_size_bytes(tff.FederatedType(struct, tff.CLIENTS)) == 67
+    assert federated_algorithm.type_size_bytes(struct) == 67
+    assert federated_algorithm.type_size_bytes(tff.FederatedType(struct, tff.CLIENTS)) == 67
 
   def test_unknown_shape_and_function_types_raise(self):
     with pytest.raises(ValueError, match="unknown shape"):
-      algorithms.type_size_bytes(tff.TensorType(np.float32, [None, 3]))
+      federated_algorithm.type_size_bytes(tff.TensorType(np.float32, [None, 3]))
     with pytest.raises(TypeError):
-      algorithms.type_size_bytes(tff.FunctionType(np.int32, np.int32))
+      federated_algorithm.type_size_bytes(tff.FunctionType(np.int32, np.int32))
 
 
 def test_unknown_algorithm_and_objective_raise():

@@ -14,6 +14,8 @@ from tests.femnist_runs import read_metrics
 from tff_ens import distillation
 from tff_ens import experiment
 from tff_ens import fedppd
+from tff_ens import fedppd_distill
+from tff_ens import fedppd_local
 from tff_ens import runtime
 from tff_ens import server_distillation
 from tff_ens import training
@@ -25,7 +27,9 @@ def test_sgld_step_noise_has_variance_step_size_times_temperature():
   weights = [tf.zeros([200_000]), tf.ones([3, 100_000])]
   gradients = [tf.zeros([200_000]), tf.fill([3, 100_000], 4.0)]
   step_size, temperature = 0.01, 0.5
-  new = fedppd.sgld_step(weights, gradients, step_size, temperature, tf.constant([1, 2], tf.int64))
+  new = fedppd_local.sgld_step(
+    weights, gradients, step_size, temperature, tf.constant([1, 2], tf.int64)
+  )
   # Drift -(eps/2) g: 0 for the first tensor, 1 - 0.005 * 4 for the second.
   np.testing.assert_allclose(np.mean(new[0]), 0.0, atol=1e-3)
   np.testing.assert_allclose(np.mean(new[1]), 0.98, atol=1e-3)
@@ -36,7 +40,7 @@ def test_sgld_step_noise_has_variance_step_size_times_temperature():
 
 
 def test_sgld_step_at_temperature_zero_is_gradient_descent_at_half_step():
-  new = fedppd.sgld_step(
+  new = fedppd_local.sgld_step(
     [tf.constant([1.0, -2.0])], [tf.constant([3.0, 1.0])], 0.1, 0.0, tf.constant([0, 0], tf.int64)
   )
   np.testing.assert_allclose(new[0], [1.0 - 0.15, -2.0 - 0.05], rtol=1e-6)
@@ -47,7 +51,7 @@ def test_distillation_loss_is_cross_entropy_to_teacher_by_hand():
   student_logits = np.array([[2.0, 0.5, -1.0], [0.0, 1.0, 3.0]])
   log_q = student_logits - np.log(np.exp(student_logits).sum(1, keepdims=True))
   expected = -np.mean(np.sum(teacher * log_q, 1))
-  got = fedppd.distillation_loss(
+  got = fedppd_local.distillation_loss(
     tf.constant(teacher, tf.float32), tf.constant(student_logits, tf.float32)
   )
   np.testing.assert_allclose(got, expected, rtol=1e-6)
@@ -96,7 +100,7 @@ def test_client_update_is_one_sgld_step_then_one_distillation_step():
   targets = tf.nn.softmax(tf.constant(x @ teacher_kernel + teacher_bias, tf.float32))
   student = [tf.Variable(t) for t in initial.trainable[2:]]
   with tf.GradientTape() as tape:
-    loss = fedppd.distillation_loss(targets, x @ student[0] + student[1])
+    loss = fedppd_local.distillation_loss(targets, x @ student[0] + student[1])
   grads = tape.gradient(loss, student)
   for k in range(2):
     np.testing.assert_allclose(
@@ -132,21 +136,21 @@ def test_authors_scaling_steps_on_the_mean_loss_with_weight_decay():
 
 
 def test_chain_parameters_in_the_authors_units_give_their_noise():
-  assert fedppd.chain_parameters("posterior", 4e-4, 0.5, 200.0) == (4e-4, 0.5)
-  eps, temperature = fedppd.chain_parameters("authors", 0.05, 1.0, 200.0)
+  assert fedppd_local.chain_parameters("posterior", 4e-4, 0.5, 200.0) == (4e-4, 0.5)
+  eps, temperature = fedppd_local.chain_parameters("authors", 0.05, 1.0, 200.0)
   np.testing.assert_allclose([eps, temperature], [0.05 / 200, 4 / 200])
   # Their noise: std 2 sqrt(lr) / N.
   np.testing.assert_allclose(np.sqrt(eps * temperature), 2 * np.sqrt(0.05) / 200)
-  _, half = fedppd.chain_parameters("authors", 0.05, 0.5, 200.0)
+  _, half = fedppd_local.chain_parameters("authors", 0.05, 0.5, 200.0)
   np.testing.assert_allclose(half, 2 / 200)
 
 
 def test_scheduled_rate_decays_by_round_and_every_three_epochs():
   for round_num in range(4):
     for epoch in range(7):
-      got = fedppd.scheduled_rate(0.05, round_num, epoch, 0.99, 0.85, 3)
+      got = fedppd_local.scheduled_rate(0.05, round_num, epoch, 0.99, 0.85, 3)
       np.testing.assert_allclose(got, 0.05 * 0.99**round_num * 0.85 ** (epoch // 3), rtol=1e-6)
-  np.testing.assert_allclose(fedppd.scheduled_rate(0.1, 5, 4, 1.0), 0.1)
+  np.testing.assert_allclose(fedppd_local.scheduled_rate(0.1, 5, 4, 1.0), 0.1)
 
 
 def _softmax(logits):
@@ -202,7 +206,9 @@ def _stream(mode, dataset, epochs):
   """(role, example ids) of `minibatch_stream`, ids read off x."""
   ids = {tuple(np.round(row, 4)): i for i, row in enumerate(X6)}
   out = []
-  for x, _, role in fedppd.minibatch_stream(dataset, fedppd.batch_sizes(dataset), mode, epochs):
+  for x, _, role in fedppd_local.minibatch_stream(
+    dataset, fedppd_local.batch_sizes(dataset), mode, epochs
+  ):
     rows = np.round(x.numpy().reshape(-1, 4), 4)
     out.append(("tsb"[int(role)], [ids[tuple(r)] for r in rows]))
   return out
@@ -232,7 +238,7 @@ def test_alternate_epochs_puts_a_batch_in_the_epoch_of_its_first_example():
     .batch(2)
   )
   np.testing.assert_array_equal(
-    fedppd.batch_epochs(fedppd.batch_sizes(dataset), 2), [0, 0, 0, 1, 1]
+    fedppd_local.batch_epochs(fedppd_local.batch_sizes(dataset), 2), [0, 0, 0, 1, 1]
   )
   first, second = [[0, 1], [2, 3], [4, 0]], [[1, 2], [3, 4]]
   assert _stream("alternate_epochs", dataset, 2) == (
@@ -243,7 +249,7 @@ def test_alternate_epochs_puts_a_batch_in_the_epoch_of_its_first_example():
   )
 
 
-@pytest.mark.parametrize("mode", fedppd.STUDENT_MINIBATCHES)
+@pytest.mark.parametrize("mode", fedppd_local.STUDENT_MINIBATCHES)
 def test_client_update_follows_the_student_minibatch_order(mode):
   """T = 0, no input noise: the update is that of the replayed order."""
   config = fedppd.PosteriorConfig(
@@ -436,12 +442,12 @@ def test_fedppd_distill_distills_the_teachers_when_asked():
     lambda: fedppd.build_fedppd(tiny.tiny_model, student, tiny.SPEC, config)
   )
   (kept, student_a), plain = one_round(
-    lambda: fedppd.build_fedppd_distill(
+    lambda: fedppd_distill.build_fedppd_distill(
       tiny.tiny_model, student, tiny.SPEC, config, tiny.SERVER, server, clients_per_round=2
     )
   )
   (distilled, student_b), both = one_round(
-    lambda: fedppd.build_fedppd_distill(
+    lambda: fedppd_distill.build_fedppd_distill(
       tiny.tiny_model,
       student,
       tiny.SPEC,

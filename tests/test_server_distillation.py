@@ -9,6 +9,7 @@ import tensorflow_federated as tff
 from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import distillation
+from tff_ens import drop_worst
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation as sd
 from tiny import CLIENT_DATA
@@ -174,7 +175,7 @@ def test_drop_worst_rule_decides_which_clients_feddf_keeps():
   ]
   collected = _collected(updates, [1.0] * 5)
   kept = {}
-  for rule in distillation.DROP_WORST_RULES:
+  for rule in drop_worst.DROP_WORST_RULES:
     config = sd.ServerDistillationConfig(
       method="feddf",
       distill=distillation.feddf_config(20, eval_every=5),

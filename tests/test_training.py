@@ -102,7 +102,7 @@ def test_sampling_is_a_function_of_seed_and_round():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["fedprox", "fedavgm"])
+@pytest.mark.parametrize("algorithm", ["fedprox", "fedavgm", "fedadam"])
 def test_variants_learn(algorithm, tmp_path):
   summary = training.run_experiment(
     dataclasses.replace(QUICK, algorithm=algorithm, rounds=3, output_dir=str(tmp_path))
@@ -276,6 +276,25 @@ def test_a_config_saved_before_issue_24_keeps_what_its_run_did():
   assert saved["partition"] is None and saved["server_unlabeled_examples"] is None
   assert experiment.ExperimentConfig(**saved).partition_config() is None
   assert experiment.saved_config(dataclasses.asdict(QUICK)) == dataclasses.asdict(QUICK)
+
+
+def test_a_config_saved_before_fedadam_resumes_with_the_algorithms_server_lr():
+  # Before FedAdam every config.json held server_lr, 1 by default, which FedBE never read.
+  for algorithm, server_lr, resumed in (
+    ("fedavg", 1.0, None),
+    ("fedbe", 1.0, None),
+    ("fedavgm", 0.5, 0.5),
+  ):
+    old = {
+      **dataclasses.asdict(experiment.ExperimentConfig(algorithm=algorithm)),
+      "server_lr": server_lr,
+    }
+    del old["server_epsilon"]
+    assert experiment.saved_config(old)["server_lr"] == resumed
+  new_run = dataclasses.asdict(experiment.ExperimentConfig(algorithm="fedavg", server_lr=1.0))
+  assert experiment.saved_config(new_run)["server_lr"] == 1.0
+  with pytest.raises(experiment.UsageError, match="--server_lr must be > 0, got 0.0"):
+    dataclasses.replace(QUICK, algorithm="fedadam", server_lr=0.0).validate()
 
 
 def test_output_dir_of_another_run_is_refused_and_kept(fedavg_run):

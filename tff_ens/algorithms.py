@@ -1,9 +1,8 @@
-"""The algorithms the CLI can run, behind one small interface.
+"""The algorithms the CLI can run: a registry of builders (`REGISTRY`, `build_algorithm`).
 
-Each algorithm is a TFF process built by its own module's `build_*` function;
-`FederatedAlgorithm` adds what the training loop needs around it: how to call
-`next` for a cohort, which models the state holds (one, or K for ensembles),
-and the types of what one client downloads and uploads in a round.
+Each algorithm is a TFF process built by its own module's `build_*` function, registered
+here with what it takes (`AlgorithmSpec`); its builder wraps the process in the interface
+the training loop drives (`federated_algorithm.FederatedAlgorithm`).
 """
 
 import dataclasses
@@ -11,185 +10,52 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_federated as tff
 
 from tff_ens import client_states
 from tff_ens import client_work as client_work_lib
 from tff_ens import fed_ensemble
+from tff_ens import fedadam
 from tff_ens import fedavg
+from tff_ens import federated_algorithm
 from tff_ens import fedppd
+from tff_ens import fedppd_distill
 from tff_ens import model_prototypes
 from tff_ens import privacy
-from tff_ens import runtime
 from tff_ens import server_distillation
-from tff_ens import server_step
 
-ModelWeights = tff.learning.models.ModelWeights
-
-FEDPPD_METHODS = ("fedppd", "fedppd_distill")
-ALGORITHMS = (
-  ("fedavg", "fedprox", "fedavgm", "fedensemble") + (server_distillation.METHODS) + FEDPPD_METHODS
-)
 LOCAL_OBJECTIVES = ("sgd", "fedprox", "feddyn")
-# Algorithms whose server step uses the server's data.
-SERVER_DATA_ALGORITHMS = server_distillation.METHODS + ("fedppd_distill",)
-# Algorithms whose server only needs the mean of the clients' updates, so
-# DP-FedAvg's clipped and noised mean (`privacy`) can replace it.
-DP_ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "fedensemble", "fedppd")
-# Those whose server step is `fedavg.build_finalizer`'s, which can recalibrate batch norm.
-FEDAVG_ALGORITHMS = ("fedavg", "fedprox", "fedavgm")
-# Those whose clients can train on their devices (`device_clients`): plain local SGD(M).
-ON_DEVICE_ALGORITHMS = ("fedavg", "fedavgm", "fedensemble")
 
 
 @dataclasses.dataclass(frozen=True)
-class FederatedAlgorithm:
-  """A built algorithm: its TFF process and how the training loop drives it.
+class BuildOptions:
+  """The run's settings that some builders read, besides the model and client training.
 
   Attributes:
-    name: the algorithm's flag value.
-    process: the TFF process (`initialize`, `next`).
-    download_type: what one client receives in a round (a TFF type).
-    upload_type: what one client sends in a round.
-    indexed_clients: whether `process.next` takes the cohort's client
-      indices (int32 at CLIENTS) after its data (Fed-ensemble's permutation
-      rows, FedDF's prototypes); `tff.learning` processes do not.
-    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate.
-    teacher_fn: for server-distillation algorithms, `images ->
-      OrderedDict(probabilities, mean_entropy)` of the teachers the last
-      round distilled from (`server_step.DriverProcess.last_round_teachers`);
-      None otherwise.
-    server_device: for algorithms whose server step runs in the driver, `() ->`
-      the device its ops last ran on (None before the first round); None otherwise.
-    evaluation_model_fn: builds the Keras model `models_fn`'s weights fit
-      when it is not the task's `--model` (FedPPD's student); None otherwise.
-    prototypes_fn: for FedDF over model prototypes, `state -> [(name,
-      model_fn, weights)]`, every prototype's model (`models_fn` gives the
-      first); None otherwise.
-    client_state: for algorithms whose clients keep a state between rounds
-      (FedDyn), what it is; `process.next` then takes the cohort's states
-      last and returns their new values after the metrics. None otherwise.
-    client_models: `(client indices, 0-based round) -> [k]`, the model of `models_fn`
-      each client trains in that round (Fed-ensemble's `assigned_model`, which the
-      process's distributor computes too); None: every client trains the first.
-  """
-
-  name: str
-  process: tff.templates.IterativeProcess | server_step.DriverProcess
-  download_type: tff.Type
-  upload_type: tff.Type
-  indexed_clients: bool
-  models_fn: Callable[[Any], list[ModelWeights]]
-  teacher_fn: Callable[[np.ndarray], dict] | None = None
-  server_device: Callable[[], str | None] | None = None
-  evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
-  prototypes_fn: (
-    Callable[[Any], list[tuple[str, Callable[[], tf.keras.Model], ModelWeights]]] | None
-  ) = None
-  client_state: client_states.ClientStateSpec | None = None
-  client_models: Callable[[Sequence[int], int], list[int]] | None = None
-
-  def next_args(self, datasets: Sequence[tf.data.Dataset], client_indices, states=None) -> tuple:
-    """`process.next`'s arguments after the state, for one cohort.
-
-    `client_indices` are the cohort's positions in the task's client list;
-    `states` their stored states (`client_state`), zeros if None.
-    """
-    args = (list(datasets),)
-    if self.indexed_clients:
-      args += ([np.int32(i) for i in client_indices],)
-    if self.client_state is not None:
-      args += (
-        list(states) if states is not None else [self.client_state.zeros() for _ in client_indices],
-      )
-    return args
-
-  def next_fn(self, state, datasets: Sequence[tf.data.Dataset], client_indices) -> tuple[Any, dict]:
-    """`(state, metrics)` of one round through the execution context."""
-    return runtime.state_and_metrics(
-      self.process.next(state, *self.next_args(datasets, client_indices))
-    )
-
-  def bytes_per_client_round(self) -> tuple[int, int]:
-    """(bytes down, bytes up) for one client in one round, from the types."""
-    return (type_size_bytes(self.download_type), type_size_bytes(self.upload_type))
-
-
-def type_size_bytes(type_spec: tff.Type) -> int:
-  """Bytes of the tensors in a TFF type; sequences (local data) count 0."""
-  if isinstance(type_spec, tff.TensorType):
-    if None in type_spec.shape:
-      raise ValueError(f"cannot size a tensor of unknown shape: {type_spec}")
-    return int(np.prod(type_spec.shape, dtype=np.int64) * np.dtype(type_spec.dtype).itemsize)
-  if isinstance(type_spec, tff.StructType):
-    return sum(type_size_bytes(t) for t in type_spec)
-  if isinstance(type_spec, tff.FederatedType):
-    return type_size_bytes(type_spec.member)
-  if isinstance(type_spec, tff.SequenceType):
-    return 0
-  raise TypeError(f"unexpected type in a client computation: {type_spec}")
-
-
-def build_algorithm(
-  name: str,
-  model_fn: Callable[[int], tf.keras.Model],
-  element_spec,
-  local_config: client_work_lib.LocalTrainingConfig,
-  *,
-  proximal_mu: float = 0.01,
-  local_objective: str = "sgd",
-  server_learning_rate: float = 1.0,
-  server_momentum: float = 0.9,
-  ensemble_size: int = 5,
-  assignment: str = "permutation",
-  member_average: str = "clients",
-  seed: int = 0,
-  server_data=None,
-  server_config: (server_distillation.ServerDistillationConfig | None) = None,
-  clients_per_round: int = 10,
-  student_fn: Callable[[], tf.keras.Model] | None = None,
-  posterior_config: fedppd.PosteriorConfig | None = None,
-  distill_fedppd_teachers: bool = True,
-  dp: privacy.DPConfig | None = None,
-  prototypes: Sequence[tuple[str, Callable[[], tf.keras.Model]]] = (),
-  feddyn_alpha: float = 0.01,
-  num_clients: int = 0,
-  on_device: bool = False,
-  recalibration_images: np.ndarray | None = None,
-) -> FederatedAlgorithm:
-  """Builds algorithm `name`.
-
-  Args:
-    name: one of `ALGORITHMS`.
-    model_fn: `k -> Keras model` initialized for (ensemble member) k; single
-      model algorithms use k = 0.
-    element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
-    local_config: client training.
-    proximal_mu: FedProx's mu, used by `fedprox` and by
-      `local_objective="fedprox"`.
-    local_objective: "sgd", "fedprox" or "feddyn": the clients' objective
-      for `fedensemble` ("feddyn" only there).
-    server_learning_rate: server step on the averaged update (FedAvg family).
+    proximal_mu: FedProx's mu, used by `fedprox` and by `local_objective="fedprox"`.
+    local_objective: one of `LOCAL_OBJECTIVES`, the clients' objective for `fedensemble`
+      ("feddyn" only there).
+    server_learning_rate: the server optimizer's step size on the averaged update (the
+      FedAvg family); None: the algorithm's `AlgorithmSpec.server_learning_rate`.
     server_momentum: server momentum of `fedavgm`.
+    server_epsilon: `fedadam`'s epsilon (the paper's adaptivity tau).
     ensemble_size: K of `fedensemble`.
     assignment: "permutation" or "random" (`fedensemble`).
     member_average: `fedensemble`'s average of a model over its clients
       (`fed_ensemble.MEMBER_AVERAGES`).
     seed: seed of `fedensemble`'s permutations.
-    server_data: the server's `server_data.ServerData` (fedbe, feddf,
-      vdistill, fedppd_distill).
-    server_config: their `ServerDistillationConfig` (its method is `name`;
+    server_data: the server's `server_data.ServerData` (`SERVER_DATA_ALGORITHMS`).
+    server_config: their `ServerDistillationConfig` (its method is the algorithm's name;
       FedBE's for fedppd_distill).
-    clients_per_round: the largest cohort (the same four).
+    clients_per_round: the largest cohort (the same algorithms).
     student_fn: builds FedPPD's student (`model_fn(0)` is its teacher).
     posterior_config: FedPPD's client update.
-    distill_fedppd_teachers: `fedppd_distill` distills the clients' teachers
-      as well as their students (the authors' code); False averages them.
-    dp: DP-FedAvg's clipped, noised mean of the updates (`DP_ALGORITHMS`);
-      None for the plain mean.
-    prototypes: `feddf` over model prototypes: `(name, model_fn)` of each
-      architecture the clients run (`model_prototypes`); the first is the
-      run's main model. Empty: every client runs `model_fn(0)`.
+    distill_fedppd_teachers: `fedppd_distill` distills the clients' teachers as well as
+      their students (the authors' code); False averages them.
+    dp: DP-FedAvg's clipped, noised mean of the updates (`DP_ALGORITHMS`); None for the
+      plain mean.
+    prototypes: `feddf` over model prototypes: `(name, model_fn)` of each architecture the
+      clients run (`model_prototypes`); the first is the run's main model. Empty: every
+      client runs `model_fn(0)`.
     feddyn_alpha: FedDyn's alpha (`local_objective="feddyn"`).
     num_clients: the population, FedDyn's m.
     on_device: the clients train on their devices (`ON_DEVICE_ALGORITHMS`): their data are
@@ -197,152 +63,180 @@ def build_algorithm(
     recalibration_images: server images on which `FEDAVG_ALGORITHMS` measure the new
       model's batch-norm statistics each round (`fedavg.build_finalizer`).
   """
-  if name not in ALGORITHMS:
+
+  proximal_mu: float = 0.01
+  local_objective: str = "sgd"
+  server_learning_rate: float | None = None
+  server_momentum: float = 0.9
+  server_epsilon: float = fedadam.EPSILON
+  ensemble_size: int = 5
+  assignment: str = "permutation"
+  member_average: str = "clients"
+  seed: int = 0
+  server_data: Any = None
+  server_config: server_distillation.ServerDistillationConfig | None = None
+  clients_per_round: int = 10
+  student_fn: Callable[[], tf.keras.Model] | None = None
+  posterior_config: fedppd.PosteriorConfig | None = None
+  distill_fedppd_teachers: bool = True
+  dp: privacy.DPConfig | None = None
+  prototypes: Sequence[tuple[str, Callable[[], tf.keras.Model]]] = ()
+  feddyn_alpha: float = 0.01
+  num_clients: int = 0
+  on_device: bool = False
+  recalibration_images: np.ndarray | None = None
+
+
+# `(name, model_fn, element_spec, local_config, options) -> FederatedAlgorithm`.
+Builder = Callable[..., federated_algorithm.FederatedAlgorithm]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+  """A registered algorithm: its builder and the run options it takes.
+
+  Attributes:
+    name: its `--algorithm` value.
+    summary: one line for `--help` and docs/algorithms.md.
+    build: its `Builder`.
+    server_data: its server step uses the server's data.
+    dp: its server needs only the mean of the clients' updates, so DP-FedAvg's clipped
+      and noised mean (`privacy`) can replace it.
+    recalibrates: its finalizer is `fedavg.build_finalizer`, which can recalibrate
+      batch norm on server images.
+    on_device: its clients run plain local SGD(M), which devices can (`device_clients`).
+    student: the model it evaluates is FedPPD's student, of its own architecture.
+    server_learning_rate: the default step size of its server optimizer; None if it has
+      none.
+  """
+
+  name: str
+  summary: str
+  build: Builder
+  server_data: bool = False
+  dp: bool = False
+  recalibrates: bool = False
+  on_device: bool = False
+  student: bool = False
+  server_learning_rate: float | None = None
+
+
+def build_algorithm(
+  name: str,
+  model_fn: Callable[[int], tf.keras.Model],
+  element_spec,
+  local_config: client_work_lib.LocalTrainingConfig,
+  **options,
+) -> federated_algorithm.FederatedAlgorithm:
+  """Builds the registered algorithm `name` (`REGISTRY`).
+
+  Args:
+    name: one of `ALGORITHMS`.
+    model_fn: `k -> Keras model` initialized for (ensemble member) k; single
+      model algorithms use k = 0.
+    element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
+    local_config: client training.
+    **options: `BuildOptions`' fields.
+
+  Raises:
+    ValueError: an unknown algorithm, or an option the algorithm does not take.
+  """
+  if name not in REGISTRY:
     raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
-  if local_objective not in LOCAL_OBJECTIVES:
+  spec = REGISTRY[name]
+  opts = BuildOptions(**options)
+  if opts.local_objective not in LOCAL_OBJECTIVES:
     raise ValueError(
-      f"unknown local objective {local_objective!r}: choose one of {', '.join(LOCAL_OBJECTIVES)}"
+      f"unknown local objective {opts.local_objective!r}: "
+      f"choose one of {', '.join(LOCAL_OBJECTIVES)}"
     )
-  if local_objective == "feddyn" and name != "fedensemble":
+  if opts.local_objective == "feddyn" and name != "fedensemble":
     raise ValueError(
       f"the FedDyn local objective is built for fedensemble, not {name}: "
       "for FedDyn on one model use fedensemble with ensemble_size=1"
     )
-  if on_device and name not in ON_DEVICE_ALGORITHMS:
+  if opts.on_device and not spec.on_device:
     raise ValueError(
       f"{name}'s clients cannot train on devices: use one of {', '.join(ON_DEVICE_ALGORITHMS)}"
     )
-  if recalibration_images is not None and name not in FEDAVG_ALGORITHMS:
+  if opts.recalibration_images is not None and not spec.recalibrates:
     raise ValueError(
       f"{name} does not recalibrate batch norm: use one of {', '.join(FEDAVG_ALGORITHMS)}"
     )
-  if prototypes and name != "feddf":
+  if opts.prototypes and name != "feddf":
     raise ValueError(f"model prototypes are FedDF's, not {name}'s")
-  if name == "fedprox" or local_objective == "fedprox":
-    local_config = dataclasses.replace(local_config, proximal_mu=proximal_mu)
-  if dp is not None and name not in DP_ALGORITHMS:
+  if opts.dp is not None and not spec.dp:
     raise ValueError(
-      f"{name} distills from each client's model: DP on the "
-      f"mean does not apply; use one of "
-      f"{', '.join(DP_ALGORITHMS)}"
+      f"{name} distills from each client's model: DP on the mean does not apply; "
+      f"use one of {', '.join(DP_ALGORITHMS)}"
     )
-  if name == "fedensemble":
-    return _build_fed_ensemble(
-      model_fn,
-      element_spec,
-      local_config,
-      ensemble_size,
-      assignment,
-      seed,
-      dp,
-      feddyn_alpha if local_objective == "feddyn" else 0.0,
-      num_clients,
-      member_average,
-      on_device,
-    )
-  if name in SERVER_DATA_ALGORITHMS and (server_data is None or server_config is None):
+  if spec.server_data and (opts.server_data is None or opts.server_config is None):
     raise ValueError(f"{name} needs server_data and server_config")
-  if name in FEDPPD_METHODS:
-    if student_fn is None or posterior_config is None:
-      raise ValueError(f"{name} needs student_fn and posterior_config")
-    if name == "fedppd":
-      built = fedppd.build_fedppd(
-        lambda: model_fn(0),
-        student_fn,
-        element_spec,
-        posterior_config,
-        aggregator_factory=dp.aggregator_factory() if dp else None,
-      )
-    else:
-      server_config = dataclasses.replace(server_config, method="fedbe")
-      built = fedppd.build_fedppd_distill(
-        lambda: model_fn(0),
-        student_fn,
-        element_spec,
-        posterior_config,
-        server_data,
-        server_config,
-        clients_per_round=clients_per_round,
-        teacher_server_config=(
-          dataclasses.replace(server_config, seed=server_config.seed + 1)
-          if distill_fedppd_teachers
-          else None
-        ),
-      )
-    return _fedppd_algorithm(name, built, student_fn)
-  if prototypes:
-    return _build_heterogeneous_feddf(
-      prototypes,
-      element_spec,
-      local_config,
-      server_data,
-      dataclasses.replace(server_config, method=name),
-      clients_per_round,
-    )
-  if name in server_distillation.METHODS:
-    return _build_server_distillation(
-      name,
-      model_fn,
-      element_spec,
-      local_config,
-      server_data,
-      dataclasses.replace(server_config, method=name),
-      clients_per_round,
-    )
-  process, client_work = fedavg.build_fedavg(
-    lambda: model_fn(0),
-    element_spec,
-    local_config,
-    server_learning_rate=server_learning_rate,
-    server_momentum=server_momentum if name == "fedavgm" else 0.0,
-    aggregator_factory=dp.aggregator_factory() if dp else None,
-    on_device=on_device,
-    recalibration_images=recalibration_images,
-  )
+  if spec.student and (opts.student_fn is None or opts.posterior_config is None):
+    raise ValueError(f"{name} needs student_fn and posterior_config")
+  if name == "fedprox" or opts.local_objective == "fedprox":
+    local_config = dataclasses.replace(local_config, proximal_mu=opts.proximal_mu)
+  if opts.server_learning_rate is None:
+    opts = dataclasses.replace(opts, server_learning_rate=spec.server_learning_rate)
+  return spec.build(name, model_fn, element_spec, local_config, opts)
 
-  # A client receives the client computation's parameters but for its own
-  # data (a sequence, sized 0) and sends back the computation's result.
+
+def _fedavg_family(server_optimizer: Callable[[BuildOptions], Any]) -> Builder:
+  """The builder of FedAvg with the server optimizer `server_optimizer(options)`."""
+
+  def build(name, model_fn, element_spec, local_config, opts: BuildOptions):
+    process, client_work = fedavg.build_fedavg(
+      lambda: model_fn(0),
+      element_spec,
+      local_config,
+      server_optimizer=server_optimizer(opts),
+      aggregator_factory=opts.dp.aggregator_factory() if opts.dp else None,
+      on_device=opts.on_device,
+      recalibration_images=opts.recalibration_images,
+    )
+    return _one_model(name, process, client_work)
+
+  return build
+
+
+def _one_model(name, process, client_work, models_fn=None, **hooks):
+  """The `FederatedAlgorithm` of a process whose clients all train one model.
+
+  A client receives the client computation's parameters but for its own data (a sequence,
+  sized 0) and sends back the computation's result. `models_fn` defaults to the process's
+  `get_model_weights`; `hooks` are the other fields of `FederatedAlgorithm`.
+  """
   client_update = client_work.client_update.type_signature
-  return FederatedAlgorithm(
+  return federated_algorithm.FederatedAlgorithm(
     name=name,
     process=process,
     download_type=client_update.parameter,
     upload_type=client_update.result,
     indexed_clients=False,
-    models_fn=lambda state: [process.get_model_weights(state)],
+    models_fn=models_fn or (lambda state: [process.get_model_weights(state)]),
+    **hooks,
   )
 
 
-def _build_fed_ensemble(
-  model_fn,
-  element_spec,
-  local_config,
-  ensemble_size,
-  assignment,
-  seed,
-  dp,
-  feddyn_alpha,
-  num_clients,
-  member_average,
-  on_device,
-) -> FederatedAlgorithm:
+def _build_fed_ensemble(name, model_fn, element_spec, local_config, opts: BuildOptions):
+  feddyn_alpha = opts.feddyn_alpha if opts.local_objective == "feddyn" else 0.0
   built = fed_ensemble.build_fed_ensemble(
     model_fn,
     element_spec,
     local_config,
-    ensemble_size=ensemble_size,
-    seed=seed,
-    assignment=assignment,
-    dp=dp,
+    ensemble_size=opts.ensemble_size,
+    seed=opts.seed,
+    assignment=opts.assignment,
+    dp=opts.dp,
     feddyn_alpha=feddyn_alpha,
-    num_clients=num_clients,
-    member_average=member_average,
-    on_device=on_device,
+    num_clients=opts.num_clients,
+    member_average=opts.member_average,
+    on_device=opts.on_device,
   )
 
   def client_models(clients, round_num):
     return [
-      int(fed_ensemble.assigned_model(seed, c, round_num, ensemble_size, assignment))
+      int(fed_ensemble.assigned_model(opts.seed, c, round_num, opts.ensemble_size, opts.assignment))
       for c in clients
     ]
 
@@ -353,8 +247,8 @@ def _build_fed_ensemble(
       shape=tuple(state_type.shape), dtype=np.dtype(state_type.dtype)
     )
 
-  return FederatedAlgorithm(
-    name="fedensemble",
+  return federated_algorithm.FederatedAlgorithm(
+    name=name,
     process=built.process,
     download_type=built.download_type,
     upload_type=built.upload_type,
@@ -365,49 +259,42 @@ def _build_fed_ensemble(
   )
 
 
-def _build_server_distillation(
-  name, model_fn, element_spec, local_config, server_data, server_config, clients_per_round
-) -> FederatedAlgorithm:
+def _build_server_distillation(name, model_fn, element_spec, local_config, opts: BuildOptions):
+  if opts.prototypes:
+    return _build_heterogeneous_feddf(name, element_spec, local_config, opts)
   built = server_distillation.build_server_distillation(
     lambda: model_fn(0),
     element_spec,
     local_config,
-    server_data,
-    server_config,
-    clients_per_round=clients_per_round,
+    opts.server_data,
+    dataclasses.replace(opts.server_config, method=name),
+    clients_per_round=opts.clients_per_round,
   )
   process = built.process
-
-  client_update = built.client_work.client_update.type_signature
-  return FederatedAlgorithm(
-    name=name,
-    process=process,
-    download_type=client_update.parameter,
-    upload_type=client_update.result,
-    indexed_clients=False,
-    models_fn=lambda state: [process.get_model_weights(state)],
+  return _one_model(
+    name,
+    process,
+    built.client_work,
     teacher_fn=process.last_round_teachers,
     server_device=lambda: process.step.device,
   )
 
 
-def _build_heterogeneous_feddf(
-  prototypes, element_spec, local_config, server_data, server_config, clients_per_round
-) -> FederatedAlgorithm:
-  names = [name for name, _ in prototypes]
-  model_fns = [model_fn for _, model_fn in prototypes]
+def _build_heterogeneous_feddf(name, element_spec, local_config, opts: BuildOptions):
+  names = [prototype for prototype, _ in opts.prototypes]
+  model_fns = [model_fn for _, model_fn in opts.prototypes]
   built = model_prototypes.build_heterogeneous_feddf(
     model_fns,
     names,
     element_spec,
     local_config,
-    server_data,
-    server_config,
-    clients_per_round=clients_per_round,
+    opts.server_data,
+    dataclasses.replace(opts.server_config, method=name),
+    clients_per_round=opts.clients_per_round,
   )
 
-  return FederatedAlgorithm(
-    name="feddf",
+  return federated_algorithm.FederatedAlgorithm(
+    name=name,
     process=built.process,
     download_type=built.download_type,
     upload_type=built.upload_type,
@@ -419,15 +306,126 @@ def _build_heterogeneous_feddf(
   )
 
 
-def _fedppd_algorithm(name, built: fedppd.FedPPD, student_fn) -> FederatedAlgorithm:
-  client_update = built.client_work.client_update.type_signature
-  return FederatedAlgorithm(
-    name=name,
-    process=built.process,
-    download_type=client_update.parameter,
-    upload_type=client_update.result,
-    indexed_clients=False,
+def _build_fedppd(name, model_fn, element_spec, local_config, opts: BuildOptions):
+  if name == "fedppd":
+    built = fedppd.build_fedppd(
+      lambda: model_fn(0),
+      opts.student_fn,
+      element_spec,
+      opts.posterior_config,
+      aggregator_factory=opts.dp.aggregator_factory() if opts.dp else None,
+    )
+  else:
+    server_config = dataclasses.replace(opts.server_config, method="fedbe")
+    built = fedppd_distill.build_fedppd_distill(
+      lambda: model_fn(0),
+      opts.student_fn,
+      element_spec,
+      opts.posterior_config,
+      opts.server_data,
+      server_config,
+      clients_per_round=opts.clients_per_round,
+      teacher_server_config=(
+        dataclasses.replace(server_config, seed=server_config.seed + 1)
+        if opts.distill_fedppd_teachers
+        else None
+      ),
+    )
+  return _one_model(
+    name,
+    built.process,
+    built.client_work,
     models_fn=lambda state: [built.student_weights(state)],
     server_device=(lambda: built.process.step.device) if name == "fedppd_distill" else None,
-    evaluation_model_fn=student_fn,
+    evaluation_model_fn=opts.student_fn,
   )
+
+
+def _server_sgd(opts: BuildOptions):
+  return fedavg.build_server_optimizer(opts.server_learning_rate)
+
+
+def _server_sgdm(opts: BuildOptions):
+  return fedavg.build_server_optimizer(opts.server_learning_rate, opts.server_momentum)
+
+
+def _server_adam(opts: BuildOptions):
+  return fedadam.server_optimizer(opts.server_learning_rate, opts.server_epsilon)
+
+
+_FEDAVG = dict(dp=True, recalibrates=True, on_device=True)
+REGISTRY = {
+  spec.name: spec
+  for spec in (
+    AlgorithmSpec(
+      "fedavg",
+      "FedAvg (McMahan et al. 2017)",
+      _fedavg_family(_server_sgd),
+      server_learning_rate=1.0,
+      **_FEDAVG,
+    ),
+    AlgorithmSpec(
+      "fedprox",
+      "FedAvg with the proximal local objective (Li et al. 2020)",
+      _fedavg_family(_server_sgd),
+      server_learning_rate=1.0,
+      **{**_FEDAVG, "on_device": False},
+    ),
+    AlgorithmSpec(
+      "fedavgm",
+      "FedAvg with server momentum (Hsu et al. 2019)",
+      _fedavg_family(_server_sgdm),
+      server_learning_rate=1.0,
+      **_FEDAVG,
+    ),
+    AlgorithmSpec(
+      "fedadam",
+      "FedAvg with Adam on the server (Reddi et al. 2021)",
+      _fedavg_family(_server_adam),
+      server_learning_rate=fedadam.LEARNING_RATE,
+      **_FEDAVG,
+    ),
+    AlgorithmSpec(
+      "fedensemble",
+      "Fed-ensemble (Shi et al. 2021): K models, one per client per round",
+      _build_fed_ensemble,
+      dp=True,
+      on_device=True,
+    ),
+    AlgorithmSpec(
+      "fedbe", "FedBE (Chen & Chao 2021)", _build_server_distillation, server_data=True
+    ),
+    AlgorithmSpec("feddf", "FedDF (Lin et al. 2020)", _build_server_distillation, server_data=True),
+    AlgorithmSpec(
+      "vdistill",
+      "FedBE's v-Distillation baseline: the clients' sharpened mean probabilities, plain SGD",
+      _build_server_distillation,
+      server_data=True,
+    ),
+    AlgorithmSpec("fedppd", "FedPPD (Bhatt et al. 2023)", _build_fedppd, dp=True, student=True),
+    AlgorithmSpec(
+      "fedppd_distill",
+      "FedPPD+Distill: FedPPD with FedBE's server distillation",
+      _build_fedppd,
+      server_data=True,
+      student=True,
+    ),
+  )
+}
+
+
+def _having(attribute: str) -> tuple[str, ...]:
+  return tuple(name for name, spec in REGISTRY.items() if getattr(spec, attribute))
+
+
+ALGORITHMS = tuple(REGISTRY)
+# Algorithms whose server step uses the server's data.
+SERVER_DATA_ALGORITHMS = _having("server_data")
+# Algorithms whose server only needs the mean of the clients' updates (`AlgorithmSpec.dp`).
+DP_ALGORITHMS = _having("dp")
+# Those whose server step is `fedavg.build_finalizer`'s, which can recalibrate batch norm.
+FEDAVG_ALGORITHMS = _having("recalibrates")
+# Those whose clients can train on their devices (`device_clients`): plain local SGD(M).
+ON_DEVICE_ALGORITHMS = _having("on_device")
+# FedPPD's: the model evaluated is the student.
+FEDPPD_METHODS = _having("student")

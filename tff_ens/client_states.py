@@ -36,7 +36,7 @@ class ClientStateSpec:
 
   Attributes:
     shape, dtype: a client's state (zeros before its first round), one per model it
-      trains (`FederatedAlgorithm.client_models`).
+      trains (`federated_algorithm.FederatedAlgorithm.client_models`).
   """
 
   shape: tuple[int, ...]

@@ -18,7 +18,6 @@ import collections
 import dataclasses
 from typing import Callable
 
-import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -231,42 +230,6 @@ def client_result(initial_weights, final_weights, loss_sum, correct, count, max_
   return tff.learning.templates.ClientResult(update, weight), metrics
 
 
-def train_feddyn(
-  model: tf.keras.Model,
-  optimizer,
-  initial_weights,
-  dataset: tf.data.Dataset,
-  learning_rate,
-  config: LocalTrainingConfig,
-  alpha: float,
-  dyn_state,
-):
-  """FedDyn's client update (Acar et al., ICLR 2021, Algorithm 1, lines 7-8).
-
-  Local SGD (`train_locally`) on F(w) - <g, w> + alpha/2 ||w - w0||^2, g
-  being the client's state `dyn_state` (zeros before its first round), then
-  the state update g <- g - alpha (w - w0) (line 8), i.e. g + alpha * update.
-  A rejected update is zeros, so it leaves g unchanged.
-
-  Returns:
-    `(ClientResult, metrics, new g)` as `train_locally`'s, except that the
-    update's weight is 1 (0 if rejected): FedDyn's server averages the
-    returned models unweighted (line 10).
-  """
-  result, metrics = train_locally(
-    model,
-    optimizer,
-    initial_weights,
-    dataset,
-    learning_rate,
-    dataclasses.replace(config, proximal_mu=alpha),
-    linear_term=dyn_state,
-  )
-  new_state = [g + alpha * u for g, u in zip(dyn_state, result.update.trainable)]
-  weight = 1.0 - metrics["rejected"]
-  return (tff.learning.templates.ClientResult(result.update, weight), metrics, new_state)
-
-
 def finalize_train_metrics(sums):
   """Turns summed client metrics into the round's training metrics."""
   n = tf.maximum(sums["num_examples"], 1.0)
@@ -361,7 +324,7 @@ def build_sgd_client_work(
   def client_update(download, dataset, learning_rate):
     return local_update(download, dataset, learning_rate, optimizer)
 
-  return build_round_client_work(client_update, *_sgd_round_fns(client_update, config))
+  return build_round_client_work(client_update, *sgd_round_fns(client_update, config))
 
 
 def device_result_spec(weights_type: tff.Type) -> collections.OrderedDict:
@@ -401,7 +364,7 @@ def build_device_client_work(weights_type: tff.Type, config: LocalTrainingConfig
       config.max_update_norm,
     )
 
-  return build_round_client_work(client_update, *_sgd_round_fns(client_update, config))
+  return build_round_client_work(client_update, *sgd_round_fns(client_update, config))
 
 
 def local_optimizer(config: LocalTrainingConfig):
@@ -413,7 +376,7 @@ def local_optimizer(config: LocalTrainingConfig):
   )
 
 
-def _sgd_round_fns(client_update: tff.Computation, config: LocalTrainingConfig):
+def sgd_round_fns(client_update: tff.Computation, config: LocalTrainingConfig):
   """(round's learning rate, metrics finalizer) of local SGD's client work."""
 
   @tff.tensorflow.computation(tf.int32)
@@ -441,7 +404,7 @@ def round_counter() -> tuple[tff.Computation, tff.Computation]:
   return init_fn, increment
 
 
-def _round_stage(
+def round_stage(
   client_update: tff.Computation, round_input: tff.Computation, finalize: tff.Computation
 ):
   """`init_fn` and the body of a client-work stage whose state is the round.
@@ -474,7 +437,7 @@ def build_round_client_work(
   metrics become the round's measurements through `finalize`.
   """
   weights_type, data_type, _ = client_update.type_signature.parameter
-  init_fn, run = _round_stage(client_update, round_input, finalize)
+  init_fn, run = round_stage(client_update, round_input, finalize)
 
   @tff.federated_computation(
     init_fn.type_signature.result,
@@ -486,70 +449,3 @@ def build_round_client_work(
     return tff.templates.MeasuredProcessOutput(state, outputs[0], measurements)
 
   return ClientWork(tff.learning.templates.ClientWorkProcess(init_fn, next_fn), client_update)
-
-
-@dataclasses.dataclass(frozen=True)
-class StatefulClientWork:
-  """A client-work stage whose clients keep a state between their rounds.
-
-  FedDyn's: `next(state, weights, client_data, client_states) ->
-  (state, ClientResults, new client states, measurements)`, all per-client
-  values at CLIENTS. A client's state stays on the client (it is neither
-  downloaded nor uploaded); TFF's `ClientWorkProcess.next` takes exactly
-  (state, weights, data), hence this stage of its own.
-  """
-
-  initialize: tff.Computation
-  next: tff.Computation
-  client_update: tff.Computation
-
-  @property
-  def client_state_type(self) -> tff.Type:
-    return self.client_update.type_signature.parameter[3]
-
-
-def build_feddyn_client_work(
-  model_fn: Callable[[], tf.keras.Model], element_spec, config: LocalTrainingConfig, alpha: float
-) -> StatefulClientWork:
-  """FedDyn's client work (`train_feddyn`) with coefficient `alpha`.
-
-  A client's state is its g, one value per trainable weight of the model,
-  flattened into one float32 vector: TFF's runtime moves one tensor per
-  client between Python and its worker faster than a structure of eight
-  (3.6 s against 5.1 s for ten LEAF CNN-sized states there and back).
-  """
-  if alpha <= 0:
-    raise ValueError(f"FedDyn's alpha must be > 0, got {alpha}")
-  check_data_fits_model(model_fn, element_spec)
-  weights_type = weights_type_of(model_fn)
-  data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
-  optimizer = local_optimizer(config)
-  specs = tff.types.type_to_tf_tensor_specs(weights_type.trainable)
-  if any(spec.dtype != tf.float32 for spec in specs):
-    raise TypeError(f"FedDyn needs float32 trainable weights, got {specs}")
-  sizes = [spec.shape.num_elements() for spec in specs]
-
-  @tff.tensorflow.computation(
-    weights_type, data_type, tf.float32, tff.TensorType(np.float32, [sum(sizes)])
-  )
-  def client_update(download, dataset, learning_rate, dyn_state):
-    g = [tf.reshape(t, spec.shape) for t, spec in zip(tf.split(dyn_state, sizes), specs)]
-    result, metrics, new_g = train_feddyn(
-      model_fn(), optimizer, download, dataset, learning_rate, config, alpha, g
-    )
-    return result, metrics, tf.concat([tf.reshape(t, [-1]) for t in new_g], 0)
-
-  init_fn, run = _round_stage(client_update, *_sgd_round_fns(client_update, config))
-  state_type = tff.FederatedType(client_update.type_signature.parameter[3], tff.CLIENTS)
-
-  @tff.federated_computation(
-    init_fn.type_signature.result,
-    tff.FederatedType(weights_type, tff.CLIENTS),
-    tff.FederatedType(data_type, tff.CLIENTS),
-    state_type,
-  )
-  def next_fn(state, weights, client_data, client_states):
-    state, outputs, measurements = run(state, weights, client_data, client_states)
-    return state, outputs[0], outputs[2], measurements
-
-  return StatefulClientWork(init_fn, next_fn, client_update)

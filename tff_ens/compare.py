@@ -16,9 +16,6 @@ figure is skipped with a one-line warning.
 A directory that is not a finished run is one `error:` line and exit code 2.
 """
 
-import csv
-import dataclasses
-import json
 import logging as std_logging
 import os
 import sys
@@ -38,90 +35,13 @@ import numpy as np
 import tensorflow as tf
 
 import tasks
-from tff_ens import algorithms
 from tff_ens import evaluation
-from tff_ens import experiment
+from tff_ens import finished_runs
 from tff_ens import metrics
 from tff_ens import run_files
 
 ACCURACY_FIGURE = "test_accuracy_by_round.png"
 PER_WRITER_FIGURE = "per_writer_accuracy.png"
-
-# Flags that change where or how a run executes, not what it computes; seed
-# and rounds have their own columns.
-_UNSHOWN_FLAGS = (
-  "data_dir",
-  "output_dir",
-  "eval_every",
-  "checkpoint_every",
-  "max_concurrent_clients",
-  "workers",
-  "resume",
-  "server_device",
-  "device_processes",
-  "seed",
-  "rounds",
-)
-_FEDENSEMBLE_FLAGS = (
-  "ensemble_size",
-  "assignment",
-  "member_average",
-  "local_objective",
-  "feddyn_alpha",
-  "personalization_temperature",
-)
-_DISTILLATION_FLAGS = (
-  "server_data",
-  "distill_steps",
-  "distill_batch_size",
-  "swa",
-  "fedbe_distribution",
-  "fedbe_samples",
-  "fedbe_targets",
-  "dirichlet_alpha",
-  "fedbe_gaussian",
-  "fedbe_var_scale",
-  "fedbe_var_clamp",
-  "fedbe_dirichlet",
-  "sharpen_temperature",
-  "swa_warmup_fraction",
-  "drop_worst",
-  "drop_worst_rule",
-  "prototypes",
-  "distill_patience",
-  "distill_eval_every",
-  "distill_min_improvement",
-  "distill_keep_initial",
-  "distill_clip_norm",
-)
-_FEDPPD_FLAGS = (
-  "student_model",
-  "teacher_lr",
-  "sgld_temperature",
-  "prior_precision",
-  "student_lr",
-  "student_momentum",
-  "student_weight_decay",
-  "sgld_scaling",
-  "teacher_weight_decay",
-  "teacher_step_decay",
-  "teacher_step_decay_epochs",
-  "teacher_round_decay",
-  "student_round_decay",
-  "student_minibatch",
-  "distill_fedppd_teachers",
-)
-# Flags only some algorithms read: shown for those only.
-_ALGORITHM_FLAGS = {
-  "proximal_mu": ("fedprox", "fedensemble"),
-  "server_momentum": ("fedavgm",),
-  **dict.fromkeys(_FEDENSEMBLE_FLAGS, ("fedensemble",)),
-  **dict.fromkeys(_DISTILLATION_FLAGS, algorithms.SERVER_DATA_ALGORITHMS),
-  **dict.fromkeys(_FEDPPD_FLAGS, algorithms.FEDPPD_METHODS),
-}
-# Flags that define an algorithm's variant: shown even at their default.
-_VARIANT_FLAGS = {"fedensemble": ("ensemble_size", "local_objective"), "fedbe": ("fedbe_targets",)}
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(experiment.ExperimentConfig)}
 
 # The table's columns (see `table_rows`); text is aligned left, numbers right.
 _HEADER = (
@@ -143,173 +63,9 @@ _HEADER = (
 _LEFT = ("run", "algorithm", "flags")
 # Marks an accuracy difference between runs of different seeds.
 SEED_DIFFERS = "*"
-# What every run's summary.json holds (`config` with its algorithm).
-_SUMMARY_KEYS = ("config", "seed", "rounds", "test_accuracy")
 
 
-class CompareError(ValueError):
-  """A run directory that cannot be compared; the message names the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-  """A finished run directory of `python -m tff_ens.main`.
-
-  Attributes:
-    path: the directory.
-    summary: its summary.json; `summary["config"]` holds the run's flags.
-    metrics: its metrics.csv, a row (column -> text) per round.
-  """
-
-  path: str
-  summary: dict
-  metrics: list[dict[str, str]]
-
-  @property
-  def name(self) -> str:
-    return os.path.basename(os.path.normpath(self.path))
-
-  @property
-  def config(self) -> dict:
-    return experiment.saved_config(self.summary["config"])
-
-  def experiment_config(self) -> experiment.ExperimentConfig:
-    """The run's flags; a flag unknown to this version is left out."""
-    return experiment.ExperimentConfig(**{k: v for k, v in self.config.items() if k in _DEFAULTS})
-
-  def key_flags(self) -> str:
-    """ "k=v ..." of the flags that define the run beyond its algorithm, seed
-    and rounds: those that differ from their default and that its algorithm
-    reads, and those naming its variant (e.g. Fed-ensemble's K)."""
-    algorithm = self.config["algorithm"]
-    variant = _VARIANT_FLAGS.get(algorithm, ())
-    # In the order of `ExperimentConfig`, then flags it does not know.
-    order = list(_DEFAULTS) + sorted(set(self.config) - set(_DEFAULTS))
-    return " ".join(
-      f"{k}={self.config[k]}"
-      for k in order
-      if k in self.config
-      and k not in _UNSHOWN_FLAGS
-      and k != "algorithm"
-      and algorithm in _ALGORITHM_FLAGS.get(k, (algorithm,))
-      and (k in variant or k not in _DEFAULTS or self.config[k] != _DEFAULTS[k])
-    )
-
-  def test_accuracy_by_round(self) -> tuple[list[int], list[float]]:
-    """(rounds, test accuracies) of the metrics.csv rows that evaluated."""
-    evaluated = [r for r in self.metrics if r.get("test_accuracy")]
-    return ([int(r["round"]) for r in evaluated], [float(r["test_accuracy"]) for r in evaluated])
-
-  def model_paths(self) -> list[str]:
-    """`model.keras`, or the ensemble's `members/member_k.keras` in order."""
-    members_dir = os.path.join(self.path, run_files.MEMBERS_DIR)
-    numbered = sorted(
-      (int(m.group(1)), os.path.join(members_dir, m.group(0)))
-      for name in (os.listdir(members_dir) if os.path.isdir(members_dir) else ())
-      if (m := run_files.MEMBER_FILE_PATTERN.fullmatch(name))
-    )
-    if numbered:
-      return [path for _, path in numbered]
-    single = os.path.join(self.path, run_files.MODEL_FILE)
-    if not os.path.isfile(single):
-      raise CompareError(
-        f"{self.path} has no {run_files.MODEL_FILE} or "
-        f"{run_files.MEMBERS_DIR}/member_k.keras to evaluate"
-      )
-    return [single]
-
-
-def _read_json(path: str):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError) as e:
-    raise CompareError(
-      f"{path} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
-    ) from None
-
-
-def _read_metrics(path: str) -> list[dict[str, str]]:
-  try:
-    with open(path, newline="") as f:
-      rows = list(csv.DictReader(f))
-    for row in rows:
-      int(row["round"])
-  except (OSError, ValueError, KeyError, TypeError, csv.Error) as e:
-    raise CompareError(
-      f"{path} is not a run's metrics ({type(e).__name__}: {' '.join(str(e).split())})"
-    ) from None
-  return rows
-
-
-def _ranges(numbers: Sequence[int]) -> str:
-  """1, 2, 3, 5 -> "1-3, 5"."""
-  spans = []
-  for n in sorted(numbers):
-    if spans and n == spans[-1][1] + 1:
-      spans[-1][1] = n
-    else:
-      spans.append([n, n])
-  return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def _in_progress_error(path: str, metrics_path: str) -> CompareError:
-  """The error for a run with metrics.csv but no summary.json yet."""
-  rounds = [int(r["round"]) for r in _read_metrics(metrics_path)]
-  config_path = os.path.join(path, run_files.CONFIG_FILE)
-  config = _read_json(config_path) if os.path.isfile(config_path) else {}
-  total = config.get("rounds") if isinstance(config, dict) else None
-  done = (
-    f"has round{'s' if len(rounds) > 1 else ''} {_ranges(rounds)}" if rounds else "has no round yet"
-  )
-  return CompareError(
-    f"{path} is a run in progress (or stopped): its {run_files.METRICS_FILE} "
-    f"{done}{f' of {total}' if total else ''} and it has no "
-    f"{run_files.SUMMARY_FILE} yet: compare it when it has finished (a "
-    "stopped run continues with --resume)"
-  )
-
-
-def load_run(path: str) -> Run:
-  """Reads a finished run; CompareError (one line) if `path` is not one."""
-  if not os.path.exists(path):
-    raise CompareError(
-      f"{path} does not exist: pass the --output_dir of a `python -m tff_ens.main` run"
-    )
-  if not os.path.isdir(path):
-    raise CompareError(
-      f"{path} is not a directory: pass the --output_dir of a `python -m tff_ens.main` run"
-    )
-  metrics_path = os.path.join(path, run_files.METRICS_FILE)
-  summary_path = os.path.join(path, run_files.SUMMARY_FILE)
-  has_metrics, has_summary = (os.path.isfile(metrics_path), os.path.isfile(summary_path))
-  if not has_metrics and not has_summary:
-    raise CompareError(
-      f"{path} is not a run (no {run_files.METRICS_FILE} or "
-      f"{run_files.SUMMARY_FILE}): pass the --output_dir of a `python -m "
-      "tff_ens.main` run"
-    )
-  if not has_summary:
-    raise _in_progress_error(path, metrics_path)
-  if not has_metrics:
-    raise CompareError(
-      f"{path} has a {run_files.SUMMARY_FILE} but no {run_files.METRICS_FILE}: restore it"
-    )
-  summary = _read_json(summary_path)
-  if not (
-    isinstance(summary, dict)
-    and all(k in summary for k in _SUMMARY_KEYS)
-    and isinstance(summary["config"], dict)
-    and "algorithm" in summary["config"]
-  ):
-    raise CompareError(
-      f"{summary_path} is not a run's summary (a JSON object with "
-      f"{', '.join(_SUMMARY_KEYS)}): restore it or rerun the run"
-    )
-  return Run(path, summary, _read_metrics(metrics_path))
-
-
-def table_rows(runs: Sequence[Run]) -> list[dict]:
+def table_rows(runs: Sequence[finished_runs.Run]) -> list[dict]:
   """The table's values, one dict per run (None where a run has no value).
 
   `accuracy_difference` is the test accuracy minus the first run's (None for
@@ -374,7 +130,7 @@ def _cells(row: dict) -> list[str]:
   ]
 
 
-def table(runs: Sequence[Run]) -> str:
+def table(runs: Sequence[finished_runs.Run]) -> str:
   """The comparison table (see `table_rows`), with a footnote for seeds."""
   rows = table_rows(runs)
   lines = [_HEADER] + [_cells(r) for r in rows]
@@ -395,7 +151,7 @@ def table(runs: Sequence[Run]) -> str:
   return "\n".join(text)
 
 
-def _label(index: int, run: Run) -> str:
+def _label(index: int, run: finished_runs.Run) -> str:
   return " ".join(
     filter(
       None,
@@ -414,7 +170,7 @@ def _new_figure(width: float, height: float) -> figure.Figure:
   return fig
 
 
-def plot_accuracy(runs: Sequence[Run], path: str) -> None:
+def plot_accuracy(runs: Sequence[finished_runs.Run], path: str) -> None:
   """Writes each run's test accuracy against the round to `path` (PNG)."""
   fig = _new_figure(8, 5)
   axes = fig.add_subplot()
@@ -442,30 +198,18 @@ def writer_accuracies(models: Sequence[tf.keras.Model], split) -> dict[str, floa
   }
 
 
-def load_models(run: Run) -> list[tf.keras.Model]:
-  models = []
-  for path in run.model_paths():
-    try:
-      models.append(tf.keras.models.load_model(path, compile=False))
-    except (OSError, ValueError) as e:
-      raise CompareError(
-        f"{path} cannot be loaded ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-      ) from None
-  return models
-
-
 def _read_accuracies(path: str) -> dict[str, float]:
   """A `per_client_accuracy.json`: a JSON object, writer -> accuracy."""
-  accuracies = _read_json(path)
+  accuracies = finished_runs.read_json(path)
   if not (
     isinstance(accuracies, dict) and all(isinstance(a, (int, float)) for a in accuracies.values())
   ):
-    raise CompareError(f"{path} is not a JSON object of writer -> accuracy")
+    raise finished_runs.CompareError(f"{path} is not a JSON object of writer -> accuracy")
   return {c: float(a) for c, a in accuracies.items()}
 
 
 def per_writer_accuracies(
-  runs: Sequence[Run], data_dir: str | None = None
+  runs: Sequence[finished_runs.Run], data_dir: str | None = None
 ) -> list[dict[str, float]]:
   """Each run's accuracy on every test writer (writer -> accuracy).
 
@@ -475,7 +219,7 @@ def per_writer_accuracies(
 
   Raises:
     tasks.DataError: if a run's data cannot be loaded.
-    CompareError: if a run's model cannot.
+    finished_runs.CompareError: if a run's model cannot.
   """
   loaded = {}
   accuracies = []
@@ -489,11 +233,13 @@ def per_writer_accuracies(
     key = (task, data_dir or config.data_dir, config.partition_config(), config.seed)
     if key not in loaded:
       loaded[key] = task.load_data(key[1], partition=key[2], seed=config.seed).test
-    accuracies.append(writer_accuracies(load_models(run), loaded[key]))
+    accuracies.append(writer_accuracies(finished_runs.load_models(run), loaded[key]))
   return accuracies
 
 
-def plot_per_writer(runs: Sequence[Run], path: str, data_dir: str | None = None) -> None:
+def plot_per_writer(
+  runs: Sequence[finished_runs.Run], path: str, data_dir: str | None = None
+) -> None:
   """Writes the distribution of each run's per-writer accuracy to `path`.
 
   See `per_writer_accuracies` for where they come from and what it raises.
@@ -551,18 +297,18 @@ def main(argv):
   std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
   try:
     if len(argv) < 2:
-      raise CompareError(
+      raise finished_runs.CompareError(
         "no run given: python -m tff_ens.compare RUN_DIR [RUN_DIR ...] [--output=DIR]"
       )
-    runs = [load_run(path) for path in argv[1:]]
+    runs = [finished_runs.load_run(path) for path in argv[1:]]
     if FLAGS.output:
       try:
         os.makedirs(FLAGS.output, exist_ok=True)
       except OSError as e:
-        raise CompareError(
+        raise finished_runs.CompareError(
           f"cannot create --output={FLAGS.output} ({e.strerror}): choose a writable directory"
         ) from None
-  except CompareError as e:
+  except finished_runs.CompareError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(table(runs))
@@ -574,7 +320,7 @@ def main(argv):
   per_writer_path = os.path.join(FLAGS.output, PER_WRITER_FIGURE)
   try:
     plot_per_writer(runs, per_writer_path, FLAGS.data_dir)
-  except (CompareError, tasks.DataError) as e:
+  except (finished_runs.CompareError, tasks.DataError) as e:
     print(f"warning: {PER_WRITER_FIGURE} skipped: {' '.join(str(e).split())}", file=sys.stderr)
   else:
     print(f"wrote {per_writer_path}")

@@ -13,6 +13,7 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import device_clients
 from tff_ens import distillation
 from tff_ens import fed_ensemble
+from tff_ens import fedadam
 from tff_ens import fedppd
 from tff_ens import privacy
 from tff_ens import server_distillation
@@ -61,13 +62,19 @@ def saved_config(saved: dict) -> dict:
   older behaviour for the flags of `_BEFORE_ISSUE_24`, else the default.
   Before them FEMNIST's writers were written as the iid partition with
   CIFAR's server sizes, which now mean a pooled split: they become unset.
+  Before FedAdam every run wrote `server_lr`, 1 by default: where that is its
+  algorithm's default or its algorithm has no server optimizer, it becomes unset.
   """
-  if "member_average" in saved:
-    return dict(saved)
-  upgraded = {**_BEFORE_ISSUE_24, **saved}
-  if upgraded.get("task", "femnist") == "femnist":
-    for name in ("partition", "server_unlabeled_examples", "server_validation_examples"):
-      upgraded[name] = None
+  upgraded = dict(saved)
+  if "member_average" not in saved:
+    upgraded = {**_BEFORE_ISSUE_24, **saved}
+    if upgraded.get("task", "femnist") == "femnist":
+      for name in ("partition", "server_unlabeled_examples", "server_validation_examples"):
+        upgraded[name] = None
+  spec = algorithms.REGISTRY.get(upgraded.get("algorithm", "fedavg"))
+  if "server_epsilon" not in saved and spec is not None:
+    if spec.server_learning_rate in (None, upgraded.get("server_lr")):
+      upgraded["server_lr"] = None
   return upgraded
 
 
@@ -115,8 +122,9 @@ class ExperimentConfig:
   weight_decay: float = 0.0
   lr_schedule: str = "constant"
   proximal_mu: float = 0.01
-  server_lr: float = 1.0
+  server_lr: float | None = None  # None: the algorithm's (`AlgorithmSpec.server_learning_rate`).
   server_momentum: float = 0.9
+  server_epsilon: float = fedadam.EPSILON
   recalibrate_batch_norm: int = 0
   ensemble_size: int = 5
   assignment: str = "permutation"
@@ -257,6 +265,10 @@ class ExperimentConfig:
         f"{', '.join(algorithms.FEDAVG_ALGORITHMS)}, not of --algorithm={self.algorithm}: "
         "drop it"
       )
+    if self.server_lr is not None and not self.server_lr > 0:
+      raise UsageError(f"--server_lr must be > 0, got {self.server_lr}")
+    if self.server_epsilon < 0:
+      raise UsageError(f"--server_epsilon must be >= 0, got {self.server_epsilon}")
     if self.client_runtime == "litert":
       self._validate_litert_clients(task)
     if self.local_objective == "feddyn":

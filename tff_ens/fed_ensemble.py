@@ -25,7 +25,7 @@ server adds N(0, (z C)^2) noise to every slot and divides by the expected
 clients per slot, m / K (`privatize_slots`).
 
 With FedDyn's local objective (Acar et al., ICLR 2021; `feddyn_alpha` > 0)
-each client keeps a state g per model (`client_work.train_feddyn`), passed in
+each client keeps a state g per model (`feddyn.train_feddyn`), passed in
 and returned by `next` at CLIENTS and stored by the caller
 (`client_states.ClientStateStore`), and each model k has FedDyn's server
 state h_k (`apply_feddyn_correction`); the slots then average unweighted.
@@ -45,6 +45,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import client_work as client_work_lib
+from tff_ens import feddyn
 from tff_ens import privacy
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -260,18 +261,18 @@ def build_fed_ensemble(
     raise ValueError(f"unknown assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
   if dp is not None and dp.adaptive:
     raise ValueError("Fed-ensemble's DP needs a fixed clip norm > 0")
-  feddyn = feddyn_alpha > 0
-  if feddyn and on_device:
+  uses_feddyn = feddyn_alpha > 0
+  if uses_feddyn and on_device:
     raise ValueError("FedDyn's clients keep a state the device file has not: use SGD on devices")
-  if feddyn and (dp is not None or num_clients < 1):
+  if uses_feddyn and (dp is not None or num_clients < 1):
     raise ValueError(
       "FedDyn needs num_clients >= 1 and no DP (its client state is the client's unclipped updates)"
     )
   k = ensemble_size
   architecture_fn = lambda: member_model_fn(0)
   weights_type = client_work_lib.weights_type_of(architecture_fn)
-  if feddyn:
-    client_work = client_work_lib.build_feddyn_client_work(
+  if uses_feddyn:
+    client_work = feddyn.build_feddyn_client_work(
       architecture_fn, element_spec, local_config, feddyn_alpha
     )
     work_init, work_next = client_work.initialize, client_work.next
@@ -369,7 +370,7 @@ def build_fed_ensemble(
       )
     return apply_slot_means(members, slots, weights)
 
-  if feddyn:
+  if uses_feddyn:
 
     @tff.tensorflow.computation
     def zero_corrections():
@@ -403,7 +404,7 @@ def build_fed_ensemble(
       ),
       client_work=work_init(),
     )
-    if feddyn:
+    if uses_feddyn:
       state["feddyn"] = tff.federated_eval(zero_corrections, tff.SERVER)
     return tff.federated_zip(state)
 
@@ -420,7 +421,7 @@ def build_fed_ensemble(
     )
     start_weights = tff.federated_map(to_model_weights, selected)
     # Client work: FedAvg's (or FedDyn's, on the client's own state).
-    if feddyn:
+    if uses_feddyn:
       work_state, result, new_client_states, work_metrics = work_next(
         state.client_work, start_weights, client_data, client_states
       )
@@ -439,7 +440,7 @@ def build_fed_ensemble(
     )
     # Finalizer: per-model mean update (with DP: noised, fixed count; with
     # FedDyn: corrected by h_k).
-    if feddyn:
+    if uses_feddyn:
       members, corrections = tff.federated_map(
         finalize_feddyn, (state.members, state.feddyn, slots)
       )
@@ -450,7 +451,7 @@ def build_fed_ensemble(
       assignment=tff.federated_map(next_round, state.assignment),
       client_work=work_state,
     )
-    if feddyn:
+    if uses_feddyn:
       new_state["feddyn"] = corrections
     new_state = tff.federated_zip(new_state)
     metrics = tff.federated_zip(
@@ -461,11 +462,11 @@ def build_fed_ensemble(
         ),
       )
     )
-    if feddyn:
+    if uses_feddyn:
       return new_state, metrics, new_client_states
     return new_state, metrics
 
-  if feddyn:
+  if uses_feddyn:
 
     @tff.federated_computation(
       state_type,
@@ -490,8 +491,8 @@ def build_fed_ensemble(
     ]
   )
   # FedDyn's third result, the client's new g, stays on the client.
-  uploaded = (
-    client_update_type.result if not feddyn else tff.StructType(list(client_update_type.result)[:2])
-  )
+  uploaded = client_update_type.result
+  if uses_feddyn:
+    uploaded = tff.StructType(list(client_update_type.result)[:2])
   upload = tff.StructType([("client_result", uploaded), ("key", client_key.type_signature.result)])
   return FedEnsembleProcess(tff.templates.IterativeProcess(init_fn, next_fn), download, upload)

@@ -1,9 +1,9 @@
-"""FedAvg, FedProx and FedAvgM as TFF learning processes.
+"""FedAvg, FedProx, FedAvgM and FedAdam as TFF learning processes.
 
 One builder: FedProx is FedAvg with a proximal term in the shared client work
-(`LocalTrainingConfig.proximal_mu`), FedAvgM is FedAvg with server momentum in
-the finalizer (Hsu et al. 2019). The four stages are composed by
-`tff.learning.templates.compose_learning_process`.
+(`LocalTrainingConfig.proximal_mu`); FedAvgM (Hsu et al. 2019) and FedAdam
+(`fedadam`) are FedAvg with another server optimizer in the finalizer. The four
+stages are composed by `tff.learning.templates.compose_learning_process`.
 """
 
 from typing import Callable, Optional
@@ -113,20 +113,20 @@ def build_fedavg(
   element_spec,
   local_config: client_work_lib.LocalTrainingConfig,
   *,
-  server_learning_rate: float = 1.0,
-  server_momentum: float = 0.0,
+  server_optimizer: tff.learning.optimizers.Optimizer | None = None,
   aggregator_factory: Optional[tff.aggregators.WeightedAggregationFactory] = None,
   on_device: bool = False,
   recalibration_images: np.ndarray | None = None,
 ) -> tuple[tff.learning.templates.LearningProcess, client_work_lib.ClientWork]:
-  """Builds FedAvg (McMahan et al. 2017), FedProx or FedAvgM.
+  """Builds FedAvg (McMahan et al. 2017), FedProx, FedAvgM or FedAdam.
 
   Args:
     model_fn: builds a fresh Keras model with logits output.
     element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
     local_config: client training; `proximal_mu > 0` makes it FedProx.
-    server_learning_rate: server step size on the averaged delta.
-    server_momentum: server momentum; > 0 makes it FedAvgM.
+    server_optimizer: the finalizer's optimizer, applied to the averaged update (FedOpt);
+      None: SGD with step size 1, FedAvg's. Server momentum makes it FedAvgM
+      (`build_server_optimizer`), Adam FedAdam (`fedadam.server_optimizer`).
     aggregator_factory: a weighted `tff.aggregators` factory for the updates
       (DP, clipping, compression); the weighted mean by default.
     on_device: the clients train on their devices (`tff_ens.device_clients`), and their
@@ -152,7 +152,7 @@ def build_fedavg(
     client_work.process,
     factory.create(weights_type, tff.TensorType(np.float32)),
     build_finalizer(
-      build_server_optimizer(server_learning_rate, server_momentum),
+      server_optimizer or build_server_optimizer(),
       weights_type,
       None if recalibration_images is None else (model_fn, recalibration_images),
     ),

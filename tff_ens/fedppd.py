@@ -19,24 +19,8 @@ process carries is teacher and student joined into one `ModelWeights`
 (`join`), so FedAvg's broadcast, weighted mean (with its rejection of
 non-finite updates) and finalizer are reused unchanged.
 
-SGLD (Welling & Teh, ICML 2011, eq. 4), with U(theta) = -log p(theta) -
-(N/n) sum_{i in batch} log p(y_i | x_i, theta) and a N(0, 1/lambda) prior:
-
-    theta <- theta - (eps/2) grad U(theta) + xi,   xi ~ N(0, eps * T),
-
-T = 1 being exact SGLD and T < 1 a tempered ("cold") posterior. In terms of
-the minibatch's mean loss, grad U = N grad mean_nll + lambda theta, so the
-step is SGD with learning rate eps N / 2 plus noise of standard deviation
-sqrt(eps T).
-
-The authors' SGLD optimizer (github.com/aishgupta/fedppd, lib/sgld_optim.py)
-steps by lr/2 on the mean loss and adds noise of standard deviation
-2 sqrt(lr) / N: with eps = lr / N that is T = 4 / N, a tempered posterior
-whose temperature falls with the client's data (about 0.03 for a FEMNIST
-writer). `PosteriorConfig.sgld_scaling="authors"` takes the step size and
-temperature in their units (`chain_parameters`). With five local epochs on
-FEMNIST, T = 0.1 kept the teacher on the initial plateau five rounds longer
-than FedAvg, T = 0.01 did not (benchmarks/RESULTS.md, FedPPD).
+The local iterations (SGLD, its units and schedules, which minibatch each network
+takes) are in `fedppd_local`; FedPPD+Distill is `fedppd_distill`.
 
 Where the authors' code departs from the supplement, `PosteriorConfig` has
 an option; its defaults are the paper's where it states the setting and the
@@ -48,9 +32,9 @@ where it does not:
 - weight decay of the teacher and the student (the code's 1e-4);
 - the teacher's step size times 0.85 every 3 local epochs (the code's
   StepLR), and both step sizes times 0.99 a round (train_femnist.py);
-  `scheduled_rate`.
+  `fedppd_local.scheduled_rate`.
 FedPPD+Distill can distill the teachers too, as the code does
-(`build_fedppd_distill`'s `teacher_server_config`).
+(`fedppd_distill.build_fedppd_distill`'s `teacher_server_config`).
 """
 
 import collections
@@ -63,22 +47,10 @@ import tensorflow_federated as tff
 
 from tff_ens import client_work as client_work_lib
 from tff_ens import fedavg
-from tff_ens import server_data as server_data_lib
-from tff_ens import server_distillation
+from tff_ens import fedppd_local
 from tff_ens import server_step
 
 ModelWeights = tff.learning.models.ModelWeights
-
-
-# What the student learns on (`minibatch_stream`).
-STUDENT_MINIBATCHES = ("fresh", "same", "alternate_epochs")
-# The units of the teacher's step size and temperature (`chain_parameters`).
-SGLD_SCALINGS = ("posterior", "authors")
-# The role of a minibatch in `minibatch_stream`: the teacher takes an SGLD
-# step on it, the student an SGD step, or the teacher and then the student.
-TEACHER, STUDENT, BOTH = 0, 1, 2
-# The authors' noise is that of T = AUTHORS_NOISE / N (lib/sgld_optim.py).
-AUTHORS_NOISE = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +64,7 @@ class PosteriorConfig:
     temperature: T; the SGLD noise variance is eps * T. With sgld_scaling
       "authors", relative to the authors' noise (1: theirs).
     sgld_scaling: "posterior" (Welling & Teh, as the supplement's SGLD) or
-      "authors" (lib/sgld_optim.py); see `chain_parameters`.
+      "authors" (lib/sgld_optim.py); see `fedppd_local.chain_parameters`.
     prior_precision: lambda of the teacher's N(0, 1/lambda) weight prior
       (0: none besides teacher_weight_decay, as in the authors' code).
     teacher_weight_decay: wd added to the gradient of the teacher's mean loss
@@ -112,9 +84,9 @@ class PosteriorConfig:
     student_weight_decay: the student's prior (L2) term, added to its
       gradient as `student_weight_decay * w` (the code's 1e-4).
     student_minibatch: what the student learns on, one of
-      STUDENT_MINIBATCHES (`minibatch_stream`): "fresh" (the supplement's
-      Algorithm 1), "same" (the teacher's minibatch) or "alternate_epochs"
-      (the authors' code).
+      `fedppd_local.STUDENT_MINIBATCHES` (`fedppd_local.minibatch_stream`): "fresh"
+      (the supplement's Algorithm 1), "same" (the teacher's minibatch) or
+      "alternate_epochs" (the authors' code).
     input_noise_std: standard deviation of the Gaussian noise added to the
       minibatch the teacher labels and the student learns from.
     epochs: local epochs; the client's dataset repeats this many times, so N
@@ -166,143 +138,13 @@ class PosteriorConfig:
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     for name, allowed in (
-      ("sgld_scaling", SGLD_SCALINGS),
-      ("student_minibatch", STUDENT_MINIBATCHES),
+      ("sgld_scaling", fedppd_local.SGLD_SCALINGS),
+      ("student_minibatch", fedppd_local.STUDENT_MINIBATCHES),
     ):
       if getattr(self, name) not in allowed:
         raise ValueError(
           f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}"
         )
-
-
-def sgld_step(weights, gradients, step_size, temperature, seed):
-  """One SGLD step, Welling & Teh eq. 4: w - (eps/2) g + N(0, eps T).
-
-  Args:
-    weights: tensors theta.
-    gradients: grad U(theta) for each tensor (potential energy, i.e. minus
-      the log prior minus the rescaled minibatch log-likelihood).
-    step_size: eps.
-    temperature: T (1: exact SGLD).
-    seed: a stateless-RNG seed `int64[2]`; tensor i draws from fold_in(seed,
-      i).
-
-  Returns:
-    The new tensors.
-  """
-  noise_std = tf.sqrt(step_size * temperature)
-  return [
-    w
-    - 0.5 * step_size * g
-    + noise_std
-    * tf.random.stateless_normal(
-      tf.shape(w), seed=tf.random.experimental.stateless_fold_in(seed, i), dtype=w.dtype
-    )
-    for i, (w, g) in enumerate(zip(weights, gradients))
-  ]
-
-
-def chain_parameters(sgld_scaling: str, step_size, temperature, num_data):
-  """(eps, T) of `sgld_step` from the configured step size and temperature.
-
-  "posterior": they are eps and T. "authors": `step_size` is lr, the step on
-  the minibatch's mean loss, and the noise is the authors' (std 2 sqrt(lr) /
-  N, lib/sgld_optim.py) times sqrt(temperature): eps = lr / N and
-  T = temperature * 4 / N.
-  """
-  if sgld_scaling == "posterior":
-    return step_size, temperature
-  return (step_size / num_data, temperature * AUTHORS_NOISE / num_data)
-
-
-def scheduled_rate(rate, round_num, epoch, round_decay, step_decay=1.0, step_epochs=1):
-  """rate * round_decay^round * step_decay^floor(epoch / step_epochs).
-
-  The authors' schedules: a per-round decay (train_femnist.py) and, within
-  the round, a step decay every `step_epochs` local epochs (StepLR in
-  trainers/ClientServUpdate.py). `round_num` and `epoch` are 0-based.
-  """
-  steps = tf.math.floordiv(tf.cast(epoch, tf.int64), tf.cast(step_epochs, tf.int64))
-  return (
-    rate
-    * tf.pow(round_decay, tf.cast(round_num, tf.float32))
-    * tf.pow(step_decay, tf.cast(steps, tf.float32))
-  )
-
-
-def batch_sizes(dataset: tf.data.Dataset):
-  """The number of examples of each batch of `dataset`, `int64[batches]`."""
-  return dataset.reduce(
-    tf.zeros([0], tf.int64),
-    lambda sizes, batch: tf.concat([sizes, tf.shape(batch[1], out_type=tf.int64)[:1]], 0),
-  )
-
-
-def batch_epochs(sizes, epochs: int):
-  """The 0-based local epoch of each batch: that of its first example.
-
-  The stream holds `epochs` passes over the client's data, so example i is
-  in epoch floor(i * epochs / examples).
-  """
-  starts = tf.cumsum(sizes, exclusive=True)
-  return starts * epochs // tf.maximum(tf.reduce_sum(sizes), 1)
-
-
-def minibatch_stream(
-  dataset: tf.data.Dataset, sizes, student_minibatch: str, epochs: int
-) -> tf.data.Dataset:
-  """The client's minibatches `(x, y, role)` in the order they are learned.
-
-  `sizes` is `batch_sizes(dataset)`.
-
-  The teacher takes an SGLD step on a TEACHER batch, the student an SGD
-  step on a STUDENT one, and on a BOTH batch the teacher, then the student:
-    "same": each batch of `dataset` is BOTH.
-    "fresh" (supplement, Algorithm 1): each batch of `dataset` (TEACHER) is
-      followed by one of another pass over it (STUDENT), started one batch
-      later (its first batch last) so that the two differ also if `dataset`
-      is not reshuffled.
-    "alternate_epochs" (the authors' code): the TEACHER batches of a local
-      epoch (`batch_epochs`), then as many STUDENT batches of another pass.
-  A reshuffling `dataset` orders each pass differently.
-  """
-
-  def role(value):
-    return lambda x, y: (x, y, tf.constant(value))
-
-  if student_minibatch == "same":
-    return dataset.map(role(BOTH))
-  if student_minibatch == "fresh":
-    student = dataset.skip(1).concatenate(dataset.take(1))
-    choices = tf.data.Dataset.from_tensor_slices(tf.constant([TEACHER, STUDENT], tf.int64)).repeat(
-      tf.size(sizes, out_type=tf.int64)
-    )
-  else:
-    student = dataset
-    per_epoch = tf.math.bincount(
-      tf.cast(batch_epochs(sizes, epochs), tf.int32), minlength=epochs, dtype=tf.int64
-    )
-    choices = tf.data.Dataset.range(epochs).flat_map(
-      lambda e: tf.data.Dataset.from_tensors(tf.constant(TEACHER, tf.int64))
-      .repeat(per_epoch[e])
-      .concatenate(
-        tf.data.Dataset.from_tensors(tf.constant(STUDENT, tf.int64)).repeat(per_epoch[e])
-      )
-    )
-  return tf.data.Dataset.choose_from_datasets(
-    [dataset.map(role(TEACHER)), student.map(role(STUDENT))], choices
-  )
-
-
-def distillation_loss(teacher_probabilities, student_logits):
-  """Mean cross-entropy -sum_c p_T(c|x) log p_S(c|x) over the minibatch.
-
-  The student's objective of Algorithm 1 (its KL to the teacher's predictive
-  distribution up to the teacher's entropy, which has no student gradient).
-  """
-  return -tf.reduce_mean(
-    tf.reduce_sum(teacher_probabilities * tf.nn.log_softmax(student_logits), axis=-1)
-  )
 
 
 def join(teacher: ModelWeights, student: ModelWeights) -> ModelWeights:
@@ -325,7 +167,7 @@ def split(
   )
 
 
-def _teacher_sizes(teacher_fn) -> tuple[int, int]:
+def count_teacher_tensors(teacher_fn) -> tuple[int, int]:
   """(trainable, non-trainable) tensor counts of the teacher, for `split`."""
   with tf.Graph().as_default():
     teacher = teacher_fn()
@@ -366,12 +208,12 @@ def train_teacher_student(
 ):
   """FedPPD's client update (Bhatt et al., supplement, Algorithm 1).
 
-  Over the client's minibatches in `minibatch_stream`'s order: SGLD steps of
-  the teacher on the client's data (`sgld_step` with `chain_parameters`,
-  likelihood rescaled by N/n, step size by `scheduled_rate`), and SGD steps
+  Over the client's minibatches in `fedppd_local.minibatch_stream`'s order: SGLD steps of
+  the teacher on the client's data (`fedppd_local.sgld_step` with `fedppd_local.chain_parameters`,
+  likelihood rescaled by N/n, step size by `fedppd_local.scheduled_rate`), and SGD steps
   of the student on the cross-entropy to the current teacher's predictive
   distribution on a minibatch plus Gaussian input noise
-  (`distillation_loss`).
+  (`fedppd_local.distillation_loss`).
 
   Args:
     teacher: Keras model (logits) of the baselines' architecture.
@@ -394,15 +236,17 @@ def train_teacher_student(
   tf.nest.map_structure(
     lambda v, t: v.assign(t), join(teacher_weights, student_weights), initial_weights
   )
-  sizes = batch_sizes(dataset)
+  sizes = fedppd_local.batch_sizes(dataset)
   seen = tf.reduce_sum(sizes)
   num_data = tf.cast(seen, tf.float32) / float(config.epochs)
   seed = _client_seed(config.seed, round_num, dataset)
-  step_size, temperature = chain_parameters(
+  step_size, temperature = fedppd_local.chain_parameters(
     config.sgld_scaling, config.teacher_step_size, config.temperature, num_data
   )
   student_optimizer = tff.learning.optimizers.build_sgdm(
-    learning_rate=scheduled_rate(config.student_lr, round_num, 0, config.student_round_decay),
+    learning_rate=fedppd_local.scheduled_rate(
+      config.student_lr, round_num, 0, config.student_round_decay
+    ),
     momentum=config.student_momentum or None,
   )
   student_vars = student_weights.trainable
@@ -417,7 +261,7 @@ def train_teacher_student(
   def teacher_step(x, y, taught, step_seed):
     """One SGLD step on (x, y); returns the batch's summed NLL."""
     epoch = taught * config.epochs // tf.maximum(seen, 1)
-    eps = scheduled_rate(
+    eps = fedppd_local.scheduled_rate(
       step_size,
       round_num,
       epoch,
@@ -432,7 +276,7 @@ def train_teacher_student(
     potential = [
       num_data * g + prior_precision * w for g, w in zip(grads, teacher_weights.trainable)
     ]
-    new_teacher = sgld_step(
+    new_teacher = fedppd_local.sgld_step(
       teacher_weights.trainable,
       potential,
       eps,
@@ -452,7 +296,7 @@ def train_teacher_student(
     targets = tf.nn.softmax(teacher(noisy, training=False))
     with tf.GradientTape() as tape:
       logits = student(noisy, training=True)
-      loss = distillation_loss(targets, logits)
+      loss = fedppd_local.distillation_loss(targets, logits)
     grads = tape.gradient(loss, student_vars)
     grads = [g + config.student_weight_decay * w for g, w in zip(grads, student_vars)]
     opt_state, new_student = student_optimizer.next(opt_state, tuple(student_vars), tuple(grads))
@@ -470,12 +314,12 @@ def train_teacher_student(
     x, y, role = batch
     n = tf.shape(y, out_type=tf.int64)[0]
     step_seed = tf.random.experimental.stateless_fold_in(seed, counter)
-    teaches = tf.not_equal(role, STUDENT)
+    teaches = tf.not_equal(role, fedppd_local.STUDENT)
     batch_nll = tf.cond(
       teaches, lambda: teacher_step(x, y, taught, step_seed), lambda: tf.constant(0.0)
     )
     opt_state, loss, hits = tf.cond(
-      tf.not_equal(role, TEACHER),
+      tf.not_equal(role, fedppd_local.TEACHER),
       lambda: student_step(x, y, opt_state, step_seed),
       lambda: (opt_state, tf.constant(0.0), tf.constant(0.0)),
     )
@@ -489,9 +333,9 @@ def train_teacher_student(
     )
 
   zero = tf.constant(0.0)
-  carry = minibatch_stream(dataset, sizes, config.student_minibatch, config.epochs).reduce(
-    (opt_state, tf.constant(0, tf.int64), tf.constant(0, tf.int64), zero, zero, zero), step
-  )
+  carry = fedppd_local.minibatch_stream(
+    dataset, sizes, config.student_minibatch, config.epochs
+  ).reduce((opt_state, tf.constant(0, tf.int64), tf.constant(0, tf.int64), zero, zero, zero), step)
   _, _, taught, nll_sum, student_sum, correct = carry
   count = tf.cast(taught, tf.float32)
   final = tf.nest.map_structure(tf.identity, join(teacher_weights, student_weights))
@@ -592,119 +436,22 @@ def build_fedppd(
   """
   weights_type = joint_weights_type(teacher_fn, student_fn)
   factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
-  return _compose(
-    teacher_fn,
-    student_fn,
-    element_spec,
-    config,
-    weights_type,
-    _teacher_sizes(teacher_fn),
+  client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
+  process = tff.learning.templates.compose_learning_process(
+    build_initial_weights_fn(teacher_fn, student_fn),
+    tff.learning.templates.build_broadcast_process(weights_type),
+    client_work.process,
     factory.create(weights_type, tff.TensorType(np.float32)),
     fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type),
   )
+  return FedPPD(process, client_work, count_teacher_tensors(teacher_fn))
 
 
-class FedPPDDistillStep:
-  """FedPPD+Distill's server step in the driver (`server_step.ServerStep`).
+def build_initial_weights_fn(teacher_fn, student_fn) -> tff.Computation:
+  """A TFF computation returning the initial `join(teacher, student)`."""
 
-  The clients' students are distilled into the global student by FedBE's
-  step (`server_distillation.DistillationStep`); the teachers are averaged
-  or, with a teacher step, distilled the same way (measurements prefixed
-  `teacher_`).
-  """
-
-  def __init__(self, teacher_sizes, student_step, teacher_step=None):
-    self._teacher_sizes = teacher_sizes
-    self._student_step = student_step
-    self._teacher_step = teacher_step
-
-  @property
-  def device(self):
-    return self._student_step.device
-
-  def __call__(self, global_weights, collected, round_num: int):
-    updates, weights = collected
-    global_teacher, global_student = split(global_weights, self._teacher_sizes)
-    teacher_updates, student_updates = split(updates, self._teacher_sizes)
-    student, measurements = self._student_step(
-      global_student, (student_updates, weights), round_num
-    )
-    if self._teacher_step is None:
-      teacher = global_teacher
-      if np.any(np.asarray(weights) > 0):
-        teacher = server_distillation.weighted_average(
-          server_distillation.client_models(global_teacher, teacher_updates), weights
-        )
-    else:
-      teacher, teacher_measurements = self._teacher_step(
-        global_teacher, (teacher_updates, weights), round_num
-      )
-      measurements.update((f"teacher_{k}", v) for k, v in teacher_measurements.items())
-    return join(teacher, student), measurements
-
-
-def build_fedppd_distill(
-  teacher_fn: Callable[[], tf.keras.Model],
-  student_fn: Callable[[], tf.keras.Model],
-  element_spec,
-  config: PosteriorConfig,
-  data: server_data_lib.ServerData,
-  server_config: server_distillation.ServerDistillationConfig,
-  *,
-  clients_per_round: int,
-  teacher_server_config: (server_distillation.ServerDistillationConfig | None) = None,
-) -> FedPPD:
-  """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
-
-  The clients' students are distilled into the global student on the
-  server's unlabeled data by FedBE's server step
-  (`server_distillation.DistillationStep` with `server_config`: teachers
-  from the average, the clients' students and samples around them, SWA),
-  instead of averaged. The clients' teachers are averaged as in FedPPD or,
-  with `teacher_server_config`, distilled the same way into the global
-  teacher as the authors' code does (train_femnist.py); that step's
-  measurements are prefixed `teacher_`. Aggregator FedBE's, client work
-  FedPPD's; the step runs in the driver (`server_step.DriverProcess`).
-  """
-  teacher_sizes = _teacher_sizes(teacher_fn)
-  weights_type = joint_weights_type(teacher_fn, student_fn)
-  client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
-  initialize_fn, collect = server_step.build_collect(
-    _initial_weights_fn(teacher_fn, student_fn),
-    tff.learning.templates.build_broadcast_process(weights_type),
-    client_work.process,
-    server_distillation.build_collect_aggregator(weights_type, clients_per_round),
-  )
-  step = FedPPDDistillStep(
-    teacher_sizes,
-    server_distillation.DistillationStep(student_fn, data, server_config),
-    (
-      server_distillation.DistillationStep(teacher_fn, data, teacher_server_config)
-      if teacher_server_config is not None
-      else None
-    ),
-  )
-  return FedPPD(server_step.DriverProcess(initialize_fn, collect, step), client_work, teacher_sizes)
-
-
-def _initial_weights_fn(teacher_fn, student_fn) -> tff.Computation:
   @tff.tensorflow.computation
   def initial_weights():
     return join(ModelWeights.from_model(teacher_fn()), ModelWeights.from_model(student_fn()))
 
   return initial_weights
-
-
-def _compose(
-  teacher_fn, student_fn, element_spec, config, weights_type, teacher_sizes, aggregator, finalizer
-) -> FedPPD:
-  """FedPPD's distributor and client work with `aggregator` and finalizer."""
-  client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
-  process = tff.learning.templates.compose_learning_process(
-    _initial_weights_fn(teacher_fn, student_fn),
-    tff.learning.templates.build_broadcast_process(weights_type),
-    client_work.process,
-    aggregator,
-    finalizer,
-  )
-  return FedPPD(process, client_work, teacher_sizes)

@@ -31,9 +31,11 @@ from tff_ens import client_states
 from tff_ens import client_work
 from tff_ens import device_clients
 from tff_ens import distillation
+from tff_ens import drop_worst
 from tff_ens import experiment
 from tff_ens import fed_ensemble
-from tff_ens import fedppd
+from tff_ens import fedadam
+from tff_ens import fedppd_local
 from tff_ens import run_files
 from tff_ens import runtime
 from tff_ens import server_distillation
@@ -95,8 +97,8 @@ flags.DEFINE_integer(
 flags.DEFINE_string(
   "algorithm",
   "fedavg",
-  f"One of {', '.join(algorithms.ALGORITHMS)} (docs/algorithms.md; vdistill is FedBE's "
-  "v-Distillation baseline, fedppd_distill FedPPD with the server's distillation).",
+  "; ".join(f"{name}: {spec.summary}" for name, spec in algorithms.REGISTRY.items())
+  + " (docs/algorithms.md).",
 )
 flags.DEFINE_string(
   "model",
@@ -125,8 +127,24 @@ flags.DEFINE_enum(
   "Client learning rate: constant, or x0.1 at 30% and 60% of the rounds (step).",
 )
 flags.DEFINE_float("proximal_mu", 0.01, "FedProx mu (--algorithm=fedprox).")
-flags.DEFINE_float("server_lr", 1.0, "Server learning rate.")
+flags.DEFINE_float(
+  "server_lr",
+  None,
+  "The server optimizer's step size on the averaged update. Default: the algorithm's, "
+  + ", ".join(
+    f"{name} {spec.server_learning_rate:g}"
+    for name, spec in algorithms.REGISTRY.items()
+    if spec.server_learning_rate is not None
+  )
+  + ".",
+)
 flags.DEFINE_float("server_momentum", 0.9, "Server momentum (--algorithm=fedavgm).")
+flags.DEFINE_float(
+  "server_epsilon",
+  fedadam.EPSILON,
+  "FedAdam's epsilon, the paper's adaptivity tau (--algorithm=fedadam; Reddi et al. tune it "
+  "per task, as --server_lr).",
+)
 flags.DEFINE_integer(
   "recalibrate_batch_norm",
   0,
@@ -231,7 +249,7 @@ flags.DEFINE_bool(
 flags.DEFINE_enum(
   "drop_worst_rule",
   "guess_or_outliers",
-  list(distillation.DROP_WORST_RULES),
+  list(drop_worst.DROP_WORST_RULES),
   "FedDF's drop-worst: below 1.2/C, else low outliers (mean - 1.5 std; the "
   "authors' code), or at most the majority-class rate (majority).",
 )
@@ -299,7 +317,7 @@ flags.DEFINE_float(
 flags.DEFINE_enum(
   "sgld_scaling",
   "posterior",
-  list(fedppd.SGLD_SCALINGS),
+  list(fedppd_local.SGLD_SCALINGS),
   "FedPPD: units of --teacher_lr/--sgld_temperature: posterior (eps, T; the "
   "paper) or authors (lr on the mean loss; T=1 is their noise 2 sqrt(lr)/N).",
 )
@@ -333,7 +351,7 @@ flags.DEFINE_float(
 flags.DEFINE_enum(
   "student_minibatch",
   "fresh",
-  list(fedppd.STUDENT_MINIBATCHES),
+  list(fedppd_local.STUDENT_MINIBATCHES),
   "FedPPD: the student's minibatch: fresh after each SGLD step (the "
   "supplement's Alg. 1), the teacher's (same), or alternate_epochs (authors).",
 )

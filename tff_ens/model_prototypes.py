@@ -39,6 +39,7 @@ import tensorflow_federated as tff
 
 from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
+from tff_ens import drop_worst
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation
 from tff_ens import server_step
@@ -101,7 +102,7 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
 
   Returns `(clients, client_weights, keep, informative, received)`:
   per prototype p, `clients[p]` its clients' models (stacked `ModelWeights`),
-  their example counts and 0/1 `keep` weights (`distillation.drop_worst_mask`
+  their example counts and 0/1 `keep` weights (`drop_worst.drop_worst_mask`
   over the whole cohort); whether any client is kept (if none is, all are
   and the round is a FedAvg step per prototype, as
   `server_distillation.teachers`); and which of the collected slots hold a
@@ -121,7 +122,7 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
     if config.drop_worst:
       accuracies.append(distillation.member_accuracies(model, clients[p], val_x, val_y))
   if config.drop_worst:  # Over the whole cohort.
-    kept, informative = distillation.drop_worst_mask(
+    kept, informative = drop_worst.drop_worst_mask(
       config.drop_worst_rule, tf.concat(accuracies, 0), val_y, models[0].output_shape[-1]
     )
     sizes = tf.stack([tf.shape(w)[0] for w in client_weights])

@@ -42,6 +42,7 @@ import tensorflow_federated as tff
 
 from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
+from tff_ens import drop_worst
 from tff_ens import fedavg
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_step
@@ -80,7 +81,7 @@ class ServerDistillationConfig:
       authors' code sharpens both with 0.5.
     drop_worst: leave the worst clients out (FedDF).
     drop_worst_rule: which are the worst, one of
-      `distillation.DROP_WORST_RULES` (`distillation.drop_worst_mask`):
+      `drop_worst.DROP_WORST_RULES` (`drop_worst.drop_worst_mask`):
       "guess_or_outliers" (the authors' code; the paper names no
       threshold) or "majority" (at most the majority-class rate).
     device: where the server computation runs (`distillation.choose_device`).
@@ -110,7 +111,7 @@ class ServerDistillationConfig:
       ("targets", weight_posterior.TARGETS),
       ("gaussian", weight_posterior.GAUSSIANS),
       ("dirichlet", weight_posterior.DIRICHLETS),
-      ("drop_worst_rule", distillation.DROP_WORST_RULES),
+      ("drop_worst_rule", drop_worst.DROP_WORST_RULES),
     ):
       if getattr(self, name) not in allowed:
         raise ValueError(
@@ -279,7 +280,7 @@ def teachers(
   if config.drop_worst:
     val_x, val_y = validation
     accuracies = distillation.member_accuracies(model, clients, val_x, val_y)
-    keep, informative = distillation.drop_worst_mask(
+    keep, informative = drop_worst.drop_worst_mask(
       config.drop_worst_rule, accuracies, val_y, model.output_shape[-1], members=received
     )
   weights = weights * tf.cast(keep, tf.float32)

@@ -126,6 +126,7 @@ def run_experiment(config: experiment.ExperimentConfig) -> dict:
       num_clients=len(train_ids),
       server_learning_rate=config.server_lr,
       server_momentum=config.server_momentum,
+      server_epsilon=config.server_epsilon,
       ensemble_size=config.ensemble_size,
       assignment=config.assignment,
       member_average=config.member_average,

@@ -24,8 +24,9 @@ from typing import Sequence
 from absl import app
 from absl import flags
 
-# TensorFlow's C++ log starts when it is imported (see tff_ens/main.py).
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from tff_ens import cpp_log
+
+cpp_log.quiet_unless_verbose(sys.argv)  # Before TensorFlow's import (see tff_ens/main.py).
 
 # pylint: disable=g-import-not-at-top
 from matplotlib import figure

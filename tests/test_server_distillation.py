@@ -1,5 +1,5 @@
-"""FedBE / FedDF / v-Distillation: TFF stages and the server step in the driver
-(tff_ens/server_distillation.py, tff_ens/server_step.py)."""
+"""FedBE / FedDF / v-Distillation: TFF stages (the collect aggregator of
+tff_ens/server_step.py) and the server step in the driver (tff_ens/server_distillation.py)."""
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ from tff_ens import distillation
 from tff_ens import drop_worst
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation as sd
+from tff_ens import server_step
 from tiny import CLIENT_DATA
 from tiny import SERVER
 from tiny import SPEC
@@ -36,14 +37,14 @@ def test_collect_fills_slots_in_arrival_order():
     tf.constant(0),
   )
   for update, weight in (([1.0, 2.0], 3.0), ([5.0, 6.0], 0.0), ([7.0, 8.0], 2.0)):
-    accumulator = sd.collect_update(accumulator, _weights(update), weight)
+    accumulator = server_step.collect_update(accumulator, _weights(update), weight)
   slots, weights, count = accumulator
   assert int(count) == 3
   np.testing.assert_array_equal([s.trainable[0] for s in slots], [[1, 2], [5, 6], [7, 8], [0, 0]])
   np.testing.assert_array_equal(weights, [3, 0, 2, 0])
-  accumulator = sd.collect_update(accumulator, _weights([9.0, 9.0]), 1.0)
+  accumulator = server_step.collect_update(accumulator, _weights([9.0, 9.0]), 1.0)
   with pytest.raises(tf.errors.InvalidArgumentError, match="collect slots"):
-    sd.collect_update(accumulator, _weights([9.0, 9.0]), 1.0)
+    server_step.collect_update(accumulator, _weights([9.0, 9.0]), 1.0)
 
 
 def test_merge_appends_the_second_partial_after_the_first():
@@ -54,7 +55,9 @@ def test_merge_appends_the_second_partial_after_the_first():
       tf.constant(count),
     )
 
-  slots, weights, count = sd.merge_collected(partial([1, 2, 0, 0], 2), partial([3, 0, 0, 0], 1))
+  slots, weights, count = server_step.merge_collected(
+    partial([1, 2, 0, 0], 2), partial([3, 0, 0, 0], 1)
+  )
   assert int(count) == 3
   np.testing.assert_array_equal([s.trainable[0][0] for s in slots], [1, 2, 3, 0])
   np.testing.assert_array_equal(weights, [1, 2, 3, 0])
@@ -62,7 +65,7 @@ def test_merge_appends_the_second_partial_after_the_first():
 
 def test_collect_aggregator_returns_every_client_update():
   update_type = tff.types.tensorflow_to_type(ModelWeights([tf.TensorSpec([2], tf.float32)], []))
-  process = sd.build_collect_aggregator(update_type, capacity=4)
+  process = server_step.build_collect_aggregator(update_type, capacity=4)
   updates = [_weights(v) for v in ([1.0, 2.0], [3.0, 4.0], [5.0, 6.0])]
   output = process.next(process.initialize(), updates, [1.0, 2.0, 3.0])
   stacked, weights = output.result

@@ -86,7 +86,7 @@ def build_fedppd_distill(
     fedppd.build_initial_weights_fn(teacher_fn, student_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
-    server_distillation.build_collect_aggregator(weights_type, clients_per_round),
+    server_step.build_collect_aggregator(weights_type, clients_per_round),
   )
   step = FedPPDDistillStep(
     teacher_sizes,

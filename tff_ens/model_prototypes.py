@@ -18,7 +18,7 @@ once:
 * client work: `client_work.train_locally` on the client's architecture
   (`tf.switch_case` over the P of them), its update packed again with the
   prototype's index;
-* aggregator: `server_distillation.build_collect_aggregator` on the
+* aggregator: `server_step.build_collect_aggregator` on the
   (packed update, prototype) pairs, FedDF's;
 * finalizer (`PrototypeStep`, in the driver's TensorFlow as
   `server_step.DriverProcess` runs it): per prototype, the clients' models (global
@@ -356,7 +356,7 @@ def build_heterogeneous_feddf(
   client_update = client_work.client_update
   download_type = client_update.type_signature.parameter[0]
   update_type = client_update.type_signature.result[0].update
-  aggregator = server_distillation.build_collect_aggregator(update_type, clients_per_round)
+  aggregator = server_step.build_collect_aggregator(update_type, clients_per_round)
   prototypes_type = tff.StructWithPythonType(weights_types, tuple)
 
   @tff.tensorflow.computation

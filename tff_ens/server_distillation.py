@@ -9,10 +9,9 @@ Algorithm 1.
 FedAvg's four stages with two swapped, composed by `server_step.build_collect`:
 
 * distributor and client work: FedAvg's (`client_work.build_client_work`);
-* aggregator (`build_collect_aggregator`): the server needs every client's
-  model, not only their mean. A `tff.federated_aggregate` places the i-th
-  client's update into slot i of `capacity` slots (a counter in the
-  accumulator), so the result is the cohort's updates and weights;
+* aggregator (`server_step.build_collect_aggregator`): the server needs every
+  client's model, not only their mean, so the result is the cohort's updates
+  and weights;
 * finalizer (`DistillationStep`): the driver's TensorFlow (on the GPU when
   there is one; TFF 0.87's worker uses none) rebuilds the client models (global - update),
   forms the teachers, labels the server's unlabeled data with them and
@@ -133,113 +132,6 @@ class ServerDistillationConfig:
       raise ValueError(
         "feddf stops early on validation data: its distill config needs eval_every > 0"
       )
-
-
-def collect_update(accumulator, update, weight):
-  """Places one client's (update, weight) into the next free slot.
-
-  The accumulator is `(slots, weights, count)`: a tuple of `capacity`
-  structures, their weights and the number filled. Only slot `count` is
-  computed; the others pass through (see `fed_ensemble.scatter_add_update`).
-  """
-  slots, weights, count = accumulator
-  capacity = len(slots)
-  with tf.control_dependencies(
-    [tf.debugging.assert_less(count, capacity, message="more clients than collect slots")]
-  ):
-    count = tf.identity(count)
-  slots = tuple(
-    tf.cond(tf.equal(count, i), lambda: update, lambda slot=slot: slot)
-    for i, slot in enumerate(slots)
-  )
-  weights = weights + tf.cast(weight, tf.float32) * tf.one_hot(count, capacity)
-  return slots, weights, count + 1
-
-
-def merge_collected(a, b):
-  """Appends b's filled slots after a's (for runtimes that merge partials)."""
-  slots_a, weights_a, count_a = a
-  slots_b, weights_b, count_b = b
-  capacity = len(slots_a)
-  stacked = tf.nest.map_structure(lambda *t: tf.stack(t), *(slots_a + slots_b))
-  index = tf.range(capacity)
-  source = tf.where(index < count_a, index, capacity + index - count_a)
-  merged = tf.nest.map_structure(lambda t: tf.gather(t, source), stacked)
-  weights = tf.gather(tf.concat([weights_a, weights_b], 0), source)
-  weights = tf.where(index < count_a + count_b, weights, 0.0)
-  return (
-    tuple(tf.nest.map_structure(lambda t, i=i: t[i], merged) for i in range(capacity)),
-    weights,
-    count_a + count_b,
-  )
-
-
-def build_collect_aggregator(
-  update_type: tff.Type, capacity: int
-) -> tff.templates.AggregationProcess:
-  """A weighted aggregation whose result is every client's update.
-
-  Result at SERVER: `(updates, weights)` with `updates` stacked
-  [capacity, ...] in the order the clients were aggregated and `weights`
-  [capacity] (0 for a slot no client filled, e.g. a smaller cohort or a
-  rejected update). The upload is one update and its weight per client, as
-  FedAvg's.
-  """
-  if capacity < 1:
-    raise ValueError(f"capacity must be >= 1, got {capacity}")
-  specs = tff.types.type_to_tf_tensor_specs(update_type)
-
-  @tff.tensorflow.computation
-  def zero():
-    return (
-      tuple(
-        tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs) for _ in range(capacity)
-      ),
-      tf.zeros([capacity], tf.float32),
-      tf.constant(0, tf.int32),
-    )
-
-  accumulator_type = zero.type_signature.result
-
-  @tff.tensorflow.computation(accumulator_type, (update_type, np.float32))
-  def accumulate(accumulator, value):
-    return collect_update(accumulator, *value)
-
-  @tff.tensorflow.computation(accumulator_type, accumulator_type)
-  def merge(a, b):
-    return merge_collected(a, b)
-
-  @tff.tensorflow.computation(accumulator_type)
-  def report(accumulator):
-    slots, weights, _ = accumulator
-    return (tf.nest.map_structure(lambda *t: tf.stack(t), *slots), weights)
-
-  @tff.tensorflow.computation(report.type_signature.result)
-  def num_collected(collected):
-    return tf.reduce_sum(tf.cast(collected[1] > 0, tf.int32))
-
-  @tff.federated_computation
-  def init_fn():
-    return tff.federated_value((), tff.SERVER)
-
-  @tff.federated_computation(
-    init_fn.type_signature.result,
-    tff.FederatedType(update_type, tff.CLIENTS),
-    tff.FederatedType(np.float32, tff.CLIENTS),
-  )
-  def next_fn(state, updates, weights):
-    collected = tff.federated_aggregate(
-      tff.federated_zip((updates, weights)), zero(), accumulate, merge, report
-    )
-    return tff.templates.MeasuredProcessOutput(
-      state,
-      collected,
-      tff.federated_zip(
-        collections.OrderedDict(clients_collected=tff.federated_map(num_collected, collected))
-      ),
-    )
-
-  return tff.templates.AggregationProcess(init_fn, next_fn)
 
 
 def client_models(global_weights, updates):
@@ -474,7 +366,7 @@ def build_server_distillation(
     fedavg.build_initial_weights_fn(model_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
-    build_collect_aggregator(weights_type, clients_per_round),
+    server_step.build_collect_aggregator(weights_type, clients_per_round),
   )
   step = DistillationStep(model_fn, data, config)
   process = server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities)

@@ -78,6 +78,38 @@ def test_one_step_matches_the_hand_computed_distillation():
   assert step.device == "/CPU:0"  # Read from TensorFlow's placement of the step's ops.
 
 
+def test_the_step_measures_the_average_and_the_teachers_it_competes_with():
+  # Two clients of weights 2 and 1: the average is (2 w_a + w_b) / 3, v-Distillation's
+  # teachers are the two clients, equally weighted (their mean probabilities).
+  global_weights = ModelWeights.from_model(tiny_model(seed=0))
+  clients = [ModelWeights.from_model(tiny_model(seed=s)) for s in (4, 5)]
+  updates = [
+    tf.nest.map_structure(lambda g, c: (g - c).numpy(), global_weights, c) for c in clients
+  ]
+  collected = (
+    tf.nest.map_structure(lambda a, b: np.stack([a, b, np.zeros_like(a)]), *updates),
+    np.array([2.0, 1.0, 0.0], np.float32),
+  )
+  # 300 validation images labeled by a third model: there the weighted average, the unweighted
+  # one and the clients' weighted mixture all score differently (0.193, 0.167, 0.210).
+  x = np.random.default_rng(7).normal(size=(300, *SERVER.validation_x.shape[1:]))
+  x = x.astype(np.float32)
+  y = _logits(ModelWeights.from_model(tiny_model(seed=6)), x).argmax(-1).astype(np.int32)
+  data = server_data.ServerData(SERVER.unlabeled, x, y, "test")
+  config = sd.ServerDistillationConfig(method="vdistill", distill=ONE_SGD_STEP)
+  _, measurements = sd.DistillationStep(tiny_model, data, config)(global_weights, collected, 0)
+  average = ModelWeights(
+    [(2 * np.asarray(a) + np.asarray(b)) / 3 for a, b in zip(*(c.trainable for c in clients))], []
+  )
+  teachers = np.mean([_softmax(_logits(c, x)) for c in clients], axis=0)
+  np.testing.assert_allclose(
+    measurements["average_validation_accuracy"], np.mean(_logits(average, x).argmax(-1) == y)
+  )
+  np.testing.assert_allclose(
+    measurements["teachers_validation_accuracy"], np.mean(teachers.argmax(-1) == y)
+  )
+
+
 def test_a_round_without_clients_keeps_the_model(tmp_path):
   global_weights = ModelWeights.from_model(tiny_model(seed=0))
   nothing = (
@@ -89,6 +121,7 @@ def test_a_round_without_clients_keeps_the_model(tmp_path):
   for a, b in zip(tf.nest.flatten(new), tf.nest.flatten(global_weights)):
     np.testing.assert_array_equal(a, b)
   assert int(measurements["distilled"]) == 0 and int(measurements["distill_steps"]) == 0
+  assert float(measurements["average_validation_accuracy"]) == -1.0
 
 
 def test_images_streamed_from_a_npy_file_give_the_same_step(tmp_path):

@@ -270,6 +270,11 @@ class DistillationStep:
         global_weights, collected, seed
       )
       stats = collections.OrderedDict(steps=0, examples=0)
+      average_accuracy = teachers_accuracy = tf.constant(-1.0)
+      if received:
+        average_accuracy, teachers_accuracy = self.validation_baselines(
+          stack, teacher_weights, average
+        )
       if not received:  # No client this round: the model stays as it was.
         new_weights = global_weights
       elif not bool(informative):  # Drop-worst dropped every client: their average.
@@ -283,11 +288,25 @@ class DistillationStep:
     self.device = server_step.placed_device(student_accuracy)
     return new_weights, collections.OrderedDict(
       student_validation_accuracy=student_accuracy,
+      average_validation_accuracy=average_accuracy,
+      teachers_validation_accuracy=teachers_accuracy,
       dropped_clients=num_dropped,
       distilled=int(received and bool(informative)),
       distill_steps=stats["steps"],
       distill_examples=stats["examples"],
       server_seconds=time.perf_counter() - start,
+    )
+
+  def validation_baselines(self, stack, teacher_weights, average):
+    """What the student competes with, on the server's validation data: the accuracy of
+    the clients' weight average (FedAvg's model, the student's start) and of the
+    teachers' predictive distribution (`distillation_targets`'s argmax)."""
+    x, y = self._validation
+    distillation.assign_weights(self._model, average)
+    average_accuracy = self._student.validation_accuracy(x, y)
+    predictions = distillation.ensemble_predictions(self._model, stack, x, teacher_weights)
+    return average_accuracy, distillation.accuracy(
+      distillation_targets(self.config, predictions), y
     )
 
   def targets(self, stack, teacher_weights):

@@ -91,6 +91,9 @@ class DistillationConfig:
       returns the initial student.
     clip_norm: with > 0, each step's gradient is scaled to a global norm of
       at most this (`tf.clip_by_global_norm`; FedDF's code clips at 5).
+    curve_every: without early stopping, the student's validation accuracy
+      is measured every this many steps for its learning curve only (0:
+      never); early stopping's evaluations are its curve.
   """
 
   num_steps: int
@@ -109,6 +112,7 @@ class DistillationConfig:
   min_improvement: float = 0.0
   keep_initial_student: bool = False
   clip_norm: float = 0.0
+  curve_every: int = 0
 
   def __post_init__(self):
     for name, allowed in (
@@ -131,6 +135,7 @@ class DistillationConfig:
       "patience",
       "min_improvement",
       "clip_norm",
+      "curve_every",
     ):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -158,6 +163,7 @@ def fedbe_config(
   batch_size: int = 128,
   swa_warmup_fraction: float = FEDBE_SWA_WARMUP_FRACTION,
   cycle_steps: int = 25,
+  curve_every: int = 0,
 ) -> DistillationConfig:
   """FedBE's distillation (Chen and Chao, Sec. 4, "distillation with SWA").
 
@@ -176,6 +182,7 @@ def fedbe_config(
       500 / 1,580. A fraction, not steps, so that shorter budgets keep the
       paper's proportion of warm-up and still collect models.
     cycle_steps: the SWA cycle (the paper's and the code's 25).
+    curve_every: see `DistillationConfig` (measurement only).
   """
   if not 0 <= swa_warmup_fraction < 1:
     raise ValueError(f"swa_warmup_fraction must be in [0, 1), got {swa_warmup_fraction}")
@@ -192,6 +199,7 @@ def fedbe_config(
     loss="cross_entropy",
     swa=swa,
     swa_warmup_steps=swa_warmup_steps,
+    curve_every=curve_every,
   )
 
 

@@ -79,8 +79,14 @@ def saved_config(saved: dict) -> dict:
 
 
 # Keys that may differ between an interrupted run and its `--resume`: how
-# the run executes, not what it computes.
-RESUME_FREE_KEYS = ("resume", "max_concurrent_clients", "workers", "device_processes")
+# the run executes and what it only measures, not what it computes.
+RESUME_FREE_KEYS = (
+  "resume",
+  "max_concurrent_clients",
+  "workers",
+  "device_processes",
+  "distill_curve_every",
+)
 
 
 # Algorithms distilling with SWA unless --noswa.
@@ -153,6 +159,7 @@ class ExperimentConfig:
   prototypes: str = ""
   distill_patience: int = 100
   distill_eval_every: int = 20
+  distill_curve_every: int = 25
   distill_min_improvement: float = 0.0
   server_device: str = "auto"
   student_model: str = ""
@@ -295,6 +302,8 @@ class ExperimentConfig:
     ):
       if getattr(self, name) <= 0:
         raise UsageError(f"--{name} must be a positive integer, got {getattr(self, name)}")
+    if self.distill_curve_every < 0:
+      raise UsageError(f"--distill_curve_every must be >= 0, got {self.distill_curve_every}")
     for name, value, choices in (
       ("fedbe_distribution", self.fedbe_distribution, server_distillation.DISTRIBUTIONS),
       ("fedbe_targets", self.fedbe_targets, weight_posterior.TARGETS),
@@ -430,6 +439,7 @@ class ExperimentConfig:
         batch_size=self.distill_batch_size,
         swa_warmup_fraction=self.swa_warmup_fraction,
         cycle_steps=SWA_CYCLE_STEPS,
+        curve_every=self.distill_curve_every,
       )
     return server_distillation.ServerDistillationConfig(
       # FedPPD+Distill distills the students with FedBE's server step.

@@ -278,6 +278,13 @@ flags.DEFINE_float(
   "only if its server validation accuracy is higher by more than this (0: "
   "any improvement, the paper's).",
 )
+flags.DEFINE_integer(
+  "distill_curve_every",
+  25,
+  "FedBE/v-Distillation/FedPPD+Distill: measure the distilling student on server validation "
+  "every N steps, for distillation_curves.json only (0: never; FedDF's curve is its "
+  "early-stopping evaluations).",
+)
 flags.DEFINE_integer("distill_patience", 100, "FedDF: early-stopping patience in steps.")
 flags.DEFINE_integer("distill_eval_every", 20, "FedDF: validation every N distillation steps.")
 flags.DEFINE_string(

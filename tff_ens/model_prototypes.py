@@ -190,7 +190,7 @@ class PrototypeStep:
       any_received = bool(tf.reduce_any(received))
       distilled = any_received and bool(informative)
       targets = self._targets(clients, keep) if distilled else None
-      new_prototypes, steps, examples = [], 0, 0
+      new_prototypes, steps, examples, curves = [], 0, 0, {}
       for p, global_p in enumerate(global_prototypes):
         kept = client_weights[p] * keep[p]
         start_p = global_p
@@ -206,6 +206,7 @@ class PrototypeStep:
           )
           steps += int(stats["steps"])
           examples += int(stats["examples"])
+          curves[f"validation_curve_{self.names[p]}"] = stats["validation_curve"]
         distillation.assign_weights(self._models[p], start_p)
         new_prototypes.append(start_p)
       accuracies = [s.validation_accuracy(*self._validation) for s in self._students]
@@ -224,6 +225,7 @@ class PrototypeStep:
       distill_examples=examples,
       server_seconds=time.perf_counter() - start,
     )
+    measurements.update(curves)
     return tuple(new_prototypes), measurements
 
   def _targets(self, clients, keep):

@@ -287,13 +287,28 @@ def server_distillation_summary(
     "server_device": server_device,
   }
   if teacher_test is not None:
-    counts = [data.test.num_examples(c) for c in data.test.client_ids]
-    test_probabilities = teacher_test["probabilities"][: sum(counts)]
-    extra["ensemble_test_accuracy"] = metrics.classification_summary(
-      dict(zip(data.test.client_ids, metrics.split_by_client(test_probabilities, counts))),
-      data.test.y,
-    )["test_accuracy"]
+    extra["ensemble_test_accuracy"] = test_accuracy(data, teacher_test["probabilities"])
   return extra
+
+
+def test_accuracy(data, probabilities) -> float:
+  """The test accuracy of predictions whose first rows are the test split's, in its
+  clients' order (as `evaluation_splits` concatenates them)."""
+  counts = [data.test.num_examples(c) for c in data.test.client_ids]
+  return metrics.classification_summary(
+    dict(zip(data.test.client_ids, metrics.split_by_client(probabilities[: sum(counts)], counts))),
+    data.test.y,
+  )["test_accuracy"]
+
+
+def teacher_round_accuracies(data, predictions) -> dict:
+  """metrics.csv's view of a round's teachers (`FederatedAlgorithm.teacher_fn`'s
+  `predictions` on the test split first): `teachers_test_accuracy` and, where the step
+  reports it, `average_test_accuracy` of the clients' weight average."""
+  row = {"teachers_test_accuracy": test_accuracy(data, predictions["probabilities"])}
+  if "average_probabilities" in predictions:
+    row["average_test_accuracy"] = test_accuracy(data, predictions["average_probabilities"])
+  return row
 
 
 def prototype_accuracies(prototypes, split, output_dir: str) -> dict[str, float]:

@@ -15,6 +15,8 @@ SUMMARY_FILE = "summary.json"
 # Each test writer's accuracy of the final model(s) (`per_client_accuracy` is
 # their mean), for `tff_ens.compare`.
 PER_CLIENT_ACCURACY_FILE = "per_client_accuracy.json"
+# The server step's learning curves by round (`RunOutputs.release_curves`).
+CURVES_FILE = "distillation_curves.json"
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "round_"
 TENSORBOARD_DIR = "tensorboard"

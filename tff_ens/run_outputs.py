@@ -35,6 +35,7 @@ class RunOutputs:
     self._structure = {"round": 0, "state": initial_state}
     self._resumed = None
     self._prepare_dir(config)
+    self._curves = self._read_curves()
     self._checkpoints = tff.program.FileProgramStateManager(
       os.path.join(self.dir, run_files.CHECKPOINT_DIR),
       prefix=run_files.CHECKPOINT_PREFIX,
@@ -170,6 +171,34 @@ class RunOutputs:
       )
 
     self._loop.run_until_complete(release())
+
+  def release_curves(self, round_num: int, curves: dict):
+    """Adds the round's learning curves (name: [[step, value], ...]) to `CURVES_FILE`, a JSON
+    object keyed by round, rewritten atomically; rounds from `round_num` on (left by a run
+    that resumes from an earlier checkpoint) are replaced."""
+    self._curves = {r: c for r, c in self._curves.items() if int(r) < round_num}
+    if curves:
+      self._curves[str(round_num)] = curves
+    path = os.path.join(self.dir, run_files.CURVES_FILE)
+    if self._curves or os.path.exists(path):
+      run_files.write_json_atomically(path, self._curves)
+
+  def _read_curves(self) -> dict:
+    """The curves an earlier attempt of this run wrote, or {}."""
+    path = os.path.join(self.dir, run_files.CURVES_FILE)
+    if not os.path.exists(path):
+      return {}
+    try:
+      with open(path) as f:
+        curves = json.load(f)
+      if isinstance(curves, dict) and all(r.isdigit() for r in curves):
+        return curves
+    except (OSError, ValueError):
+      pass
+    raise experiment.UsageError(
+      f"{path} is not a run's learning curves (a JSON object keyed by round): restore or "
+      "delete it, or choose a new --output_dir"
+    )
 
   def metrics_rows(self) -> list[dict]:
     with open(os.path.join(self.dir, run_files.METRICS_FILE)) as f:

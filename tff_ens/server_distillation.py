@@ -269,7 +269,9 @@ class DistillationStep:
       stack, teacher_weights, average, num_dropped, informative = self._teachers(
         global_weights, collected, seed
       )
-      stats = collections.OrderedDict(steps=0, examples=0)
+      stats = collections.OrderedDict(
+        steps=0, examples=0, validation_curve=np.zeros([0, 2], np.float32)
+      )
       average_accuracy = teachers_accuracy = tf.constant(-1.0)
       if received:
         average_accuracy, teachers_accuracy = self.validation_baselines(
@@ -295,6 +297,7 @@ class DistillationStep:
       distill_steps=stats["steps"],
       distill_examples=stats["examples"],
       server_seconds=time.perf_counter() - start,
+      validation_curve=stats["validation_curve"],
     )
 
   def validation_baselines(self, stack, teacher_weights, average):
@@ -322,11 +325,12 @@ class DistillationStep:
 
   def teacher_probabilities(self, global_weights, collected, round_num: int, images):
     """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
-    mean_entropy)`, its predictive distribution (FedDF: the softmax of
-    AVGLOGITS) and its members' mean entropy; the same teachers as the step
+    mean_entropy, average_probabilities)`, its predictive distribution (FedDF: the
+    softmax of AVGLOGITS), its members' mean entropy and the predictions of the
+    clients' weight average (the student's start); the same teachers as the step
     distills from, for `ensemble_test_accuracy` and the teachers' uncertainty."""
     with tf.device(self.config.device):
-      stack, teacher_weights, _, _, _ = self._teachers(
+      stack, teacher_weights, average, _, _ = self._teachers(
         global_weights, collected, round_seed(self.config, round_num)
       )
       batches = [
@@ -335,6 +339,10 @@ class DistillationStep:
           self._model, stack, images, teacher_weights
         )
       ]
+      distillation.assign_weights(self._model, average)
+      average_logits = distillation.predict_logits(
+        self._model, images, distillation.EVAL_BATCH_SIZE
+      )
     probabilities = [
       tf.nn.softmax(p["mean_logits"]) if self.config.method == "feddf" else p["mean_probabilities"]
       for p in batches
@@ -342,6 +350,7 @@ class DistillationStep:
     return collections.OrderedDict(
       probabilities=np.concatenate(probabilities),
       mean_entropy=np.concatenate([p["mean_entropy"] for p in batches]),
+      average_probabilities=tf.nn.softmax(average_logits).numpy(),
     )
 
 

@@ -16,6 +16,7 @@ import collections
 import contextlib
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -238,11 +239,13 @@ class Student:
 
     average, num_averaged = _snapshot(self._weights), 0  # SWA.
     best, best_step = _snapshot(self._weights), 0  # Early stopping.
-    best_accuracy = (
-      validation_accuracy()
-      if config.eval_every and config.keep_initial_student
-      else tf.constant(-float("inf"))
-    )
+    best_accuracy = tf.constant(-float("inf"))
+    # (step, validation accuracy) of every measurement, the start's first.
+    curve = []
+    if validation is not None and (config.eval_every or config.curve_every):
+      curve.append((0, float(validation_accuracy())))
+      if config.eval_every and config.keep_initial_student:
+        best_accuracy = tf.constant(curve[0][1])
     steps = 0
     batches = server_data.training_batches(x, targets, config.batch_size, config.num_steps, seed)
     for images, batch_targets in batches:
@@ -252,13 +255,16 @@ class Student:
         if bool(is_swa_collection_step(step, config)):
           average = swa_average(average, _snapshot(self._weights), num_averaged)
           num_averaged += 1
-      elif config.eval_every:
+      if config.eval_every:
         if steps % config.eval_every == 0:
           current = validation_accuracy()
+          curve.append((steps, float(current)))
           if bool(current > best_accuracy + config.min_improvement):
             best, best_accuracy, best_step = _snapshot(self._weights), current, steps
         if steps - best_step >= config.patience:
           break
+      elif config.curve_every and validation is not None and steps % config.curve_every == 0:
+        curve.append((steps, float(validation_accuracy())))
     validation_out = tf.constant(-1.0)
     if config.swa:
       distillation.assign_weights(self.model, average)
@@ -271,6 +277,7 @@ class Student:
       examples=tf.constant(steps * min(config.batch_size, len(x))),
       swa_models=tf.constant(num_averaged),
       validation_accuracy=validation_out,
+      validation_curve=np.array(curve, np.float32).reshape([-1, 2]),
     )
     return _snapshot(self._weights), stats
 
@@ -321,9 +328,13 @@ def distill(
   Returns:
     `(weights, stats)`: the student's `ModelWeights` and an `OrderedDict` of
     `steps` (steps run, int32), `examples` (examples seen, int32),
-    `swa_models` (models averaged, int32; 0 without SWA) and
+    `swa_models` (models averaged, int32; 0 without SWA),
     `validation_accuracy` (the returned student's, float32; -1 without early
-    stopping or without an evaluated student).
+    stopping or without an evaluated student) and `validation_curve`, the
+    student's validation accuracy as it trains: float32 rows (step,
+    accuracy) from step 0 (the initial weights), at each early-stopping
+    evaluation or, without early stopping, every `config.curve_every` steps
+    (none without `validation` or with neither set).
   """
   with tf.device(device) if device else contextlib.nullcontext():
     return Student(model, config).distill(initial_weights, x, targets, seed, validation)

@@ -208,9 +208,9 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       }
       if datasets:
         cohort = plan.cohort[reports]
-        row.update(_next_round(held, algorithm, store, datasets, cohort, round_num))
-        if round_num == config.rounds and algorithm.teacher_fn is not None:
-          teacher_test = _teacher_predictions(data, algorithm)
+        measured, curves = _next_round(held, algorithm, store, datasets, cohort, round_num)
+        row.update(measured)
+        outputs.release_curves(round_num, curves)
       # else: every sampled client dropped out; no model changes this round.
       if dp_epsilons is not None:
         row["dp_epsilon"] = float(dp_epsilons[round_num - 1])
@@ -219,6 +219,11 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       phase_end = pool is not None and round_num in active.phase_ends()
       if round_num % config.eval_every == 0 or last or phase_end:
         row.update(evaluator.summary(algorithm.models_fn(held.value), data.test))
+        if datasets and algorithm.teacher_fn is not None:
+          predictions = _teacher_predictions(data, algorithm, every_split=last)
+          row.update(reporting.teacher_round_accuracies(data, predictions))
+          if last:
+            teacher_test = predictions
       if phase_end:
         train = _end_phase(config, data, algorithm, held, evaluator, pool, train, row, round_num)
         train_sizes = np.array([len(train.y[c]) for c in train.client_ids])
@@ -296,16 +301,17 @@ def _client_datasets(config, train, plan, augmentation) -> list:
   ]
 
 
-def _teacher_predictions(data, algorithm):
-  """The last round's teacher ensemble on the evaluation splits, for
-  `ensemble_test_accuracy`."""
-  return algorithm.teacher_fn(
-    np.concatenate([s.concatenated()[0] for s in reporting.evaluation_splits(data).values()])
-  )
+def _teacher_predictions(data, algorithm, every_split: bool):
+  """The last round's teacher ensemble on the test split (`teachers_test_accuracy`) or on
+  every evaluation split, the test split's first (`ensemble_test_accuracy` and the
+  teachers' uncertainty)."""
+  splits = reporting.evaluation_splits(data).values() if every_split else [data.test]
+  return algorithm.teacher_fn(np.concatenate([s.concatenated()[0] for s in splits]))
 
 
-def _next_round(held, algorithm, store, datasets, cohort, round_num) -> dict:
-  """Runs the round on the reporting clients' datasets; the metrics.csv keys it measured."""
+def _next_round(held, algorithm, store, datasets, cohort, round_num) -> tuple[dict, dict]:
+  """Runs the round on the reporting clients' datasets; returns the metrics.csv keys it
+  measured and the server step's learning curves (its measurements that are arrays)."""
   if store is None:
     round_metrics = held.next(*algorithm.next_args(datasets, cohort))
   else:
@@ -321,10 +327,15 @@ def _next_round(held, algorithm, store, datasets, cohort, round_num) -> dict:
   # FedPPD's student_loss).
   row = {k: float(v) for k, v in round_metrics["client_work"].items()}
   server = round_metrics.get("finalizer")
+  curves = {}
   if isinstance(server, dict):  # FedAvg's finalizer measures nothing.
-    row.update({k: float(v) for k, v in server.items()})
+    for k, v in server.items():
+      if np.ndim(v):
+        curves[k] = np.asarray(v).tolist()
+      else:
+        row[k] = float(v)
   row.update(privacy.aggregator_metrics(round_metrics.get("aggregator")))
-  return row
+  return row, curves
 
 
 def _end_phase(config, data, algorithm, held, evaluator, pool, train, row, round_num):

@@ -28,6 +28,9 @@ import dataclasses
 
 import numpy as np
 
+from tff_ens import settings
+from tff_ens.settings import setting
+
 PARTITIONS = ("iid", "dirichlet", "step", "classes")
 # Dirichlet draws are repeated until no client is empty; this many at most.
 DIRICHLET_MAX_DRAWS = 1000
@@ -55,27 +58,16 @@ class PartitionConfig:
       labeled validation set (FedDF's early stopping and drop-worst).
   """
 
-  partition: str = "iid"
-  num_clients: int = 10
-  alpha: float = 1.0
-  classes_per_client: int = 2
-  step_minor_examples: int = 10
-  server_unlabeled_examples: int = 10_000
-  server_validation_examples: int = 1_000
+  partition: str = setting("iid", choices=PARTITIONS)
+  num_clients: int = setting(10, above=0)
+  alpha: float = setting(1.0, above=0)
+  classes_per_client: int = setting(2, above=0)
+  step_minor_examples: int = setting(10, at_least=0)
+  server_unlabeled_examples: int = setting(10_000, at_least=0)
+  server_validation_examples: int = setting(1_000, at_least=0)
 
   def __post_init__(self):
-    if self.partition not in PARTITIONS:
-      raise ValueError(
-        f"unknown --partition={self.partition}: choose one of {', '.join(PARTITIONS)}"
-      )
-    for name in ("num_clients", "classes_per_client"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}")
-    for name in ("step_minor_examples", "server_unlabeled_examples", "server_validation_examples"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-    if not self.alpha > 0:
-      raise ValueError(f"--partition_alpha must be > 0, got {self.alpha}")
+    settings.check(self)
 
 
 def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:

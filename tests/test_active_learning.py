@@ -77,7 +77,7 @@ def test_pool_survives_save_load_and_rewinds_to_a_checkpoint(tmp_path):
 
 
 def test_rounds_must_split_into_equal_phases():
-  with pytest.raises(ValueError, match="--rounds=5 does not split"):
+  with pytest.raises(ValueError, match="rounds=5: does not split into 2 equal phases"):
     active_learning.ActiveLearningConfig(phases=1, rounds=5)
 
 

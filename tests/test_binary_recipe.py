@@ -68,14 +68,15 @@ def test_the_recipe_trains_a_valid_config():
     ({"recalibrate_batch_norm": -1}, r"--recalibrate_batch_norm must be >= 0"),
     (
       {"recalibrate_batch_norm": 5, "algorithm": "fedbe"},
-      r"--recalibrate_batch_norm is the server step of fedavg, fedprox, fedavgm, fedadam, not of "
-      r"--algorithm=fedbe: drop it",
+      r"--recalibrate_batch_norm=5: batch-norm recalibration is the server step of fedavg, "
+      r"fedprox, fedavgm, fedadam, not of fedbe",
     ),
     (
       {"client_optimizer": "adam", "client_momentum": 0.9},
-      r"client momentum 0.9 is SGD's: Adam keeps its own moments; set it to 0 or use the sgd",
+      r"--client_momentum must be 0 with the adam optimizer, which keeps its own moments, "
+      r"got 0.9",
     ),
-    ({"client_optimizer": "lamb"}, r"unknown client optimizer 'lamb': choose one of sgd, adam"),
+    ({"client_optimizer": "lamb"}, r"unknown --client_optimizer=lamb: choose one of sgd, adam"),
   ],
 )
 def test_bad_recipe_flags_are_one_line_usage_errors(flags, message):

@@ -349,10 +349,10 @@ def test_split_like_follows_the_clients_classes():
 @pytest.mark.parametrize(
   "config, message",
   [
-    (dict(partition="shards"), "unknown --partition=shards"),
-    (dict(num_clients=0), "--num_clients must be a positive"),
-    (dict(alpha=0.0), "--partition_alpha must be > 0"),
-    (dict(server_unlabeled_examples=-1), "--server_unlabeled_examples must"),
+    (dict(partition="shards"), "unknown partition=shards"),
+    (dict(num_clients=0), "num_clients must be a positive integer"),
+    (dict(alpha=0.0), "alpha must be > 0"),
+    (dict(server_unlabeled_examples=-1), "server_unlabeled_examples must be >= 0"),
   ],
 )
 def test_bad_partition_flags(config, message):

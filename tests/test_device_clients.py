@@ -172,7 +172,8 @@ def test_device_pool_without_the_device_environment_is_one_line(tmp_path):
   [
     (
       {"algorithm": "fedbe"},
-      "--client_runtime=litert runs fedavg, fedavgm, fedadam, fedensemble, not ",
+      "--client_runtime=litert: fedbe's clients cannot train on devices: use one of fedavg, "
+      "fedavgm, fedadam, fedensemble",
     ),
     (
       {"algorithm": "fedensemble", "local_objective": "feddyn"},

@@ -316,7 +316,7 @@ def test_fedbe_swa_warm_up_is_a_fraction_of_the_budget():
   )
   with pytest.raises(ValueError, match="swa_warmup_fraction"):
     distillation.fedbe_config(200, swa_warmup_fraction=1.0)
-  with pytest.raises(ValueError, match="collects none"):
+  with pytest.raises(ValueError, match="num_steps must be >= 50 for SWA"):
     distillation.fedbe_config(40, swa_warmup_fraction=0.7)
 
 
@@ -328,11 +328,12 @@ def test_feddf_config_takes_the_authors_settings_where_the_paper_is_silent():
 
 
 def test_config_validation():
-  with pytest.raises(ValueError, match="collects none"):
+  with pytest.raises(ValueError, match="num_steps must be >= 8 for SWA, .*, got 7"):
     Config(num_steps=7, cycle_steps=4, swa_warmup_steps=4)
+  Config(num_steps=8, cycle_steps=4, swa_warmup_steps=4)  # Collects the model of step 8.
   with pytest.raises(ValueError, match="exclude each other"):
     Config(num_steps=8, cycle_steps=4, eval_every=2, patience=2)
-  with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+  with pytest.raises(ValueError, match="unknown optimizer=rmsprop: choose one of sgd, adam"):
     Config(num_steps=8, optimizer="rmsprop", swa=False)
   with pytest.raises(ValueError, match="needs patience"):
     Config(num_steps=8, swa=False, eval_every=2)
@@ -607,6 +608,42 @@ def test_early_stopping_without_the_initial_one_returns_the_best_evaluated():
   np.testing.assert_allclose(stats["validation_accuracy"], -1.0)
   for got, want in zip(weights.trainable, initial.trainable):
     np.testing.assert_array_equal(got, want)
+
+
+def test_the_validation_curve_is_the_students_accuracy_as_it_trains():
+  model = tiny_model(seed=0)
+  initial = weights_of(model)
+  students = trajectory(model, initial, 12)
+  y_val = numpy_logits(students[4], X).argmax(-1).astype(np.int32)
+  start = np.mean(numpy_logits(initial, X).argmax(-1) == y_val)
+  curve = validation_curve(students, y_val)
+  validation = (images(X), y_val)
+  # Early stopping: every evaluation, from the start (measured without keep_initial too).
+  config = Config(num_steps=12, eval_every=2, patience=12, **SGD)
+  _, stats = student_lib.distill(
+    model, initial, images(X), TARGETS, config, seed=2, validation=validation
+  )
+  want = [(0, start)] + [(k, curve[k - 1]) for k in range(2, 13, 2)]
+  np.testing.assert_allclose(stats["validation_curve"], want, atol=1e-6)
+  # Without early stopping, every curve_every steps; the student trains as without it.
+  plain = Config(num_steps=7, **SGD)
+  traced, stats = student_lib.distill(
+    model,
+    initial,
+    images(X),
+    TARGETS,
+    dataclasses.replace(plain, curve_every=3),
+    seed=2,
+    validation=validation,
+  )
+  np.testing.assert_allclose(
+    stats["validation_curve"], [(0, start), (3, curve[2]), (6, curve[5])], atol=1e-6
+  )
+  for got, want in zip(traced.trainable, students[6].trainable):
+    np.testing.assert_array_equal(got, want)
+  # No validation data, or nothing asked: no curve.
+  _, stats = student_lib.distill(model, initial, images(X), TARGETS, plain, seed=2)
+  assert stats["validation_curve"].shape == (0, 2)
 
 
 def test_shuffles_are_seeded():

@@ -320,7 +320,7 @@ def test_client_update_schedules_the_step_sizes_by_round_and_epoch():
   [
     ({"student_minibatch": "next"}, "unknown student_minibatch"),
     ({"sgld_scaling": "torch"}, "unknown sgld_scaling"),
-    ({"teacher_step_decay": 0.0}, "teacher_step_decay must be positive"),
+    ({"teacher_step_decay": 0.0}, "teacher_step_decay must be > 0"),
     ({"teacher_step_decay_epochs": 0}, "teacher_step_decay_epochs must be"),
     ({"teacher_weight_decay": -1e-4}, "teacher_weight_decay must be >= 0"),
   ],
@@ -386,7 +386,7 @@ def test_fedppd_run_evaluates_and_saves_the_student(tmp_path):
   "change, message",
   [
     ({"student_model": "vgg"}, "unknown --student_model=vgg"),
-    ({"sgld_temperature": -1.0}, "fedppd: temperature must be >= 0"),
+    ({"sgld_temperature": -1.0}, "--sgld_temperature must be >= 0, got -1.0"),
   ],
 )
 def test_bad_fedppd_flags_are_one_line_errors(change, message):

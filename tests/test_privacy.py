@@ -274,7 +274,8 @@ def test_dp_for_distillation_algorithms_is_refused(algorithm):
   config = dataclasses.replace(
     QUICK, algorithm=algorithm, dp_noise_multiplier=0.1, dp_clip_norm=1.0
   )
-  with pytest.raises(experiment.UsageError, match=f"--algorithm={algorithm}: its server distills"):
+  refused = f"--dp_clip_norm=1.0: {algorithm}'s server distills"
+  with pytest.raises(experiment.UsageError, match=refused):
     config.validate()
   with pytest.raises(ValueError, match="distills"):
     algorithms.build_algorithm(

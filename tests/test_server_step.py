@@ -97,7 +97,8 @@ def test_the_step_measures_the_average_and_the_teachers_it_competes_with():
   y = _logits(ModelWeights.from_model(tiny_model(seed=6)), x).argmax(-1).astype(np.int32)
   data = server_data.ServerData(SERVER.unlabeled, x, y, "test")
   config = sd.ServerDistillationConfig(method="vdistill", distill=ONE_SGD_STEP)
-  _, measurements = sd.DistillationStep(tiny_model, data, config)(global_weights, collected, 0)
+  step = sd.DistillationStep(tiny_model, data, config)
+  _, measurements = step(global_weights, collected, 0)
   average = ModelWeights(
     [(2 * np.asarray(a) + np.asarray(b)) / 3 for a, b in zip(*(c.trainable for c in clients))], []
   )
@@ -107,6 +108,13 @@ def test_the_step_measures_the_average_and_the_teachers_it_competes_with():
   )
   np.testing.assert_allclose(
     measurements["teachers_validation_accuracy"], np.mean(teachers.argmax(-1) == y)
+  )
+  # The same two on any images, for metrics.csv's teachers_test_accuracy and
+  # average_test_accuracy.
+  predictions = step.teacher_probabilities(global_weights, collected, 0, x)
+  np.testing.assert_allclose(predictions["probabilities"], teachers, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    predictions["average_probabilities"], _softmax(_logits(average, x)), rtol=1e-5, atol=1e-6
   )
 
 

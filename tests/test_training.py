@@ -192,6 +192,16 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
   rows = read_metrics(tmp_path / "out")
   assert all(float(r["distill_steps"]) >= 1 for r in rows)
   assert all(0 <= float(r["student_validation_accuracy"]) <= 1 for r in rows)
+  # Each evaluation measures the round's teachers and the clients' average on the test split.
+  assert float(rows[-1]["teachers_test_accuracy"]) == summary["ensemble_test_accuracy"]
+  assert all(0 <= float(r["average_test_accuracy"]) <= 1 for r in rows)
+  # The student's curve: from step 0, which is the clients' average.
+  curves = json.loads((tmp_path / "out" / run_files.CURVES_FILE).read_text())
+  assert sorted(curves) == ["1", "2"]
+  for r, row in zip(("1", "2"), rows):
+    curve = np.array(curves[r]["validation_curve"])
+    assert curve[0, 0] == 0 and len(curve) >= 2
+    np.testing.assert_allclose(curve[0, 1], float(row["average_validation_accuracy"]))
 
 
 @pytest.mark.slow
@@ -228,7 +238,10 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
 @pytest.mark.parametrize(
   "change, message",
   [
-    (dict(algorithm="fedavg", prototypes="cnn,resnet8"), "--prototypes is FedDF's"),
+    (
+      dict(algorithm="fedavg", prototypes="cnn,resnet8"),
+      "--prototypes=cnn,resnet8: model prototypes are FedDF's, not fedavg's",
+    ),
     (dict(algorithm="feddf", prototypes="cnn"), "two or more different"),
     (dict(algorithm="feddf", prototypes="cnn,vgg"), "unknown model vgg"),
     (dict(algorithm="feddf", prototypes="resnet8,cnn"), "starts with resnet8 but --model=cnn"),
@@ -238,13 +251,16 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
     ),
     (dict(rounds=0), "--rounds must be a positive integer"),
     (dict(algorithm="feddf", server_device="tpu"), "--server_device='tpu'"),
-    (dict(algorithm="fedbe", distill_steps=10), "--distill_steps=10 is shorter"),
+    (dict(algorithm="fedbe", distill_steps=10), "--distill_steps must be >= 25 for SWA"),
     (dict(algorithm="fedsgd"), "unknown --algorithm=fedsgd"),
-    (dict(task="mnist"), "unknown task 'mnist'"),
+    (dict(task="mnist"), "unknown --task=mnist: choose one of femnist, cifar10, cifar100"),
     (dict(model="vgg"), "unknown --model=vgg"),
     (dict(clients_per_round=106), "exceeds the 105 training writers"),
-    (dict(lr_schedule="cosine"), "unknown lr_schedule"),
-    (dict(local_objective="feddyn"), "built for --algorithm=fedensemble, not fedavg"),
+    (dict(lr_schedule="cosine"), "unknown --lr_schedule=cosine"),
+    (
+      dict(local_objective="feddyn"),
+      "--local_objective=feddyn: FedDyn's objective is built for fedensemble, not fedavg",
+    ),
     (
       dict(algorithm="fedensemble", local_objective="feddyn", feddyn_alpha=0.0),
       "--feddyn_alpha must be > 0",
@@ -318,6 +334,30 @@ def test_run_from_before_a_new_flag_resumes_at_its_default(tmp_path):
   (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(old))
   with pytest.raises(experiment.UsageError, match="it has --active_budget=10\\)"):
     run_outputs.RunOutputs(dataclasses.replace(config, active_budget=3), None)
+
+
+def test_learning_curves_are_kept_by_round_and_rewound_on_resume(tmp_path):
+  config = dataclasses.replace(QUICK, output_dir=str(tmp_path), resume=True)
+  path = tmp_path / run_files.CURVES_FILE
+  outputs = run_outputs.RunOutputs(config, None)
+  outputs.release_curves(1, {"validation_curve": [[0.0, 0.5], [20.0, 0.6]]})
+  outputs.release_curves(2, {})  # A round that distilled nothing adds no entry.
+  outputs.release_curves(3, {"validation_curve": [[0.0, 0.7]]})
+  outputs.close()
+  assert json.loads(path.read_text()) == {
+    "1": {"validation_curve": [[0.0, 0.5], [20.0, 0.6]]},
+    "3": {"validation_curve": [[0.0, 0.7]]},
+  }
+  # A resume from round 1's checkpoint runs rounds 2 and 3 again: theirs are replaced.
+  outputs = run_outputs.RunOutputs(config, None)
+  outputs.release_curves(2, {"validation_curve": [[0.0, 0.4]]})
+  outputs.close()
+  assert sorted(json.loads(path.read_text())) == ["1", "2"]
+  # A file that is not a run's curves is named, and left as it was.
+  path.write_text("[1, 2]")
+  with pytest.raises(experiment.UsageError, match="is not a run's learning curves"):
+    run_outputs.RunOutputs(config, None)
+  assert path.read_text() == "[1, 2]"
 
 
 @pytest.mark.slow

@@ -22,6 +22,8 @@ import os
 import numpy as np
 
 from tff_ens import metrics
+from tff_ens import settings
+from tff_ens.settings import setting
 
 SELECTIONS = ("entropy", "random")
 POOL_FILE = "active_learning.json"
@@ -41,30 +43,20 @@ class ActiveLearningConfig:
     rounds: the run's rounds.
   """
 
-  phases: int = 0
-  budget: int = 10
-  initial_fraction: float = 0.1
-  selection: str = "entropy"
-  rounds: int = 100
+  phases: int = setting(0, at_least=0)
+  budget: int = setting(10, above=0)
+  initial_fraction: float = setting(0.1, above=0, at_most=1)
+  selection: str = setting("entropy", choices=SELECTIONS)
+  rounds: int = setting(100, above=0)
 
   def __post_init__(self):
-    if self.phases < 0:
-      raise ValueError(f"--active_learning_rounds must be >= 0, got {self.phases}")
-    if not self.phases:
-      return
-    if self.budget <= 0:
-      raise ValueError(f"--active_budget must be positive, got {self.budget}")
-    if not 0 < self.initial_fraction <= 1:
-      raise ValueError(f"--active_initial_fraction must be in (0, 1], got {self.initial_fraction}")
-    if self.selection not in SELECTIONS:
-      raise ValueError(
-        f"unknown --active_selection={self.selection}: choose one of {', '.join(SELECTIONS)}"
-      )
+    settings.check(self)
     if self.rounds % (self.phases + 1):
-      raise ValueError(
-        f"--rounds={self.rounds} does not split into "
-        f"--active_learning_rounds+1={self.phases + 1} equal phases: use a "
-        "multiple of it"
+      raise settings.SettingError(
+        "rounds",
+        self.rounds,
+        f"does not split into {self.phases + 1} equal phases (the acquisitions + 1): use a "
+        "multiple of it",
       )
 
   @property

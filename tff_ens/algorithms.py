@@ -22,6 +22,7 @@ from tff_ens import fedppd_distill
 from tff_ens import model_prototypes
 from tff_ens import privacy
 from tff_ens import server_distillation
+from tff_ens import settings
 
 LOCAL_OBJECTIVES = ("sgd", "fedprox", "feddyn")
 
@@ -141,35 +142,16 @@ def build_algorithm(
   Raises:
     ValueError: an unknown algorithm, or an option the algorithm does not take.
   """
-  if name not in REGISTRY:
-    raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
-  spec = REGISTRY[name]
   opts = BuildOptions(**options)
-  if opts.local_objective not in LOCAL_OBJECTIVES:
-    raise ValueError(
-      f"unknown local objective {opts.local_objective!r}: "
-      f"choose one of {', '.join(LOCAL_OBJECTIVES)}"
-    )
-  if opts.local_objective == "feddyn" and name != "fedensemble":
-    raise ValueError(
-      f"the FedDyn local objective is built for fedensemble, not {name}: "
-      "for FedDyn on one model use fedensemble with ensemble_size=1"
-    )
-  if opts.on_device and not spec.on_device:
-    raise ValueError(
-      f"{name}'s clients cannot train on devices: use one of {', '.join(ON_DEVICE_ALGORITHMS)}"
-    )
-  if opts.recalibration_images is not None and not spec.recalibrates:
-    raise ValueError(
-      f"{name} does not recalibrate batch norm: use one of {', '.join(FEDAVG_ALGORITHMS)}"
-    )
-  if opts.prototypes and name != "feddf":
-    raise ValueError(f"model prototypes are FedDF's, not {name}'s")
-  if opts.dp is not None and not spec.dp:
-    raise ValueError(
-      f"{name} distills from each client's model: DP on the mean does not apply; "
-      f"use one of {', '.join(DP_ALGORITHMS)}"
-    )
+  check_options(
+    name,
+    local_objective=opts.local_objective,
+    on_device=opts.on_device,
+    recalibrates=opts.recalibration_images is not None,
+    prototypes=bool(opts.prototypes),
+    dp=opts.dp is not None,
+  )
+  spec = REGISTRY[name]
   if spec.server_data and (opts.server_data is None or opts.server_config is None):
     raise ValueError(f"{name} needs server_data and server_config")
   if spec.student and (opts.student_fn is None or opts.posterior_config is None):
@@ -179,6 +161,63 @@ def build_algorithm(
   if opts.server_learning_rate is None:
     opts = dataclasses.replace(opts, server_learning_rate=spec.server_learning_rate)
   return spec.build(name, model_fn, element_spec, local_config, opts)
+
+
+def check_options(
+  name: str,
+  *,
+  local_objective: str = "sgd",
+  on_device: bool = False,
+  recalibrates: bool = False,
+  prototypes: bool = False,
+  dp: bool = False,
+) -> None:
+  """The rules between algorithm `name` and the options it is built with: raises
+  `settings.SettingError` naming the first option it does not take (`build_algorithm`
+  and `experiment.ExperimentConfig.validate` both check with it)."""
+  if name not in REGISTRY:
+    raise settings.SettingError("algorithm", name, f"choose one of {', '.join(ALGORITHMS)}")
+  spec = REGISTRY[name]
+  if local_objective not in LOCAL_OBJECTIVES:
+    raise settings.SettingError(
+      "local_objective", local_objective, f"choose one of {', '.join(LOCAL_OBJECTIVES)}"
+    )
+  rules = (
+    (
+      "local_objective",
+      local_objective == "feddyn" and name != "fedensemble",
+      f"FedDyn's objective is built for fedensemble, not {name}: for FedDyn on one model "
+      "use fedensemble with an ensemble of 1",
+    ),
+    (
+      "on_device",
+      on_device and not spec.on_device,
+      f"{name}'s clients cannot train on devices: use one of {', '.join(ON_DEVICE_ALGORITHMS)}",
+    ),
+    (
+      "recalibrates",
+      recalibrates and not spec.recalibrates,
+      f"batch-norm recalibration is the server step of {', '.join(FEDAVG_ALGORITHMS)}, not "
+      f"of {name}",
+    ),
+    ("prototypes", prototypes and name != "feddf", f"model prototypes are FedDF's, not {name}'s"),
+    (
+      "dp",
+      dp and not spec.dp,
+      f"{name}'s server distills from every client's own model, which DP on the mean of "
+      f"their updates cannot protect: use one of {', '.join(DP_ALGORITHMS)}",
+    ),
+  )
+  given = dict(
+    local_objective=local_objective,
+    on_device=on_device,
+    recalibrates=recalibrates,
+    prototypes=prototypes,
+    dp=dp,
+  )
+  for option, broken, problem in rules:
+    if broken:
+      raise settings.SettingError(option, given[option], problem)
 
 
 def _fedavg_family(server_optimizer: Callable[[BuildOptions], Any]) -> Builder:

@@ -21,6 +21,9 @@ from typing import Callable
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import settings
+from tff_ens.settings import setting
+
 ModelWeights = tff.learning.models.ModelWeights
 
 LR_SCHEDULES = ("constant", "step")
@@ -47,35 +50,21 @@ class LocalTrainingConfig:
       rejected (`reject_bad_update`); 0 accepts every finite update.
   """
 
-  learning_rate: float = 0.05
-  optimizer: str = "sgd"
-  momentum: float = 0.0
-  weight_decay: float = 0.0
-  proximal_mu: float = 0.0
-  lr_schedule: str = "constant"
-  total_rounds: int = 1
-  max_update_norm: float = 0.0
+  learning_rate: float = setting(0.05, above=0)
+  optimizer: str = setting("sgd", choices=OPTIMIZERS)
+  momentum: float = setting(0.0, at_least=0)
+  weight_decay: float = setting(0.0, at_least=0)
+  proximal_mu: float = setting(0.0, at_least=0)
+  lr_schedule: str = setting("constant", choices=LR_SCHEDULES)
+  total_rounds: int = setting(1, above=0)
+  max_update_norm: float = setting(0.0, at_least=0)
 
   def __post_init__(self):
-    if self.lr_schedule not in LR_SCHEDULES:
-      raise ValueError(
-        f"unknown lr_schedule {self.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}"
-      )
-    if self.optimizer not in OPTIMIZERS:
-      raise ValueError(
-        f"unknown client optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
-      )
+    settings.check(self)
     if self.optimizer == "adam" and self.momentum:
-      raise ValueError(
-        f"client momentum {self.momentum} is SGD's: Adam keeps its own moments; set it to 0 "
-        "or use the sgd optimizer"
+      raise settings.SettingError(
+        "momentum", self.momentum, "must be 0 with the adam optimizer, which keeps its own moments"
       )
-    for name in ("learning_rate", "total_rounds"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-    for name in ("momentum", "weight_decay", "proximal_mu", "max_update_norm"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def learning_rate_at(round_num: tf.Tensor, config: LocalTrainingConfig):

@@ -35,6 +35,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import server_data
+from tff_ens import settings
+from tff_ens.settings import setting
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -96,49 +98,26 @@ class DistillationConfig:
       never); early stopping's evaluations are its curve.
   """
 
-  num_steps: int
-  batch_size: int = 64
-  optimizer: str = "sgd"
-  learning_rate: float = 1e-3
-  min_learning_rate: float = 4e-4
-  lr_schedule: str = "cyclical"
-  cycle_steps: int = 25
-  momentum: float = 0.9
-  loss: str = "cross_entropy"
+  num_steps: int = setting(above=0)
+  batch_size: int = setting(64, above=0)
+  optimizer: str = setting("sgd", choices=OPTIMIZERS)
+  learning_rate: float = setting(1e-3, above=0)
+  min_learning_rate: float = setting(4e-4, at_least=0)
+  lr_schedule: str = setting("cyclical", choices=LR_SCHEDULES)
+  cycle_steps: int = setting(25, above=0)
+  momentum: float = setting(0.9, at_least=0)
+  loss: str = setting("cross_entropy", choices=LOSSES)
   swa: bool = True
-  swa_warmup_steps: int = 0
-  eval_every: int = 0
-  patience: int = 0
-  min_improvement: float = 0.0
+  swa_warmup_steps: int = setting(0, at_least=0)
+  eval_every: int = setting(0, at_least=0)
+  patience: int = setting(0, at_least=0)
+  min_improvement: float = setting(0.0, at_least=0)
   keep_initial_student: bool = False
-  clip_norm: float = 0.0
-  curve_every: int = 0
+  clip_norm: float = setting(0.0, at_least=0)
+  curve_every: int = setting(0, at_least=0)
 
   def __post_init__(self):
-    for name, allowed in (
-      ("optimizer", OPTIMIZERS),
-      ("loss", LOSSES),
-      ("lr_schedule", LR_SCHEDULES),
-    ):
-      if getattr(self, name) not in allowed:
-        raise ValueError(
-          f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}"
-        )
-    for name in ("num_steps", "batch_size", "learning_rate", "cycle_steps"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-    for name in (
-      "min_learning_rate",
-      "momentum",
-      "swa_warmup_steps",
-      "eval_every",
-      "patience",
-      "min_improvement",
-      "clip_norm",
-      "curve_every",
-    ):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    settings.check(self)
     if self.swa and self.eval_every:
       raise ValueError(
         "swa and early stopping (eval_every > 0) exclude each "
@@ -147,12 +126,14 @@ class DistillationConfig:
       )
     if self.eval_every and self.patience <= 0:
       raise ValueError("early stopping (eval_every > 0) needs patience > 0")
-    last_cycle_end = self.num_steps // self.cycle_steps * self.cycle_steps
-    if self.swa and last_cycle_end <= self.swa_warmup_steps:
-      raise ValueError(
-        f"swa collects a model at the end of each {self.cycle_steps}-step "
-        f"cycle after {self.swa_warmup_steps} warm-up steps: num_steps="
-        f"{self.num_steps} collects none; raise num_steps"
+    # SWA collects a model at the end of each cycle after the warm-up: at least one.
+    needed = (self.swa_warmup_steps // self.cycle_steps + 1) * self.cycle_steps
+    if self.swa and self.num_steps < needed:
+      raise settings.SettingError(
+        "num_steps",
+        self.num_steps,
+        f"must be >= {needed} for SWA, which averages the models at the end of each "
+        f"{self.cycle_steps}-step cycle after {self.swa_warmup_steps} warm-up steps",
       )
 
 
@@ -185,7 +166,7 @@ def fedbe_config(
     curve_every: see `DistillationConfig` (measurement only).
   """
   if not 0 <= swa_warmup_fraction < 1:
-    raise ValueError(f"swa_warmup_fraction must be in [0, 1), got {swa_warmup_fraction}")
+    raise settings.SettingError("swa_warmup_fraction", swa_warmup_fraction, "must be in [0, 1)")
   swa_warmup_steps = round(swa_warmup_fraction * num_steps)
   return DistillationConfig(
     num_steps=num_steps,

@@ -49,6 +49,8 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import fedavg
 from tff_ens import fedppd_local
 from tff_ens import server_step
+from tff_ens import settings
+from tff_ens.settings import setting
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -96,55 +98,26 @@ class PosteriorConfig:
     seed: the run's seed, from which every client's noise is drawn.
   """
 
-  teacher_step_size: float = 4e-4
-  temperature: float = 1.0
-  sgld_scaling: str = "posterior"
-  prior_precision: float = 0.0
-  teacher_weight_decay: float = 1e-4
-  teacher_step_decay: float = 0.85
-  teacher_step_decay_epochs: int = 3
-  teacher_round_decay: float = 0.99
-  student_lr: float = 0.05
-  student_round_decay: float = 0.99
-  student_momentum: float = 0.0
-  student_weight_decay: float = 1e-4
-  student_minibatch: str = "fresh"
-  input_noise_std: float = 0.001
-  epochs: int = 1
-  max_update_norm: float = 0.0
+  teacher_step_size: float = setting(4e-4, above=0)
+  temperature: float = setting(1.0, at_least=0)
+  sgld_scaling: str = setting("posterior", choices=fedppd_local.SGLD_SCALINGS)
+  prior_precision: float = setting(0.0, at_least=0)
+  teacher_weight_decay: float = setting(1e-4, at_least=0)
+  teacher_step_decay: float = setting(0.85, above=0)
+  teacher_step_decay_epochs: int = setting(3, above=0)
+  teacher_round_decay: float = setting(0.99, above=0)
+  student_lr: float = setting(0.05, above=0)
+  student_round_decay: float = setting(0.99, above=0)
+  student_momentum: float = setting(0.0, at_least=0)
+  student_weight_decay: float = setting(1e-4, at_least=0)
+  student_minibatch: str = setting("fresh", choices=fedppd_local.STUDENT_MINIBATCHES)
+  input_noise_std: float = setting(0.001, at_least=0)
+  epochs: int = setting(1, above=0)
+  max_update_norm: float = setting(0.0, at_least=0)
   seed: int = 0
 
   def __post_init__(self):
-    for name in (
-      "teacher_step_size",
-      "student_lr",
-      "epochs",
-      "teacher_step_decay",
-      "teacher_step_decay_epochs",
-      "teacher_round_decay",
-      "student_round_decay",
-    ):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-    for name in (
-      "temperature",
-      "prior_precision",
-      "teacher_weight_decay",
-      "student_momentum",
-      "student_weight_decay",
-      "input_noise_std",
-      "max_update_norm",
-    ):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-    for name, allowed in (
-      ("sgld_scaling", fedppd_local.SGLD_SCALINGS),
-      ("student_minibatch", fedppd_local.STUDENT_MINIBATCHES),
-    ):
-      if getattr(self, name) not in allowed:
-        raise ValueError(
-          f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}"
-        )
+    settings.check(self)
 
 
 def join(teacher: ModelWeights, student: ModelWeights) -> ModelWeights:

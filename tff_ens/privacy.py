@@ -27,6 +27,9 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import settings
+from tff_ens.settings import setting
+
 # TFF's adaptive clipping noises the count of clipped clients with standard
 # deviation 0.05 m, which must exceed z / 2 (`adaptive_clip_noise_params`).
 _CLIPPED_COUNT_STDDEV_PER_CLIENT = 0.05
@@ -45,27 +48,25 @@ class DPConfig:
     clients_per_round: m, the sampled cohort; the noised sum is divided by m.
   """
 
-  noise_multiplier: float
-  clip_norm: float
-  clients_per_round: int
+  noise_multiplier: float = setting(at_least=0)
+  clip_norm: float = setting(at_least=0)
+  clients_per_round: int = setting(above=0)
 
   def __post_init__(self):
-    for name in ("noise_multiplier", "clip_norm"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-    if self.clients_per_round <= 0:
-      raise ValueError(f"clients_per_round must be positive, got {self.clients_per_round}")
+    settings.check(self)
     if self.adaptive and not self.noise_multiplier:
-      raise ValueError(
-        "adaptive clipping (clip_norm 0) needs a noise multiplier > 0: set a fixed clip norm"
+      raise settings.SettingError(
+        "clip_norm",
+        self.clip_norm,
+        "adaptive clipping needs a noise multiplier > 0: set a fixed clip norm",
       )
     limit = 2 * _CLIPPED_COUNT_STDDEV_PER_CLIENT * self.clients_per_round
     if self.adaptive and self.noise_multiplier >= limit:
-      raise ValueError(
-        f"adaptive clipping with {self.clients_per_round} clients per round "
-        f"needs a noise multiplier below {limit:g}, got "
-        f"{self.noise_multiplier}: set a fixed clip norm or sample more "
-        "clients per round"
+      raise settings.SettingError(
+        "noise_multiplier",
+        self.noise_multiplier,
+        f"must be below {limit:g} for adaptive clipping with {self.clients_per_round} clients "
+        "per round: set a fixed clip norm or sample more clients per round",
       )
 
   @property

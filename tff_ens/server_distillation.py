@@ -45,8 +45,10 @@ from tff_ens import drop_worst
 from tff_ens import fedavg
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_step
+from tff_ens import settings
 from tff_ens import student as student_lib
 from tff_ens import weight_posterior
+from tff_ens.settings import setting
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -87,47 +89,29 @@ class ServerDistillationConfig:
     seed: seeds the samples and the distillation's shuffles (with the round).
   """
 
-  method: str
+  method: str = setting(choices=METHODS)
   distill: distillation.DistillationConfig
-  distribution: str = "gaussian"
-  num_samples: int = 10
-  targets: str = "S+A+C"
-  dirichlet_alpha: float = 1.0
-  gaussian: str = "paper"
-  gaussian_var_scale: float = 0.1
-  gaussian_var_clamp: float = 1e-5
-  dirichlet: str = "paper"
-  sharpen_temperature: Optional[float] = None
+  distribution: str = setting("gaussian", choices=DISTRIBUTIONS)
+  num_samples: int = setting(10, at_least=0)
+  targets: str = setting("S+A+C", choices=weight_posterior.TARGETS)
+  dirichlet_alpha: float = setting(1.0, above=0)
+  gaussian: str = setting("paper", choices=weight_posterior.GAUSSIANS)
+  gaussian_var_scale: float = setting(0.1, above=0)
+  gaussian_var_clamp: float = setting(1e-5, at_least=0)
+  dirichlet: str = setting("paper", choices=weight_posterior.DIRICHLETS)
+  sharpen_temperature: Optional[float] = setting(None, above=0)
+  # Before the `drop_worst` field, which hides the module in this class body.
+  drop_worst_rule: str = setting("guess_or_outliers", choices=drop_worst.DROP_WORST_RULES)
   drop_worst: bool = False
-  drop_worst_rule: str = "guess_or_outliers"
   device: str = "/CPU:0"
   seed: int = 0
 
   def __post_init__(self):
-    for name, allowed in (
-      ("method", METHODS),
-      ("distribution", DISTRIBUTIONS),
-      ("targets", weight_posterior.TARGETS),
-      ("gaussian", weight_posterior.GAUSSIANS),
-      ("dirichlet", weight_posterior.DIRICHLETS),
-      ("drop_worst_rule", drop_worst.DROP_WORST_RULES),
-    ):
-      if getattr(self, name) not in allowed:
-        raise ValueError(
-          f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}"
-        )
+    settings.check(self)
     if self.num_samples < 1 and "S" in self.targets:
-      raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
-    if self.dirichlet_alpha <= 0:
-      raise ValueError(f"dirichlet_alpha must be > 0, got {self.dirichlet_alpha}")
-    if self.gaussian_var_scale <= 0 or self.gaussian_var_clamp < 0:
-      raise ValueError(
-        "need gaussian_var_scale > 0 and gaussian_var_clamp "
-        f">= 0, got {self.gaussian_var_scale} and "
-        f"{self.gaussian_var_clamp}"
+      raise settings.SettingError(
+        "num_samples", self.num_samples, f"must be >= 1 for targets {self.targets}"
       )
-    if self.sharpen_temperature is not None and self.sharpen_temperature <= 0:
-      raise ValueError(f"sharpen_temperature must be > 0, got {self.sharpen_temperature}")
     if self.method == "feddf" and not self.distill.eval_every:
       raise ValueError(
         "feddf stops early on validation data: its distill config needs eval_every > 0"

@@ -9,7 +9,7 @@ drawn without replacement), in two setups:
 
 * "local": `runtime.execution_context()`, one local `worker_binary`, as
   `python -m tff_ens.main` runs without `--workers`;
-* "2 workers": two worker services on 127.0.0.1 (`runtime.start_worker`, what
+* "2 workers": two worker services on 127.0.0.1 (`worker_process.start_worker`, what
   `python -m tff_ens.worker` runs) and `execution_context(workers=...)`, as
   `--workers=127.0.0.1:P1,127.0.0.1:P2` runs: each round's clients are split
   in two halves and the partial aggregates merged.
@@ -39,6 +39,7 @@ from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
 from tff_ens import simulation
+from tff_ens import worker_process
 
 SECTION = "## Scale-out on TFF workers (issue 7)"
 
@@ -69,13 +70,13 @@ def two_local_workers(concurrent_clients: int):
     for _ in range(2):
       port = portpicker.pick_unused_port()
       processes.append(
-        runtime.start_worker(port, max_concurrent_computation_calls=concurrent_clients)
+        worker_process.start_worker(port, max_concurrent_computation_calls=concurrent_clients)
       )
       addresses.append(f"127.0.0.1:{port}")
     yield addresses
   finally:
     for process in processes:
-      runtime.stop_worker(process)
+      worker_process.stop_worker(process)
 
 
 def cohort_datasets(data, cohort_size: int, round_num: int) -> tuple[list, np.ndarray]:

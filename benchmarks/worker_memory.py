@@ -29,6 +29,7 @@ from tff_ens import algorithms
 from tff_ens import client_work
 from tff_ens import runtime
 from tff_ens import simulation
+from tff_ens import worker_process
 
 SECTION = "## Worker memory with changing cohort sizes (issue 7)"
 
@@ -78,7 +79,7 @@ def measure(data, factory: str) -> list[int | str]:
         ]
         try:
           state, _ = algorithm.next_fn(state, datasets, np.arange(n))
-        except runtime.WorkerError as e:  # E.g. killed for lack of memory.
+        except worker_process.WorkerError as e:  # E.g. killed for lack of memory.
           print(f"{factory}: round {round_num + 1}: {e}", flush=True)
           return rss + ["worker died"] * (FLAGS.rounds - round_num)
         rss.append(worker.memory_info().rss // 2**20)

@@ -18,6 +18,7 @@ from tff_ens import client_work
 from tff_ens import fed_ensemble
 from tff_ens import feddyn
 from tff_ens import federated_algorithm
+from tff_ens import keyed_stages
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model
@@ -142,11 +143,10 @@ def test_server_update_hand_example():
     (ModelWeights([tf.constant([3.0, -2.0])], [tf.constant(1.5)]), 3.0, 0),
     (ModelWeights([tf.constant([4.0, 4.0])], [tf.constant(2.0)]), 2.0, 2),
   ]
-  for update, weight, key in clients:
-    accumulator = fed_ensemble.scatter_add_update(
-      accumulator, update, tf.constant(weight), tf.constant(key)
-    )
   slots, weights = accumulator
+  for update, weight, key in clients:
+    slots = keyed_stages.add_to_slot(slots, update, tf.constant(key), tf.constant(weight))
+    weights += weight * tf.one_hot(key, k)
   np.testing.assert_allclose(weights, [4.0, 0.0, 2.0])
   np.testing.assert_allclose(
     [s.trainable[0] for s in slots], [[10.0, -4.0], [0.0, 0.0], [8.0, 8.0]]
@@ -202,7 +202,7 @@ def _leaves(type_spec):
 
 def test_state_holds_k_members(built):
   state_type = built.process.next.type_signature.parameter[0]
-  members = state_type.member.members
+  members = state_type.member.model
   assert len(members) == 3
   for member in members:
     assert [tuple(t.shape) for t in _leaves(member)] == member_shapes()
@@ -259,7 +259,7 @@ def _flat(weights):
 
 
 def test_initial_members_are_the_members_initializations(built):
-  members = list(built.process.initialize()["members"])
+  members = list(built.process.initialize()["model"])
   assert len(members) == 3
   for k, m in enumerate(members):
     model = member_model(k)
@@ -275,11 +275,11 @@ def test_round_trains_only_the_assigned_members(built):
   assert keys[0] != keys[1], "pick indices whose round-0 models differ"
   data = CLIENT_DATA[:2]
   state = built.process.initialize()
-  before = list(state["members"])
+  before = list(state["model"])
   new_state, metrics = built.process.next(
     state, [one_batch(x, y) for x, y in data], [np.int32(i) for i in indices]
   )
-  after = list(new_state["members"])
+  after = list(new_state["model"])
   assert len(after) == k and all(isinstance(m, ModelWeights) for m in after)
 
   for member in range(k):
@@ -304,10 +304,10 @@ def test_round_trains_only_the_assigned_members(built):
       not np.array_equal(g, w) for g, w in zip(_flat(after[member]), _flat(before[member]))
     )
 
-  assert metrics["aggregator"]["members_trained"] == len(set(keys))
+  assert metrics["aggregator"]["models_trained"] == len(set(keys))
   assert metrics["client_work"]["num_examples"] == 5.0
-  assert new_state["assignment"]["round"] == 1
-  assert new_state["assignment"]["seed"] == seed
+  assert new_state["distributor"]["round"] == 1
+  assert new_state["distributor"]["seed"] == seed
   assert new_state["client_work"] == 1
 
 
@@ -328,11 +328,11 @@ def test_two_clients_on_one_member_are_averaged_as_member_average_says(
   member = assign(seed, i, 0, k)
   data = CLIENT_DATA[:2]  # 2 and 3 examples.
   state = process.initialize()
-  before = list(state["members"])
+  before = list(state["model"])
   new_state, metrics = process.next(
     state, [one_batch(x, y) for x, y in data], [np.int32(i), np.int32(j)]
   )
-  after = list(new_state["members"])
+  after = list(new_state["model"])
   (wa, ua), (wb, ub) = [_trained_update(before[member], *d) for d in data]
   assert (wa, wb) == (2.0, 3.0)
   ca, cb = weights
@@ -344,7 +344,7 @@ def test_two_clients_on_one_member_are_averaged_as_member_average_says(
   for other in set(range(k)) - {member}:
     for got, was in zip(_flat(after[other]), _flat(before[other])):
       assert np.array_equal(got, was)
-  assert metrics["aggregator"]["members_trained"] == 1
+  assert metrics["aggregator"]["models_trained"] == 1
 
 
 def _run(process, state, rounds):
@@ -364,18 +364,18 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(built, tmp_path):
   asyncio.run(manager.save(state, 2))
   del state
   loaded = asyncio.run(manager.load(2, process.initialize()))
-  assert loaded["assignment"]["round"] == 2
+  assert loaded["distributor"]["round"] == 2
   resumed = _run(process, loaded, 2)
 
   flat_a, flat_b = tf.nest.flatten(uninterrupted), tf.nest.flatten(resumed)
   assert len(flat_a) == len(flat_b)
   for a, b in zip(flat_a, flat_b):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
-  assert resumed["assignment"]["round"] == 4
+  assert resumed["distributor"]["round"] == 4
   assert resumed["client_work"] == 4
   # Four rounds with 3 clients and K=3 trained every member at least once.
-  initial = list(process.initialize()["members"])
-  final = list(resumed["members"])
+  initial = list(process.initialize()["model"])
+  final = list(resumed["model"])
   for m0, m1 in zip(initial, final):
     assert any(not np.allclose(a, b) for a, b in zip(_flat(m0), _flat(m1)))
 
@@ -437,7 +437,7 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
   )
   optimizer = tff.learning.optimizers.build_sgdm(learning_rate=LR)
   state = built.process.initialize()
-  members = [tf.nest.map_structure(np.asarray, w) for w in state["members"]]
+  members = [tf.nest.map_structure(np.asarray, w) for w in state["model"]]
   h = [[np.zeros_like(t) for t in w.trainable] for w in members]
   # Each client's g per model, as the CLI's store keeps them: one vector.
   shapes = [t.shape for t in members[0].trainable]
@@ -478,11 +478,11 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
     for got, c, j in zip(new_g, indices, keys, strict=True):
       np.testing.assert_allclose(got, g[c, j], rtol=1e-5, atol=1e-6)
     for j in range(k):
-      for a, b in zip(_flat(state["members"][j]), _flat(members[j]), strict=True):
+      for a, b in zip(_flat(state["model"][j]), _flat(members[j]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-      for a, b in zip(state["feddyn"][j], h[j], strict=True):
+      for a, b in zip(state["finalizer"][j], h[j], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert metrics["aggregator"]["members_trained"] == len(updates)
+    assert metrics["aggregator"]["models_trained"] == len(updates)
   # The second round started from non-zero g and h (not a vacuous check).
   assert any(np.any(t != 0) for t in h[0] + h[1])
 

@@ -213,7 +213,7 @@ def test_fed_ensemble_slots_are_clipped_and_noised():
   keys = [int(fed_ensemble.assigned_model(seed, i, 0, k)) for i in indices]
   assert sorted(set(keys)) == [0, 1], "pick clients training both members"
   state = built.process.initialize()
-  before = list(state["members"])
+  before = list(state["model"])
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   clients = [np.int32(i) for i in indices]
   new_state, _ = built.process.next(state, datasets, clients)
@@ -226,13 +226,13 @@ def test_fed_ensemble_slots_are_clipped_and_noised():
     ]
     # Slot sums over the expected m / K clients per member, plus noise.
     noise_free = _flat(before[member]) - np.sum(clipped, 0) / (m / k)
-    noise.append(_flat(new_state["members"][member]) - noise_free)
+    noise.append(_flat(new_state["model"][member]) - noise_free)
   noise = np.concatenate(noise)
   np.testing.assert_allclose(np.std(noise), z * clip / (m / k), rtol=0.05)
   # Not a function of --seed (which would let it be subtracted): the same
   # round again draws other noise.
   again, _ = built.process.next(state, datasets, clients)
-  for a, b in zip(again["members"], new_state["members"]):
+  for a, b in zip(again["model"], new_state["model"]):
     assert np.all(_flat(a) != _flat(b))
   with pytest.raises(ValueError, match="fixed clip norm"):
     fed_ensemble.build_fed_ensemble(

@@ -34,6 +34,7 @@ from tasks import cifar
 from tasks import partition
 from tff_ens import client_work
 from tff_ens import fed_ensemble
+from tff_ens import keyed_stages
 from tff_ens import weight_posterior
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -263,14 +264,15 @@ def ensemble_round(draw):
 
 
 def _aggregate(members, clients):
-  accumulator = (tuple(tf.zeros([3]) for _ in members), tf.zeros([len(members)]))
+  slots, weights = tuple(tf.zeros([3]) for _ in members), tf.zeros([len(members)])
   for update, weight, key in clients:
-    accumulator = fed_ensemble.scatter_add_update(
-      accumulator, tf.constant(update), tf.constant(weight, tf.float32), tf.constant(key, tf.int32)
+    slots = keyed_stages.add_to_slot(
+      slots, tf.constant(update), tf.constant(key, tf.int32), tf.constant(weight, tf.float32)
     )
+    weights += weight * tf.one_hot(key, len(members))
   return [
     m.numpy()
-    for m in fed_ensemble.apply_slot_means(tuple(tf.constant(m) for m in members), *accumulator)
+    for m in fed_ensemble.apply_slot_means(tuple(tf.constant(m) for m in members), slots, weights)
   ]
 
 

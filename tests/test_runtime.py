@@ -19,6 +19,7 @@ import tensorflow_federated as tff
 
 from tests import worker_processes
 from tff_ens import runtime
+from tff_ens import worker_process
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +48,7 @@ def _doubles_at_clients(xs):
 
 
 def test_worker_binary_path_is_the_one_in_the_tff_wheel():
-  path = runtime.worker_binary_path()
+  path = worker_process.worker_binary_path()
   assert path.endswith(os.path.join("tensorflow_federated", "data", "worker_binary"))
   assert os.access(path, os.X_OK)
 
@@ -63,7 +64,7 @@ def test_local_context_runs_computations_and_stops_its_worker():
       assert os.readlink(f"/proc/{worker.pid}/fd/{fd}") == "/dev/null"
     # It runs with few malloc arenas, unless the caller chose a number.
     assert worker.environ().get("MALLOC_ARENA_MAX") == os.environ.get(
-      "MALLOC_ARENA_MAX", runtime.WORKER_MALLOC_ARENAS
+      "MALLOC_ARENA_MAX", worker_process.WORKER_MALLOC_ARENAS
     )
   assert worker_processes.is_gone(worker.pid)
   assert not worker_processes.descendants()
@@ -378,7 +379,7 @@ def test_resident_state_with_a_dead_worker_gives_one_line_error():
     assert held.next([1, 2])["total"] == 6
     (worker,) = worker_processes.descendants()
     worker.kill()
-    with pytest.raises(runtime.WorkerError, match="exited with code") as error:
+    with pytest.raises(worker_process.WorkerError, match="exited with code") as error:
       held.next([3, 4])
   assert "\n" not in str(error.value)
 

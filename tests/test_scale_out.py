@@ -35,6 +35,7 @@ from tff_ens import run_files
 from tff_ens import runtime
 from tff_ens import server_distillation
 from tff_ens import training
+from tff_ens import worker_process
 from tiny import SERVER
 from tiny import SPEC
 from tiny import one_batch
@@ -137,7 +138,7 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_worker
 
   killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
   killer.start()
-  with worker_processes.deadline(300), pytest.raises(runtime.WorkerError) as error:
+  with worker_processes.deadline(300), pytest.raises(worker_process.WorkerError) as error:
     training.run_experiment(config)
   failed_at = time.monotonic()
   killer.join()

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import tensorflow_federated as tff
 
-from tff_ens import runtime
+from tff_ens import worker_process
 
 
 @tff.tensorflow.computation(np.int32)
@@ -104,10 +104,10 @@ def two_workers():
     addresses = []
     for _ in range(2):
       port = portpicker.pick_unused_port()
-      processes.append(runtime.start_worker(port))
+      processes.append(worker_process.start_worker(port))
       SEEN_PIDS.add(processes[-1].pid)
       addresses.append(f"127.0.0.1:{port}")
     yield addresses, processes
   finally:
     for process in processes:
-      runtime.stop_worker(process)
+      worker_process.stop_worker(process)

@@ -292,7 +292,7 @@ def _build_fed_ensemble(name, model_fn, element_spec, local_config, opts: BuildO
     download_type=built.download_type,
     upload_type=built.upload_type,
     indexed_clients=True,
-    models_fn=lambda state: list(state["members"]),
+    models_fn=lambda state: list(state["model"]),
     client_state=spec,
     client_models=client_models,
   )

@@ -29,9 +29,9 @@ from tff_ens import algorithms
 from tff_ens import client_states
 from tff_ens import experiment
 from tff_ens import run_files
-from tff_ens import runtime
 from tff_ens import settings
 from tff_ens import training
+from tff_ens import worker_process
 
 settings.define_flags(experiment.ExperimentConfig)
 
@@ -77,7 +77,7 @@ def main(argv):
   except (experiment.UsageError, tasks.DataError, client_states.ClientStateError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except runtime.WorkerError as e:  # Lost mid-run; the message says resume.
+  except worker_process.WorkerError as e:  # Lost mid-run; the message says resume.
     print(f"error: {e}", file=sys.stderr)
     return 1
   except experiment.Stopped as e:

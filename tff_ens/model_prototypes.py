@@ -10,8 +10,9 @@ client models, whatever their architecture.
 One TFF round has one cohort, so FedDF's four stages serve all prototypes at
 once:
 
-* distributor: client i runs prototype i mod P and downloads only that
-  prototype's model, with `tff.federated_select`. A selected value has one
+* distributor (`keyed_stages.build_keyed_distributor`, Fed-ensemble's): client
+  i runs prototype i mod P and downloads only that prototype's model, with
+  `tff.federated_select`. A selected value has one
   type, so a model travels as one float32 vector the length of the largest
   prototype (`pack`); a smaller prototype's vector is padded, and the bytes
   reported per client are the largest prototype's (an upper bound);
@@ -40,6 +41,7 @@ import tensorflow_federated as tff
 from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
 from tff_ens import drop_worst
+from tff_ens import keyed_stages
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation
 from tff_ens import server_step
@@ -365,11 +367,11 @@ def build_heterogeneous_feddf(
   def initial_prototypes():
     return tuple(ModelWeights.from_model(fn()) for fn in model_fns)
 
-  @tff.tensorflow.computation(np.int32)
-  def prototype_of(client_index):
+  @tff.tensorflow.computation((), np.int32)
+  def prototype_of(state, client_index):
+    del state  # A client's prototype depends on its index only.
     return tf.reshape(client_index % num_prototypes, [1])
 
-  # Selected values are unnamed tuples (see fed_ensemble.build_fed_ensemble).
   @tff.tensorflow.computation(prototypes_type, np.int32)
   def select_packed(prototypes, key):
     return (tf.switch_case(key, [lambda m=m: pack(m, size) for m in prototypes]),)
@@ -381,41 +383,12 @@ def build_heterogeneous_feddf(
     (packed,) = selected.reduce((tf.zeros([size], tf.float32),), lambda _, x: x)
     return packed, key[0]
 
-  @tff.federated_computation
-  def initialize_fn():
-    return tff.federated_zip(
-      collections.OrderedDict(
-        model=tff.federated_eval(initial_prototypes, tff.SERVER),
-        client_work=client_work.process.initialize(),
-        aggregator=aggregator.initialize(),
-      )
-    )
-
-  state_type = initialize_fn.type_signature.result
-  data_type = client_work.process.next.type_signature.parameter[2]
-
-  @tff.federated_computation(state_type, data_type, tff.FederatedType(np.int32, tff.CLIENTS))
-  def collect(state, client_data, client_indices):
-    # Distributor: each client downloads its own prototype's model.
-    keys = tff.federated_map(prototype_of, client_indices)
-    selected = tff.federated_select(
-      keys,
-      tff.federated_value(np.int32(num_prototypes - 1), tff.SERVER),
-      state.model,
-      select_packed,
-    )
-    work = client_work.process.next(
-      state.client_work, tff.federated_map(to_download, (selected, keys)), client_data
-    )
-    collected = aggregator.next(state.aggregator, work.result.update, work.result.update_weight)
-    stage_states = tff.federated_zip(
-      collections.OrderedDict(client_work=work.state, aggregator=collected.state)
-    )
-    measurements = tff.federated_zip(
-      collections.OrderedDict(client_work=work.measurements, aggregator=collected.measurements)
-    )
-    return stage_states, collected.result, measurements
-
+  distributor = keyed_stages.build_keyed_distributor(
+    prototypes_type, (), prototype_of, select_packed, to_download
+  )
+  initialize_fn, collect = server_step.build_collect(
+    initial_prototypes, distributor, client_work.process, aggregator, keyed=True
+  )
   step = PrototypeStep(model_fns, names, data, config)
   client_type = client_update.type_signature
   download = tff.StructType(

@@ -8,7 +8,7 @@ the child holds pytest's or a parent's pipes open) and only stops it in a
 `__del__`, so the worker can outlive Python, e.g. when the parent is SIGKILLed.
 
 Here `execution_context()` starts its own worker (or connects to running ones,
-see `start_worker` and `python -m tff_ens.worker`), installs a context built
+see `worker_process.start_worker` and `python -m tff_ens.worker`), installs a context built
 from public `tff.framework` pieces for the duration of a `with` block, and
 stops the worker on exit. Workers are started with their output away from the
 parent's pipes and with `PR_SET_PDEATHSIG=SIGKILL`, so they die with the
@@ -21,26 +21,18 @@ thread that entered the block.
 import asyncio
 from collections.abc import Iterator, Sequence
 import contextlib
-import ctypes
 import dataclasses
 import os
-import signal
 import subprocess
 import threading
-import time
 from typing import Any, Optional
 
 import grpc
 import portpicker
 import tensorflow_federated as tff
 
-# The local worker maps a ~300 MB binary and starts serving in well under a
-# second; the timeout only matters when something is wrong.
-_START_TIMEOUT_S = 60.0
-# How long to wait for a gRPC connection to an already-running worker.
-_CONNECT_TIMEOUT_S = 10.0
-# Grace period between SIGINT and SIGKILL when stopping a worker.
-_STOP_GRACE_S = 5.0
+from tff_ens import worker_process
+
 # As in TFF's `executor_factory.py`: allow messages up to 2 GB.
 _GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
 _GRPC_CHANNEL_OPTIONS = [
@@ -48,12 +40,6 @@ _GRPC_CHANNEL_OPTIONS = [
   ("grpc.max_receive_message_length", _GRPC_MAX_MESSAGE_BYTES),
   ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE_BYTES),
 ]
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class WorkerError(RuntimeError):
-  """A TFF worker did not come up, exited, or stopped answering."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,138 +77,6 @@ class _NoExecutionContext(tff.framework.SyncContext):
 
 
 tff.framework.set_default_context(_NoExecutionContext())
-
-
-def worker_binary_path() -> str:
-  """Path of the `worker_binary` shipped in the TFF wheel (as TFF finds it)."""
-  path = os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
-  if not os.path.isfile(path):
-    raise RuntimeError(f"Expected a TFF worker binary at {path}.")
-  return path
-
-
-def _die_with_parent(parent_pid: int):
-  """A `preexec_fn` making the child get SIGKILL when its parent dies."""
-
-  def preexec() -> None:
-    # Ignored signals stay ignored across exec, and a parent started in the
-    # background by a shell ignores SIGINT: `stop_worker` needs it.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    # A SIGTERM to the whole process group (systemd, `kill -- -PGID`) is for
-    # the driver, which finishes its round, checkpoints and then stops the
-    # worker; the worker must not die under the round in flight.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-      raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    # The parent may have died between fork() and prctl(): then no signal
-    # will ever come.
-    if os.getppid() != parent_pid:
-      os.kill(os.getpid(), signal.SIGKILL)
-
-  return preexec
-
-
-# glibc's MALLOC_ARENA_MAX for the worker (see `start_worker`).
-WORKER_MALLOC_ARENAS = "2"
-
-
-def start_worker(
-  port: int,
-  *,
-  max_concurrent_computation_calls: int = -1,
-  log_path: Optional[str] = None,
-) -> subprocess.Popen:
-  """Starts a TFF C++ worker service on `port` (all interfaces).
-
-  The worker's stdout/stderr go to `log_path` (appended) or to /dev/null, never
-  to the caller's pipes. It is killed when the calling *thread* exits
-  (Linux `PR_SET_PDEATHSIG` follows the thread that forked), so call this from
-  a thread that outlives the worker, e.g. the main thread. Stop it with
-  `stop_worker`. This does not wait until the worker serves; the first
-  `execution_context(workers=...)` that uses it does.
-
-  Args:
-    port: TCP port to serve on.
-    max_concurrent_computation_calls: Worker flag bounding how many calls of one
-      computation (e.g. one per client) run in parallel; nonpositive means no
-      limit.
-    log_path: Optional file for the worker's output.
-
-  Returns:
-    The worker process.
-  """
-  args = [
-    worker_binary_path(),
-    f"--port={port}",
-    f"--max_concurrent_computation_calls={max_concurrent_computation_calls}",
-  ]
-  # glibc gives the worker's threads many malloc arenas, which keep the pages
-  # of freed tensors: with two, a FedDF worker's peak over 20 rounds is a fifth
-  # lower at the same speed (benchmarks/RESULTS.md, "Worker
-  # memory and malloc arenas"). A value set by the caller wins.
-  env = dict(os.environ)
-  env.setdefault("MALLOC_ARENA_MAX", WORKER_MALLOC_ARENAS)
-  with contextlib.ExitStack() as stack:
-    if log_path is None:
-      output = subprocess.DEVNULL
-    else:
-      output = stack.enter_context(open(log_path, "ab"))
-    return subprocess.Popen(
-      args,
-      stdin=subprocess.DEVNULL,
-      stdout=output,
-      stderr=output,
-      close_fds=True,
-      env=env,
-      preexec_fn=_die_with_parent(os.getpid()),
-    )
-
-
-def stop_worker(process: subprocess.Popen) -> None:
-  """Stops a worker: SIGINT, then SIGKILL after a grace period; reaps it."""
-  try:
-    if process.poll() is None:
-      process.send_signal(signal.SIGINT)
-      process.wait(timeout=_STOP_GRACE_S)
-  except subprocess.TimeoutExpired:
-    pass
-  finally:
-    if process.poll() is None:
-      process.kill()
-      process.wait()
-
-
-def _wait_until_serving(
-  stub: tff.framework.RemoteExecutorGrpcStub,
-  address: str,
-  process: Optional[subprocess.Popen],
-) -> None:
-  """Blocks until `stub` is connected, or raises a one-line WorkerError.
-
-  Polls `stub.is_ready` as TFF does. (A `grpc.channel_ready_future` would add a
-  second connectivity subscription, which makes grpc's polling thread raise
-  "Channel closed!" if the channel is closed soon after.)
-
-  Args:
-    stub: Stub of the worker.
-    address: The worker's address, for the error message.
-    process: The worker process if we started it (its exit ends the wait early
-      and the timeout is the start-up one), else None.
-  """
-  timeout = _CONNECT_TIMEOUT_S if process is None else _START_TIMEOUT_S
-  deadline = time.monotonic() + timeout
-  while True:
-    if process is not None and process.poll() is not None:
-      raise WorkerError(
-        f"TFF worker {process.args[0]} for {address} exited with code {process.returncode}."
-      )
-    if stub.is_ready:
-      return
-    if time.monotonic() > deadline:
-      raise WorkerError(
-        f"TFF worker at {address} is unreachable (no gRPC connection within {timeout:g} s)."
-      )
-    time.sleep(0.05)
 
 
 class _LatestExecutorFactory(tff.framework.ExecutorFactory):
@@ -270,7 +124,7 @@ def _executor_factory(
   def stack_fn(cardinalities):
     # TFF retries calls that fail with gRPC UNAVAILABLE forever, re-creating
     # the executor each time; checking here turns a dead worker into an error.
-    _wait_until_serving(stub, address, process)
+    worker_process.wait_until_serving(stub, address, process)
     # As TFF: computations with no CLIENTS-placed argument get 0 clients.
     cardinalities.setdefault(tff.CLIENTS, 0)
     # Not `stream_structs=True`: it moves a 132 MB state about twice as fast
@@ -314,9 +168,9 @@ def execution_context(
 ) -> Iterator[None]:
   """Installs a TFF C++ execution context for the duration of the block and shuts it down on exit.
 
-  With no `workers`, starts a local `worker_binary` (see `start_worker`) on a
+  With no `workers`, starts a local `worker_binary` (see `worker_process.start_worker`) on a
   free port and stops it on exit. With `workers` ("host:port" of running TFF
-  worker services, e.g. `start_worker` or `python -m tff_ens.worker`), connects
+  worker services, e.g. `worker_process.start_worker` or `python -m tff_ens.worker`), connects
   to them: one worker is used directly; with several, each computation is
   compiled to TFF's mergeable form and its clients are split across the
   workers. That needs computations with no aggregation depending on another
@@ -337,7 +191,7 @@ def execution_context(
       configured when they were started.
 
   Raises:
-    WorkerError: If a worker does not come up or is unreachable, on entry or
+    worker_process.WorkerError: If a worker does not come up or is unreachable, on entry or
       when a computation finds it gone.
     ValueError: If `max_concurrent_computation_calls` is set with `workers`.
   """
@@ -354,7 +208,7 @@ def execution_context(
       addresses = list(workers)
     else:
       port = portpicker.pick_unused_port()
-      process = start_worker(
+      process = worker_process.start_worker(
         port,
         max_concurrent_computation_calls=max_concurrent_computation_calls,
       )
@@ -364,7 +218,7 @@ def execution_context(
       channel = grpc.insecure_channel(address, _GRPC_CHANNEL_OPTIONS)
       channels.append(channel)
       stub = tff.framework.RemoteExecutorGrpcStub(channel)
-      _wait_until_serving(stub, address, process)
+      worker_process.wait_until_serving(stub, address, process)
       factories.append(_executor_factory(stub, address, process, executors))
 
     transforms = dict(
@@ -402,7 +256,7 @@ def execution_context(
         channel.close()
     finally:
       if process is not None:
-        stop_worker(process)
+        worker_process.stop_worker(process)
 
 
 class ResidentState:
@@ -533,7 +387,7 @@ class ResidentState:
       _ = self.value  # Downloaded (and let go) before the executor frees it.
       self._worker.executors.remove(self._executor)
       self._executor.close()
-    _wait_until_serving(self._worker.stub, self._worker.address, self._worker.process)
+    worker_process.wait_until_serving(self._worker.stub, self._worker.address, self._worker.process)
     # Values are disposed on the worker as soon as Python drops them, so
     # a replaced state does not wait there for a batch of 20.
     self._executor = tff.framework.RemoteExecutor(self._worker.stub, dispose_batch_size=1)
@@ -553,15 +407,17 @@ class ResidentState:
 
   @contextlib.contextmanager
   def _worker_errors(self):
-    """A gRPC error from a dead or unreachable worker becomes a WorkerError."""
+    """A gRPC error from a dead or unreachable worker becomes a `WorkerError`."""
     try:
       yield
     except grpc.RpcError:
       if self._worker.process is not None:
         # A killed worker may still be exiting when its connection drops.
         with contextlib.suppress(subprocess.TimeoutExpired):
-          self._worker.process.wait(timeout=_STOP_GRACE_S)
-      _wait_until_serving(self._worker.stub, self._worker.address, self._worker.process)
+          self._worker.process.wait(timeout=worker_process.STOP_GRACE_S)
+      worker_process.wait_until_serving(
+        self._worker.stub, self._worker.address, self._worker.process
+      )
       raise
 
   @staticmethod

@@ -26,6 +26,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import keyed_stages
+
 # `step(model, collected, round) -> (model, measurements)`, run in the driver.
 ServerStep = Callable[[Any, Any, int], tuple[Any, dict]]
 
@@ -95,12 +97,16 @@ def build_collect(
   distributor: tff.templates.MeasuredProcess,
   client_work: tff.templates.MeasuredProcess,
   aggregator: tff.templates.AggregationProcess,
+  *,
+  keyed: bool = False,
 ) -> tuple[tff.Computation, tff.Computation]:
   """`(initialize_fn, collect)` of a `DriverProcess` from TFF stages.
 
   As `tff.learning.templates.compose_learning_process` composes them, the
   finalizer left out: the distributor sends the state's model, the clients
-  train, and the aggregator's result (every client's update) is returned.
+  train, and the aggregator's result (every client's update) is returned. With
+  `keyed`, the distributor is `keyed_stages.build_keyed_distributor`'s: `collect`
+  takes the cohort's client indices after its data and passes them to it.
   """
 
   @tff.federated_computation
@@ -117,10 +123,8 @@ def build_collect(
   state_type = initialize_fn.type_signature.result
   data_type = client_work.next.type_signature.parameter[2]
 
-  @tff.federated_computation(state_type, data_type)
-  def collect(state, client_data):
-    sent = distributor.next(state.distributor, state.model)
-    work = client_work.next(state.client_work, sent.result, client_data)
+  def collect_round(state, sent, downloads, client_data):
+    work = client_work.next(state.client_work, downloads, client_data)
     collected = aggregator.next(state.aggregator, work.result.update, work.result.update_weight)
     stage_states = tff.federated_zip(
       collections.OrderedDict(
@@ -136,6 +140,19 @@ def build_collect(
     )
     return stage_states, collected.result, measurements
 
+  if keyed:
+
+    @tff.federated_computation(state_type, data_type, tff.FederatedType(np.int32, tff.CLIENTS))
+    def collect(state, client_data, client_indices):
+      sent = distributor.next(state.distributor, state.model, client_indices)
+      return collect_round(state, sent, sent.result[0], client_data)
+  else:
+
+    @tff.federated_computation(state_type, data_type)
+    def collect(state, client_data):
+      sent = distributor.next(state.distributor, state.model)
+      return collect_round(state, sent, sent.result, client_data)
+
   return initialize_fn, collect
 
 
@@ -150,7 +167,7 @@ def collect_update(accumulator, update, weight):
 
   The accumulator is `(slots, weights, count)`: a tuple of `capacity`
   structures, their weights and the number filled. Only slot `count` is
-  computed; the others pass through (see `fed_ensemble.scatter_add_update`).
+  computed; the others pass through (`keyed_stages.add_to_slot`).
   """
   slots, weights, count = accumulator
   capacity = len(slots)
@@ -158,10 +175,7 @@ def collect_update(accumulator, update, weight):
     [tf.debugging.assert_less(count, capacity, message="more clients than collect slots")]
   ):
     count = tf.identity(count)
-  slots = tuple(
-    tf.cond(tf.equal(count, i), lambda: update, lambda slot=slot: slot)
-    for i, slot in enumerate(slots)
-  )
+  slots = keyed_stages.add_to_slot(slots, update, count)  # Into zeros: the update itself.
   weights = weights + tf.cast(weight, tf.float32) * tf.one_hot(count, capacity)
   return slots, weights, count + 1
 

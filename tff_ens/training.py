@@ -35,6 +35,7 @@ from tff_ens import run_outputs
 from tff_ens import runtime
 from tff_ens import server_data as server_data_lib
 from tff_ens import simulation
+from tff_ens import worker_process
 
 
 @contextlib.contextmanager
@@ -67,7 +68,7 @@ def _execution_context(config: experiment.ExperimentConfig):
           workers=workers, max_concurrent_computation_calls=config.max_concurrent_clients
         )
       )
-    except runtime.WorkerError as e:
+    except worker_process.WorkerError as e:
       if not workers:
         raise
       raise experiment.UsageError(
@@ -82,7 +83,7 @@ def run_experiment(config: experiment.ExperimentConfig) -> dict:
 
   Raises:
     UsageError: for a bad flag or output directory.
-    runtime.WorkerError: if a TFF worker dies or stops answering during the
+    worker_process.WorkerError: if a TFF worker dies or stops answering during the
       run; the message says from which round `--resume` continues.
   """
   config.validate()
@@ -163,8 +164,8 @@ def run_experiment(config: experiment.ExperimentConfig) -> dict:
         outputs,
         reporting.Evaluator(algorithm.evaluation_model_fn or model_fn),
       )
-    except runtime.WorkerError as e:
-      raise runtime.WorkerError(f"{e} {outputs.resume_hint()}") from None
+    except worker_process.WorkerError as e:
+      raise worker_process.WorkerError(f"{e} {outputs.resume_hint()}") from None
     finally:
       outputs.close()
 

@@ -2,7 +2,7 @@ r"""Command line: a TFF worker service that `--workers` runs computations on.
 
   python -m tff_ens.worker --port=8000 [--max_concurrent_clients=N]
 
-Runs the `worker_binary` shipped in the TFF wheel (`runtime.start_worker`) in
+Runs the `worker_binary` shipped in the TFF wheel (`worker_process.start_worker`) in
 the foreground, prints one line once it serves, and stops it on SIGINT or
 SIGTERM (it is also killed if this process dies). The worker needs no data:
 the driver (`python -m tff_ens.main --workers=host:8000,...`) sends each
@@ -21,7 +21,10 @@ from absl import flags
 import grpc
 import portpicker
 
-from tff_ens import runtime
+# Installs tff_ens.runtime's default context in place of TFF's, whose teardown at exit
+# prints an AttributeError.
+from tff_ens import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens import worker_process
 
 FLAGS = flags.FLAGS
 
@@ -56,7 +59,7 @@ def _wait_until_serving(process, port: int, timeout_s: float) -> None:
   """Blocks until the worker on `port` accepts gRPC connections.
 
   Raises:
-    runtime.WorkerError: if it exits or does not serve within `timeout_s`.
+    worker_process.WorkerError: if it exits or does not serve within `timeout_s`.
   """
   with grpc.insecure_channel(f"localhost:{port}") as channel:
     ready = grpc.channel_ready_future(channel)
@@ -68,11 +71,13 @@ def _wait_until_serving(process, port: int, timeout_s: float) -> None:
       except grpc.FutureTimeoutError:
         pass
       if process.poll() is not None:
-        raise runtime.WorkerError(
+        raise worker_process.WorkerError(
           f"TFF worker on port {port} exited with code {process.returncode}"
         )
       if time.monotonic() > deadline:
-        raise runtime.WorkerError(f"TFF worker on port {port} does not serve after {timeout_s:g} s")
+        raise worker_process.WorkerError(
+          f"TFF worker on port {port} does not serve after {timeout_s:g} s"
+        )
 
 
 def main(argv):
@@ -86,7 +91,7 @@ def main(argv):
   if portpicker.bind(FLAGS.port, socket.SOCK_STREAM, socket.IPPROTO_TCP) is None:
     print(f"error: port {FLAGS.port} is in use: choose another --port", file=sys.stderr)
     return 2
-  process = runtime.start_worker(
+  process = worker_process.start_worker(
     FLAGS.port,
     max_concurrent_computation_calls=FLAGS.max_concurrent_clients,
     log_path=FLAGS.log_file,
@@ -102,7 +107,7 @@ def main(argv):
     code = process.wait()
     print(f"error: TFF worker exited with code {code}", file=sys.stderr)
     return 1
-  except runtime.WorkerError as e:
+  except worker_process.WorkerError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   except KeyboardInterrupt:
@@ -111,7 +116,7 @@ def main(argv):
     # A second signal must not cut the stop short (it waits for the worker).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runtime.stop_worker(process)
+    worker_process.stop_worker(process)
 
 
 if __name__ == "__main__":

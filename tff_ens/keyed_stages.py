@@ -49,6 +49,17 @@ def add_to_slot(slots: tuple, update, key, scale=None) -> tuple:
   )
 
 
+def empty_slots(update_type: tff.Type, num_slots: int) -> tuple:
+  """K zero structures of `update_type` and their K zero weights (in a TF graph)."""
+  specs = tff.types.type_to_tf_tensor_specs(update_type)
+  return (
+    tuple(
+      tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs) for _ in range(num_slots)
+    ),
+    tf.zeros([num_slots], tf.float32),
+  )
+
+
 def build_keyed_distributor(
   models_type: tff.Type,
   initial_key_state,
@@ -135,16 +146,10 @@ def build_slot_aggregator(
   """
   if dp is not None and dp.adaptive:
     raise ValueError("DP over K slots needs a fixed clip norm > 0")
-  specs = tff.types.type_to_tf_tensor_specs(update_type)
 
   @tff.tensorflow.computation
   def zero():
-    return (
-      tuple(
-        tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs) for _ in range(num_slots)
-      ),
-      tf.zeros([num_slots], tf.float32),
-    )
+    return empty_slots(update_type, num_slots)
 
   accumulator_type = zero.type_signature.result
 

@@ -211,17 +211,10 @@ def build_collect_aggregator(
   """
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}")
-  specs = tff.types.type_to_tf_tensor_specs(update_type)
 
   @tff.tensorflow.computation
   def zero():
-    return (
-      tuple(
-        tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs) for _ in range(capacity)
-      ),
-      tf.zeros([capacity], tf.float32),
-      tf.constant(0, tf.int32),
-    )
+    return (*keyed_stages.empty_slots(update_type, capacity), tf.constant(0, tf.int32))
 
   accumulator_type = zero.type_signature.result
 

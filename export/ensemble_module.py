@@ -8,10 +8,11 @@ models in one file and
   `tff_ens.metrics.ensemble_uncertainty`);
 - `personalize(images, labels, temperature)` returns alpha = softmax(-loss / temperature)
   from the phone's own labeled examples, loss_k being member k's mean cross-entropy on them
-  (Sec. IV-C, eq. 3-4; `tff_ens.personalization`). alpha = 1/K is the uniform ensemble.
+  (Sec. IV-C, eq. 3-4; `tff_ens.ensemble_math.personalization_weights`). alpha = 1/K is the
+  uniform ensemble.
 
-The math is plain TensorFlow on probabilities in float32, clipped at 1e-12 before every log
-as the NumPy evaluation does, so the two agree to float32 rounding.
+The math is `tff_ens.ensemble_math`'s, the formulas the NumPy evaluation computes, here on
+`tf.experimental.numpy` in float32, so the two agree to float32 rounding.
 
 `quantization` (`QUANTIZATIONS`) shrinks the members, which hold all the weights:
 
@@ -29,52 +30,14 @@ import collections
 
 import numpy as np
 import tensorflow as tf
+import tensorflow.experimental.numpy as tnp
 from tensorflow.lite.python import schema_py_generated as schema
 from tensorflow.lite.tools import flatbuffer_utils
 
-# Probabilities are clipped to [EPSILON, 1] before a log, as in tff_ens.metrics.
-EPSILON = 1e-12
+from tff_ens import ensemble_math
+
 SIGNATURES = ("predict", "personalize")
 QUANTIZATIONS = ("float", "dynamic", "int8")
-
-
-def _log(p):
-  return tf.math.log(tf.clip_by_value(p, EPSILON, 1.0))
-
-
-def entropy(probs):
-  """Shannon entropy (nats) over the last axis."""
-  return -tf.reduce_sum(probs * _log(probs), axis=-1)
-
-
-def mixture_and_uncertainty(member_probs, alpha):
-  """The weighted ensemble prediction and its uncertainty.
-
-  Args:
-    member_probs: [n, K, classes] softmax outputs of the K members.
-    alpha: [K] member weights on the simplex.
-
-  Returns:
-    (probabilities [n, classes] = sum_k alpha_k p_k, entropy [n] = H(mixture), mutual
-    information [n] = H(mixture) - sum_k alpha_k H(p_k), Depeweg et al., ICML 2018, eq. 4).
-  """
-  # Broadcast products, not einsum: the TFLite converter lowers these einsums to a
-  # batch_matmul it then rejects.
-  probabilities = tf.reduce_sum(alpha[:, None] * member_probs, axis=1)
-  predictive_entropy = entropy(probabilities)
-  expected_entropy = tf.reduce_sum(alpha * entropy(member_probs), axis=1)
-  return probabilities, predictive_entropy, predictive_entropy - expected_entropy
-
-
-def personalization_weights(member_probs, labels, temperature):
-  """alpha = softmax(-loss / temperature) (Fed-ensemble eq. 4).
-
-  loss_k = mean over the n examples of -log p_k(label): [n, K, classes], [n], [] -> [K].
-  An infinite temperature gives alpha = 1/K.
-  """
-  true_class = tf.gather(member_probs, labels, axis=2, batch_dims=1)  # [n, K]
-  losses = tf.reduce_mean(-_log(true_class), axis=0)
-  return tf.nn.softmax(-losses / temperature)
 
 
 class EnsembleModule(tf.Module):
@@ -91,20 +54,19 @@ class EnsembleModule(tf.Module):
 
     def predict(image, alpha):
       member_probs = self.member_probabilities(image)
-      probabilities, predictive_entropy, mutual_information = mixture_and_uncertainty(
-        member_probs, alpha
+      probabilities, predictive_entropy, mutual_information = (
+        ensemble_math.mixture_uncertainty(member_probs, alpha, tnp)
       )
       return {
         "probabilities": probabilities,
-        "member_probabilities": member_probs,
+        "member_probabilities": tf.transpose(member_probs, [1, 0, 2]),
         "entropy": predictive_entropy,
         "mutual_information": mutual_information,
       }
 
     def personalize(images, labels, temperature):
-      return {
-        "alpha": personalization_weights(self.member_probabilities(images), labels, temperature)
-      }
+      losses = ensemble_math.member_losses(self.member_probabilities(images), labels, tnp)
+      return {"alpha": ensemble_math.personalization_weights(losses, temperature, tnp)}
 
     self.predict = tf.function(
       predict,
@@ -123,8 +85,8 @@ class EnsembleModule(tf.Module):
     )
 
   def member_probabilities(self, images):
-    """[n, K, classes] softmax outputs of the members (inference mode)."""
-    return tf.stack([tf.nn.softmax(m(images, training=False)) for m in self.members], axis=1)
+    """[K, n, classes] softmax outputs of the members (inference mode)."""
+    return tf.stack([tf.nn.softmax(m(images, training=False)) for m in self.members])
 
 
 def _converter(module: EnsembleModule) -> tf.lite.TFLiteConverter:

@@ -49,6 +49,7 @@ from export import on_device
 from export import runs
 from tasks import leaf
 from tasks.data import DataError
+from tff_ens import ensemble_math
 from tff_ens import metrics
 
 # The Keras comparison needs TensorFlow: the main environment has it, the device one not.
@@ -135,7 +136,7 @@ def evaluate_ood(exported, models, data) -> dict:
     if isinstance(exported, on_device.Ensemble):
       return exported.predict(x)
     probabilities = scipy.special.softmax(exported.logits(x).astype(np.float64), axis=-1)
-    return {"probabilities": probabilities, "entropy": metrics.entropy(probabilities)}
+    return {"probabilities": probabilities, "entropy": ensemble_math.entropy(probabilities)}
 
   predictions = {"": file_predictions}
   if models is not None:

@@ -7,6 +7,7 @@ import numpy as np
 
 from export import ExportError
 import tasks
+from tff_ens import ensemble_math
 from tff_ens import evaluation
 from tff_ens import metrics
 from tff_ens import personalization
@@ -48,9 +49,9 @@ def ensemble_classes(models, train, test, writers, temperature: float) -> tuple[
   personalized, uniform = {}, {}
   for c in writers:
     alpha = personalization.personalization_weights(
-      personalization.member_losses(member_train[c], train.y[c]), temperature
+      ensemble_math.member_losses(member_train[c], train.y[c]), temperature
     )
-    personalized[c] = personalization.weighted_probabilities(member_test[c], alpha).argmax(-1)
+    personalized[c] = ensemble_math.mixture(member_test[c], alpha).argmax(-1)
     uniform[c] = member_test[c].mean(0).argmax(-1)
   return personalized, uniform
 

@@ -28,6 +28,7 @@ from tests.exported_runs import DATA_DIR
 from tests.exported_runs import REPO_ROOT
 from tests.exported_runs import small_femnist_model
 from tests.exported_runs import write_run
+from tff_ens import ensemble_math
 from tff_ens import evaluation
 from tff_ens import metrics
 from tff_ens import personalization
@@ -62,53 +63,6 @@ def ensemble(ensemble_run):
   return on_device.load_bytes(convert.export_run(ensemble_run, "ensemble"))
 
 
-# The ensemble math, by hand -----------------------------------------------------------
-
-# Two members, two examples, three classes; labels [0, 2].
-HAND_PROBS = np.array(
-  [
-    [[0.5, 0.25, 0.25], [0.8, 0.1, 0.1]],  # member 0
-    [[0.25, 0.5, 0.25], [0.25, 0.25, 0.5]],
-  ]
-)  # member 1
-HAND_LABELS = np.array([0, 2])
-
-
-def test_personalization_weights_match_hand_computation():
-  # loss_0 = -(log 0.5 + log 0.1) / 2, loss_1 = -(log 0.25 + log 0.5) / 2;
-  # alpha = softmax(-loss / 2).
-  losses = np.array([-(np.log(0.5) + np.log(0.1)) / 2, -(np.log(0.25) + np.log(0.5)) / 2])
-  expected = np.exp(-losses / 2) / np.exp(-losses / 2).sum()
-  member_probs = tf.constant(np.moveaxis(HAND_PROBS, 0, 1), tf.float32)  # [n, K, classes]
-  alpha = ensemble_module.personalization_weights(
-    member_probs, tf.constant(HAND_LABELS, tf.int32), tf.constant(2.0)
-  ).numpy()
-  np.testing.assert_allclose(alpha, expected, rtol=1e-6)
-  np.testing.assert_allclose(
-    alpha,
-    personalization.personalization_weights(
-      personalization.member_losses(HAND_PROBS, HAND_LABELS), 2.0
-    ),
-    rtol=1e-6,
-  )
-  uniform = ensemble_module.personalization_weights(
-    member_probs, tf.constant(HAND_LABELS, tf.int32), tf.constant(np.inf, tf.float32)
-  )
-  np.testing.assert_allclose(uniform.numpy(), [0.5, 0.5])
-
-
-def test_mixture_and_uncertainty_match_evaluation():
-  alpha = np.array([0.25, 0.75])
-  probabilities, entropy, mutual_information = ensemble_module.mixture_and_uncertainty(
-    tf.constant(np.moveaxis(HAND_PROBS, 0, 1), tf.float32), tf.constant(alpha, tf.float32)
-  )
-  expected = metrics.ensemble_uncertainty(HAND_PROBS, alpha)
-  np.testing.assert_allclose(probabilities, expected["probabilities"], rtol=1e-6)
-  np.testing.assert_allclose(probabilities[0], [0.3125, 0.4375, 0.25], rtol=1e-6)
-  np.testing.assert_allclose(entropy, expected["entropy"], rtol=1e-5)
-  np.testing.assert_allclose(mutual_information, expected["mutual_information"], atol=1e-6)
-
-
 # The one-file ensemble in tflite-runtime ----------------------------------------------
 
 
@@ -141,7 +95,7 @@ def test_ensemble_predict_matches_keras(ensemble, ensemble_run):
 def test_ensemble_personalize_matches_numpy(ensemble, ensemble_run):
   x, y = images(7, seed=1), np.array([0, 5, 61, 3, 3, 10, 0])
   members = np.stack([evaluation.predict_probabilities(m, x) for m in ensemble_run.load_models()])
-  losses = personalization.member_losses(members, y)
+  losses = ensemble_math.member_losses(members, y)
   for temperature in (0.5, 0.05, np.inf):
     np.testing.assert_allclose(
       ensemble.personalize(x, y, temperature),
@@ -234,7 +188,7 @@ def test_quantized_ensemble_keeps_signatures_and_float_math(
   np.testing.assert_allclose(
     alpha_file,
     personalization.personalization_weights(
-      personalization.member_losses(members[:, :20], y[:20]), 0.5
+      ensemble_math.member_losses(members[:, :20], y[:20]), 0.5
     ),
     atol=0.02,
   )

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from tff_ens import ensemble_math
 from tff_ens import personalization
 
 
@@ -75,7 +76,7 @@ def test_member_losses_hand():
   )
   y = np.array([0, 2])
   np.testing.assert_allclose(
-    personalization.member_losses(member_probs, y),
+    ensemble_math.member_losses(member_probs, y),
     [-(math.log(0.5) + math.log(0.8)) / 2, -(math.log(0.2) + math.log(1e-12)) / 2],
     rtol=1e-12,
   )
@@ -84,7 +85,7 @@ def test_member_losses_hand():
 def test_weighted_probabilities():
   member_probs = np.array([[[1.0, 0.0]], [[0.0, 1.0]]])
   np.testing.assert_allclose(
-    personalization.weighted_probabilities(member_probs, np.array([0.25, 0.75])), [[0.25, 0.75]]
+    ensemble_math.mixture(member_probs, np.array([0.25, 0.75])), [[0.25, 0.75]]
   )
 
 
@@ -112,7 +113,7 @@ class TestChooseTemperature:
     tau = personalization.choose_temperature({"a": a_probs, "b": b_probs}, {"a": a_y, "b": b_y})
     assert tau == 1.0
     # The uniform ensemble would be wrong everywhere here.
-    uniform = personalization.weighted_probabilities(a_probs, np.array([0.5, 0.5]))
+    uniform = ensemble_math.mixture(a_probs, np.array([0.5, 0.5]))
     assert (uniform.argmax(-1) != a_y).all()
 
   def test_infinite_temperature_when_members_are_identical(self):

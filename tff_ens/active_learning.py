@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from tff_ens import metrics
+from tff_ens import ensemble_math
 from tff_ens import settings
 from tff_ens.settings import setting
 
@@ -153,7 +153,11 @@ class Pool:
     for k, client in enumerate(sorted(sizes)):
       rng = np.random.default_rng([seed, k, round_num])
       picked = select(
-        metrics.entropy(probabilities[client]), masks[client], config.budget, config.selection, rng
+        ensemble_math.entropy(probabilities[client]),
+        masks[client],
+        config.budget,
+        config.selection,
+        rng,
       )
       if len(picked):
         added[client] = picked

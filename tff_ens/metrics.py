@@ -10,6 +10,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import scipy.stats
 
+from tff_ens import ensemble_math
+
 ECE_BINS = 15
 
 
@@ -19,8 +21,7 @@ def accuracy(probs: np.ndarray, y: np.ndarray) -> float:
 
 def negative_log_likelihood(probs: np.ndarray, y: np.ndarray) -> float:
   """Mean NLL of the true labels (the test loss)."""
-  p = probs[np.arange(len(y)), y]
-  return float(-np.mean(np.log(np.clip(p, 1e-12, 1.0))))
+  return float(-np.mean(ensemble_math.log_probabilities(probs[np.arange(len(y)), y])))
 
 
 def reliability_bins(probs: np.ndarray, y: np.ndarray, num_bins: int = ECE_BINS) -> dict[str, list]:
@@ -56,11 +57,6 @@ def expected_calibration_error(probs: np.ndarray, y: np.ndarray, num_bins: int =
   )
 
 
-def entropy(probs: np.ndarray) -> np.ndarray:
-  """Shannon entropy (nats) of each row of `probs`."""
-  return -np.sum(probs * np.log(np.clip(probs, 1e-12, 1.0)), axis=-1)
-
-
 def ensemble_uncertainty(
   member_probs: np.ndarray, alpha: np.ndarray | None = None
 ) -> dict[str, np.ndarray]:
@@ -72,15 +68,15 @@ def ensemble_uncertainty(
 
   Returns:
     `probabilities` (the weighted mean), `entropy` (predictive entropy of the
-    mean), `mutual_information` (entropy of the mean minus the mean entropy,
-    Depeweg et al. 2018, eq. 4) and `variance` (variance over members of the
-    probability of the predicted class).
+    mean) and `mutual_information` (entropy of the mean minus the mean entropy,
+    Depeweg et al. 2018, eq. 4), as `ensemble_math.mixture_uncertainty`, and
+    `variance` (variance over members of the probability of the predicted class).
   """
   k = member_probs.shape[0]
   alpha = np.full(k, 1.0 / k) if alpha is None else np.asarray(alpha)
-  mean = np.tensordot(alpha, member_probs, axes=1)
-  predictive_entropy = entropy(mean)
-  expected_entropy = np.tensordot(alpha, entropy(member_probs), axes=1)
+  mean, predictive_entropy, mutual_information = ensemble_math.mixture_uncertainty(
+    member_probs, alpha
+  )
   predicted = mean.argmax(-1)
   chosen = member_probs[:, np.arange(mean.shape[0]), predicted]
   chosen_mean = np.tensordot(alpha, chosen, axes=1)
@@ -88,7 +84,7 @@ def ensemble_uncertainty(
   return {
     "probabilities": mean,
     "entropy": predictive_entropy,
-    "mutual_information": predictive_entropy - expected_entropy,
+    "mutual_information": mutual_information,
     "variance": variance,
   }
 

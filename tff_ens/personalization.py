@@ -17,32 +17,18 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from tff_ens import ensemble_math
+
 # Candidate temperatures for `choose_temperature`; inf is the uniform ensemble.
 TEMPERATURE_GRID = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, float("inf"))
 
 
-def member_losses(member_probs: np.ndarray, y: np.ndarray) -> np.ndarray:
-  """Mean cross-entropy of each member: [K, n, classes], [n] -> [K]."""
-  p = member_probs[:, np.arange(len(y)), y]
-  return -np.log(np.clip(p, 1e-12, 1.0)).mean(axis=1)
-
-
 def personalization_weights(losses: np.ndarray, temperature: float) -> np.ndarray:
-  """alpha = softmax(-losses / temperature) over the last axis (eq. 4)."""
-  losses = np.asarray(losses, np.float64)
+  """alpha = softmax(-losses / temperature) (eq. 4, `ensemble_math.personalization_weights`)
+  in float64, for a temperature > 0 (inf: the uniform ensemble)."""
   if not temperature > 0:
     raise ValueError(f"temperature must be positive, got {temperature}")
-  if np.isinf(temperature):
-    return np.full(losses.shape, 1.0 / losses.shape[-1])
-  z = -losses / temperature
-  z -= z.max(axis=-1, keepdims=True)
-  e = np.exp(z)
-  return e / e.sum(axis=-1, keepdims=True)
-
-
-def weighted_probabilities(member_probs: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-  """sum_k alpha_k p_k: [K, n, classes], [K] -> [n, classes]."""
-  return np.tensordot(alpha, member_probs, axes=1)
+  return ensemble_math.personalization_weights(np.asarray(losses, np.float64), temperature)
 
 
 def choose_temperature(
@@ -65,10 +51,10 @@ def choose_temperature(
     probs, y = member_train_probs[client], train_labels[client]
     order = rng.permutation(len(y))
     fit, held = order[: len(y) // 2], order[len(y) // 2 :]
-    losses = member_losses(probs[:, fit], y[fit])
+    losses = ensemble_math.member_losses(probs[:, fit], y[fit])
     for i, tau in enumerate(candidates):
       alpha = personalization_weights(losses, tau)
-      predicted = weighted_probabilities(probs[:, held], alpha).argmax(-1)
+      predicted = ensemble_math.mixture(probs[:, held], alpha).argmax(-1)
       scores[i] += np.mean(predicted == y[held])
   best = np.flatnonzero(scores >= scores.max() - 1e-12)
   return float(max(candidates[i] for i in best))

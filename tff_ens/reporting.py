@@ -16,6 +16,7 @@ import sys
 import numpy as np
 
 from tff_ens import algorithms
+from tff_ens import ensemble_math
 from tff_ens import evaluation
 from tff_ens import experiment
 from tff_ens import metrics
@@ -67,9 +68,9 @@ class Evaluator:
     personalized, personalized_nll = [], []
     for c in clients:
       alpha = personalization.personalization_weights(
-        personalization.member_losses(member_train[c], data.train.y[c]), temperature
+        ensemble_math.member_losses(member_train[c], data.train.y[c]), temperature
       )
-      probs = personalization.weighted_probabilities(member_test[c], alpha)
+      probs = ensemble_math.mixture(member_test[c], alpha)
       personalized.append(metrics.accuracy(probs, data.test.y[c]))
       personalized_nll.append(metrics.negative_log_likelihood(probs, data.test.y[c]))
     uncertainty = metrics.ensemble_uncertainty(all_members)
@@ -226,7 +227,7 @@ def uncertainty_summary(config, data, member_probabilities, output_dir: str, tea
       metrics.split_by_client(teacher["probabilities"], counts),
       metrics.split_by_client(teacher["mean_entropy"], counts),
     ):
-      entropy = metrics.entropy(probs)
+      entropy = ensemble_math.entropy(probs)
       teacher_predictions[name] = {
         "probabilities": probs,
         "entropy": entropy,

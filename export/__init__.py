@@ -1,7 +1,8 @@
 """TFLite export and on-device evaluation of trained tff-ens runs.
 
-`python -m export` converts a run (`export.convert`), `python -m export.evaluate` runs the
-file in a standalone TFLite runtime (`export.on_device`) on FEMNIST writers.
+`python -m export` converts a run of any task (`export.convert`; the task describes the
+input, `tasks.INPUT_DESCRIPTION`), `python -m export.evaluate` runs the file in a standalone
+TFLite runtime (`export.on_device`) on the task's test clients.
 """
 
 

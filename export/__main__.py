@@ -56,8 +56,8 @@ def define_flags():
   flags.DEFINE_string(
     "data_dir",
     None,
-    "FEMNIST (LEAF) directory for int8 calibration and QAT "
-    "fine-tuning; defaults to the run's --data_dir.",
+    "The run's task data (FEMNIST: a LEAF directory; CIFAR: the archive's directory) for int8 "
+    "calibration and QAT fine-tuning; defaults to the run's --data_dir.",
   )
   flags.DEFINE_integer(
     "representative_examples",

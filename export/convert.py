@@ -112,6 +112,12 @@ def describe(
 ) -> dict:
   """The metadata of `run` exported as `output_format` (see `metadata`)."""
   task = run.task
+  preprocessing = task.INPUT_DESCRIPTION["preprocessing"]
+  if quantized_io:
+    preprocessing += (
+      "; int8 inputs take round(x / scale + zero_point) with the input tensor's quantization "
+      "parameters"
+    )
   description = {
     "format": output_format,
     "runtime": (metadata.RUNTIME_LCE if output_format == "lce" else metadata.RUNTIME_TFLITE),
@@ -122,11 +128,11 @@ def describe(
     "input": {
       "shape": [None, *task.INPUT_SHAPE],
       "dtype": "int8" if quantized_io else "float32",
-      "value_range": [0.0, 1.0],
-      "background": 1.0,
-      "preprocessing": metadata.FEMNIST_PREPROCESSING,
+      **task.INPUT_DESCRIPTION,
+      "preprocessing": preprocessing,
     },
   }
+  shape = f"[n, {', '.join(map(str, task.INPUT_SHAPE))}]"
   if output_format == "ensemble":
     description.update(
       ensemble_size=len(run.model_paths),
@@ -134,11 +140,11 @@ def describe(
       # JSON has no infinity; null means the uniform ensemble (an infinite temperature).
       personalization_temperature=_finite_or_none(run.summary.get("personalization_temperature")),
       signatures={
-        "predict": "image [n, 28, 28, 1] float32, alpha [K] float32 (weights on the "
+        "predict": f"image {shape} float32, alpha [K] float32 (weights on the "
         "simplex; 1/K each is the uniform ensemble) -> probabilities [n, "
         "classes], member_probabilities [n, K, classes], entropy [n], "
         "mutual_information [n] (nats)",
-        "personalize": "images [n, 28, 28, 1] float32, labels [n] int32 (n >= 1, the "
+        "personalize": f"images {shape} float32, labels [n] int32 (n >= 1, the "
         "phone's own labeled examples), temperature [] float32 > 0 -> "
         "alpha [K] = softmax(-mean cross-entropy of each member / "
         "temperature)",
@@ -149,9 +155,9 @@ def describe(
       learning_rate=run.config.get("client_lr"),
       momentum=run.config.get("client_momentum", 0.0),
       signatures={
-        "train": "x [n, 28, 28, 1] float32, y [n] int32 -> loss [], correct [] (one SGD step "
+        "train": f"x {shape} float32, y [n] int32 -> loss [], correct [] (one SGD step "
         "on the batch's mean cross-entropy; its loss and correct predictions before it)",
-        "infer": "x [n, 28, 28, 1] float32 -> logits [n, classes]",
+        "infer": f"x {shape} float32 -> logits [n, classes]",
         "get_weights": "-> w0, w1, ... (the trainable weights, Keras order)",
         "set_weights": "w0, w1, ... -> num_weights [] (also restarts the momentum)",
       },

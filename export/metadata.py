@@ -29,15 +29,6 @@ METADATA_NAME = "tff_ens"
 # The metadata's "runtime": what runs the file (`export.on_device` follows it).
 RUNTIME_TFLITE = "tflite"
 RUNTIME_LCE = "larq_compute_engine"
-# How FEMNIST images reach every model (tasks/femnist.py, LEAF's format).
-FEMNIST_PREPROCESSING = (
-  "28x28 grayscale image, row-major (LEAF's 784 values), as float32 in [0, 1] with "
-  "1.0 = white background and darker ink towards 0.0 (LEAF and TFF's FEMNIST); shape "
-  "[batch, 28, 28, 1]. int8 inputs take round(x / scale + zero_point) with the input "
-  "tensor's quantization parameters."
-)
-
-
 def add(model: schema.ModelT, description: dict):
   """Adds (or replaces) the `METADATA_NAME` entry of a TFLite model object, in place."""
   buffer = schema.BufferT()

@@ -1,9 +1,13 @@
 """Tasks: a dataset and its models, knowing nothing of federated algorithms.
 
 A task (a module, or for CIFAR a `cifar.CifarTask`) exposes NUM_CLASSES,
-INPUT_SHAPE, CLASS_LABELS, MODEL_NAMES, BINARY_MODEL_NAMES,
+INPUT_SHAPE, INPUT_DESCRIPTION, CLASS_LABELS, MODEL_NAMES, BINARY_MODEL_NAMES,
 TRAIN_AUGMENTATION, DEFAULT_PARTITION, SERVER_EXAMPLES, load_data and
 build_model:
+
+  INPUT_DESCRIPTION: what a model's input is, for an exported file's metadata:
+    `value_range` [low, high], `background` (the blank pixel's value, or None) and
+    `preprocessing` (how raw images become inputs, in words).
 
   load_data(data_dir=None, *, partition=None, seed=0) -> a
     `data.FederatedData`, whose `server` field holds the server's examples

@@ -558,6 +558,20 @@ class CifarTask:
   def __repr__(self) -> str:
     return f"CifarTask({self.name!r})"
 
+  @property
+  def INPUT_DESCRIPTION(self) -> dict:  # noqa: N802 (the task interface's name)
+    """What a model's input is (`standardize`), for an exported file's metadata."""
+    mean, std = np.asarray(self.archive.mean), np.asarray(self.archive.std)
+    return {
+      "value_range": [float(np.min(-mean / std)), float(np.max((1 - mean) / std))],
+      "background": None,
+      "preprocessing": (
+        "32x32 RGB image as float32 [batch, 32, 32, 3]: uint8 pixels / 255, then per channel "
+        f"(x - mean) / std with mean {[round(m, 4) for m in self.archive.mean]} and std "
+        f"{[round(d, 4) for d in self.archive.std]} (the training images')"
+      ),
+    }
+
   def find_data(self, data_dir: str | None = None) -> tuple[str, str]:
     """("tfds", tfds data directory) or ("archive", archive directory).
 

@@ -42,6 +42,16 @@ from tasks.leaf import load_leaf
 NUM_CLASSES = leaf.NUM_CLASSES
 INPUT_SHAPE = leaf.INPUT_SHAPE
 CLASS_LABELS = leaf.CLASS_LABELS
+# What a model's input is, for an exported file's metadata (`export.convert.describe`).
+INPUT_DESCRIPTION = {
+  "value_range": [0.0, 1.0],
+  "background": 1.0,
+  "preprocessing": (
+    "28x28 grayscale image, row-major (LEAF's 784 values), as float32 in [0, 1] with "
+    "1.0 = white background and darker ink towards 0.0 (LEAF and TFF's FEMNIST); shape "
+    "[batch, 28, 28, 1]"
+  ),
+}
 DATA_DIR_ENV = leaf.DATA_DIR_ENV
 MODEL_NAMES = ("cnn", "cnn_ppd_student", "resnet8", "resnet20", "resnet8_binary", "resnet20_binary")
 # FedPPD's default student for a teacher architecture (its supplement, Table 2).
@@ -274,6 +284,7 @@ class _Digits:
   NUM_CLASSES = leaf.NUM_DIGITS
   CLASS_LABELS = CLASS_LABELS[:10]
   INPUT_SHAPE = INPUT_SHAPE
+  INPUT_DESCRIPTION = INPUT_DESCRIPTION
   MODEL_NAMES = MODEL_NAMES
   STUDENT_MODELS = STUDENT_MODELS
   BINARY_MODEL_NAMES = BINARY_MODEL_NAMES

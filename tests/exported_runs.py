@@ -14,15 +14,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "femnist")
 
 
-def small_femnist_model(seed: int) -> tf.keras.Model:
-  """A FEMNIST-shaped model (28x28x1 -> 62 logits) that converts in a second."""
+def small_femnist_model(seed: int, task=femnist) -> tf.keras.Model:
+  """A model of `task`'s shape (FEMNIST: 28x28x1 -> 62 logits) that converts in a second."""
   init = tf.keras.initializers.GlorotUniform(seed=seed)
   return tf.keras.Sequential(
     [
-      tf.keras.Input(femnist.INPUT_SHAPE),
+      tf.keras.Input(task.INPUT_SHAPE),
       tf.keras.layers.Conv2D(4, 3, strides=2, activation="relu", kernel_initializer=init),
       tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(femnist.NUM_CLASSES, kernel_initializer=init),
+      tf.keras.layers.Dense(task.NUM_CLASSES, kernel_initializer=init),
     ]
   )
 

@@ -23,6 +23,7 @@ from export import evaluate
 from export import metadata
 from export import on_device
 from export import runs
+import tasks
 from tasks import femnist
 from tests.exported_runs import DATA_DIR
 from tests.exported_runs import REPO_ROOT
@@ -61,6 +62,35 @@ def ensemble_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ensemble(ensemble_run):
   return on_device.load_bytes(convert.export_run(ensemble_run, "ensemble"))
+
+
+def test_cifar_runs_export_as_their_task_describes(tmp_path):
+  # A CIFAR-10-shaped run: its input and labels come from the task, and both the single-model
+  # and the ensemble file run in tflite-runtime as the Keras models do.
+  cifar10 = tasks.get_task("cifar10")
+  low, high = cifar10.INPUT_DESCRIPTION["value_range"]
+  x = np.random.default_rng(0).uniform(low / 2, high / 2, (4, *cifar10.INPUT_SHAPE))
+  x = x.astype(np.float32)
+  config = {"task": "cifar10", "data_dir": None}
+  single = write_run(tmp_path / "one", [small_femnist_model(0, cifar10)], config=config)
+  exported = on_device.load_bytes(convert.export_run(single, "float"))
+  description = exported.metadata
+  assert description["input"]["shape"] == [None, 32, 32, 3]
+  assert description["class_labels"] == list(cifar10.CLASS_LABELS)
+  assert description["input"]["background"] is None
+  assert "(x - mean) / std" in description["input"]["preprocessing"]
+  low, high = description["input"]["value_range"]
+  assert low < -1.5 and high > 1.5  # Standardized, not [0, 1].
+  np.testing.assert_allclose(
+    exported.logits(x), single.load_models()[0](x, training=False), atol=1e-5
+  )
+  members = [small_femnist_model(k, cifar10) for k in range(2)]
+  ensemble = on_device.load_bytes(
+    convert.export_run(write_run(tmp_path / "two", members, config=config), "ensemble")
+  )
+  assert "image [n, 32, 32, 3] float32" in ensemble.metadata["signatures"]["predict"]
+  probabilities = np.stack([tf.nn.softmax(m(x, training=False)) for m in members])
+  np.testing.assert_allclose(ensemble.predict(x)["probabilities"], probabilities.mean(0), atol=1e-6)
 
 
 # The one-file ensemble in tflite-runtime ----------------------------------------------

@@ -96,7 +96,7 @@ def test_one_clients_update_matches_tff_client_in_the_same_order(work):
 
 def test_fedavg_on_device_aggregates_the_device_results():
   model_fn = lambda: small_femnist_model(0)
-  process, _ = fedavg.build_fedavg(model_fn, SPEC, CONFIG, on_device=True)
+  process = fedavg.build_fedavg(model_fn, SPEC, CONFIG, on_device=True).process
   with runtime.execution_context():
     state = process.initialize()
     start = process.get_model_weights(state)

@@ -61,9 +61,9 @@ def assert_weights_close(got, expected, atol=1e-6):
 
 @pytest.fixture(scope="module")
 def bn_fedavg():
-  process, _ = fedavg.build_fedavg(
+  process = fedavg.build_fedavg(
     lambda: make_model(batch_norm=True), SPEC, Config(learning_rate=LR)
-  )
+  ).process
   return process
 
 
@@ -161,12 +161,12 @@ def mean_delta(weights):
 @pytest.mark.parametrize("server_lr", [1.0, 0.5])
 def test_fedavgm_second_round_adds_momentum_times_previous_delta(server_lr):
   momentum = 0.9
-  process, _ = fedavg.build_fedavg(
+  process = fedavg.build_fedavg(
     make_model,
     SPEC,
     Config(learning_rate=LR),
     server_optimizer=fedavg.build_server_optimizer(server_lr, momentum),
-  )
+  ).process
   data = [one_batch(XA, YA), one_batch(XB, YB)]
 
   state = process.initialize()
@@ -295,10 +295,10 @@ def dense_then_batch_norm():
 
 def test_recalibration_measures_the_new_models_batch_norm_statistics_on_server_images():
   server_images = np.random.default_rng(0).normal(size=(6, 2, 2, 1)).astype(np.float32)
-  plain, _ = fedavg.build_fedavg(dense_then_batch_norm, SPEC, Config(learning_rate=LR))
-  recalibrated, _ = fedavg.build_fedavg(
+  plain = fedavg.build_fedavg(dense_then_batch_norm, SPEC, Config(learning_rate=LR)).process
+  recalibrated = fedavg.build_fedavg(
     dense_then_batch_norm, SPEC, Config(learning_rate=LR), recalibration_images=server_images
-  )
+  ).process
   clients = [one_batch(XA, YA), one_batch(XB, YB)]
   averaged = as_numpy(plain.get_model_weights(plain.next(plain.initialize(), clients).state))
   got = as_numpy(

@@ -353,15 +353,15 @@ def test_process_averages_students_and_uploads_teacher_plus_student():
   with runtime.execution_context():
     built = fedppd.build_fedppd(tiny.tiny_model, lambda: tiny.tiny_model(7), tiny.SPEC, config)
     state = built.process.initialize()
-    before = built.student_weights(state)
+    (before,) = built.models_fn(state)
     data = [tiny.one_batch(X[:2], Y[:2]), tiny.one_batch(X[2:], Y[2:])]
     output = built.process.next(state, data)
-    after = built.student_weights(output.state)
+    (after,) = built.models_fn(output.state)
   assert not np.allclose(before.trainable[0], after.trainable[0])
   metrics = output.metrics["client_work"]
   assert metrics["num_examples"] == 4.0
   assert np.isfinite(metrics["student_loss"])
-  upload = built.client_work.client_update.type_signature.result[0].update
+  upload = built.upload_type[0].update
   # Two tiny models (Dense 4 -> 3): 2 * (12 + 3) float32 tensors.
   assert sum(np.prod(t.shape) for t in tff.structure.flatten(upload)) == 30
 
@@ -433,7 +433,10 @@ def test_fedppd_distill_distills_the_teachers_when_asked():
       state = built.process.initialize()
       new_state, metrics = runtime.state_and_metrics(built.process.next(state, data))
       return (
-        fedppd.split(built.process.get_model_weights(new_state), built.teacher_sizes),
+        fedppd.split(
+          built.process.get_model_weights(new_state),
+          fedppd.count_teacher_tensors(tiny.tiny_model),
+        ),
         metrics,
       )
 

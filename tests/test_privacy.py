@@ -138,9 +138,9 @@ def _clipped_update(model_fn, initial, x, y, clip):
 
 
 def _dp_fedavg(model_fn, dp):
-  process, _ = fedavg.build_fedavg(
+  process = fedavg.build_fedavg(
     model_fn, SPEC, Config(learning_rate=LR), aggregator_factory=dp.aggregator_factory()
-  )
+  ).process
   return process
 
 

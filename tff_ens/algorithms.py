@@ -224,7 +224,7 @@ def _fedavg_family(server_optimizer: Callable[[BuildOptions], Any]) -> Builder:
   """The builder of FedAvg with the server optimizer `server_optimizer(options)`."""
 
   def build(name, model_fn, element_spec, local_config, opts: BuildOptions):
-    process, client_work = fedavg.build_fedavg(
+    built = fedavg.build_fedavg(
       lambda: model_fn(0),
       element_spec,
       local_config,
@@ -233,28 +233,9 @@ def _fedavg_family(server_optimizer: Callable[[BuildOptions], Any]) -> Builder:
       on_device=opts.on_device,
       recalibration_images=opts.recalibration_images,
     )
-    return _one_model(name, process, client_work)
+    return federated_algorithm.FederatedAlgorithm.of(name, built)
 
   return build
-
-
-def _one_model(name, process, client_work, models_fn=None, **hooks):
-  """The `FederatedAlgorithm` of a process whose clients all train one model.
-
-  A client receives the client computation's parameters but for its own data (a sequence,
-  sized 0) and sends back the computation's result. `models_fn` defaults to the process's
-  `get_model_weights`; `hooks` are the other fields of `FederatedAlgorithm`.
-  """
-  client_update = client_work.client_update.type_signature
-  return federated_algorithm.FederatedAlgorithm(
-    name=name,
-    process=process,
-    download_type=client_update.parameter,
-    upload_type=client_update.result,
-    indexed_clients=False,
-    models_fn=models_fn or (lambda state: [process.get_model_weights(state)]),
-    **hooks,
-  )
 
 
 def _build_fed_ensemble(name, model_fn, element_spec, local_config, opts: BuildOptions):
@@ -286,15 +267,8 @@ def _build_fed_ensemble(name, model_fn, element_spec, local_config, opts: BuildO
       shape=tuple(state_type.shape), dtype=np.dtype(state_type.dtype)
     )
 
-  return federated_algorithm.FederatedAlgorithm(
-    name=name,
-    process=built.process,
-    download_type=built.download_type,
-    upload_type=built.upload_type,
-    indexed_clients=True,
-    models_fn=lambda state: list(state["model"]),
-    client_state=spec,
-    client_models=client_models,
+  return federated_algorithm.FederatedAlgorithm.of(
+    name, built, indexed_clients=True, client_state=spec, client_models=client_models
   )
 
 
@@ -309,13 +283,11 @@ def _build_server_distillation(name, model_fn, element_spec, local_config, opts:
     dataclasses.replace(opts.server_config, method=name),
     clients_per_round=opts.clients_per_round,
   )
-  process = built.process
-  return _one_model(
+  return federated_algorithm.FederatedAlgorithm.of(
     name,
-    process,
-    built.client_work,
-    teacher_fn=process.last_round_teachers,
-    server_device=lambda: process.step.device,
+    built,
+    teacher_fn=built.process.last_round_teachers,
+    server_device=lambda: built.process.step.device,
   )
 
 
@@ -331,14 +303,10 @@ def _build_heterogeneous_feddf(name, element_spec, local_config, opts: BuildOpti
     dataclasses.replace(opts.server_config, method=name),
     clients_per_round=opts.clients_per_round,
   )
-
-  return federated_algorithm.FederatedAlgorithm(
-    name=name,
-    process=built.process,
-    download_type=built.download_type,
-    upload_type=built.upload_type,
+  return federated_algorithm.FederatedAlgorithm.of(
+    name,
+    built,
     indexed_clients=True,
-    models_fn=lambda state: [state["model"][0]],
     teacher_fn=built.process.last_round_teachers,
     server_device=lambda: built.process.step.device,
     prototypes_fn=lambda state: list(zip(names, model_fns, state["model"])),
@@ -370,11 +338,9 @@ def _build_fedppd(name, model_fn, element_spec, local_config, opts: BuildOptions
         else None
       ),
     )
-  return _one_model(
+  return federated_algorithm.FederatedAlgorithm.of(
     name,
-    built.process,
-    built.client_work,
-    models_fn=lambda state: [built.student_weights(state)],
+    built,
     server_device=(lambda: built.process.step.device) if name == "fedppd_distill" else None,
     evaluation_model_fn=opts.student_fn,
   )

@@ -40,7 +40,6 @@ is complete (with FedDyn, together with the clients' stored states).
 """
 
 import collections
-import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -49,6 +48,7 @@ import tensorflow_federated as tff
 
 from tff_ens import client_work as client_work_lib
 from tff_ens import feddyn
+from tff_ens import federated_algorithm
 from tff_ens import keyed_stages
 from tff_ens import privacy
 
@@ -151,19 +151,6 @@ def apply_feddyn_correction(members, corrections, slots, weights, alpha: float, 
   return tuple(new_members), tuple(new_corrections)
 
 
-@dataclasses.dataclass(frozen=True)
-class FedEnsembleProcess:
-  """The built Fed-ensemble process and the types that cross the network.
-
-  `download_type` is what one client receives in a round, `upload_type` what
-  it sends; both come from the computations' type signatures.
-  """
-
-  process: tff.templates.IterativeProcess
-  download_type: tff.Type
-  upload_type: tff.Type
-
-
 def build_fed_ensemble(
   member_model_fn: Callable[[int], tf.keras.Model],
   element_spec,
@@ -177,7 +164,7 @@ def build_fed_ensemble(
   num_clients: int = 0,
   member_average: str = "clients",
   on_device: bool = False,
-) -> FedEnsembleProcess:
+) -> federated_algorithm.BuiltProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
   `next(state, client_data, client_indices)`: `client_data` are the cohort's
@@ -278,7 +265,9 @@ def build_fed_ensemble(
     uploaded = tff.StructType(list(client_update_type.result)[:2])
   key_type = distributor.next.type_signature.result.result[1].member
   upload = tff.StructType([("client_result", uploaded), ("key", key_type)])
-  return FedEnsembleProcess(process, download, upload)
+  return federated_algorithm.BuiltProcess(
+    process, download, upload, lambda state: list(state["model"])
+  )
 
 
 def _build_distributor(members_type, weights_type, k: int, seed: int, assignment: str):

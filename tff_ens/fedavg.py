@@ -13,6 +13,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import client_work as client_work_lib
+from tff_ens import federated_algorithm
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -117,7 +118,7 @@ def build_fedavg(
   aggregator_factory: Optional[tff.aggregators.WeightedAggregationFactory] = None,
   on_device: bool = False,
   recalibration_images: np.ndarray | None = None,
-) -> tuple[tff.learning.templates.LearningProcess, client_work_lib.ClientWork]:
+) -> federated_algorithm.BuiltProcess:
   """Builds FedAvg (McMahan et al. 2017), FedProx, FedAvgM or FedAdam.
 
   Args:
@@ -135,7 +136,7 @@ def build_fedavg(
       are measured each round (`build_finalizer`); None averages the clients'.
 
   Returns:
-    The learning process and its client work (for communication accounting).
+    The `tff.learning` process, with what a client downloads and uploads.
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = (
@@ -157,4 +158,4 @@ def build_fedavg(
       None if recalibration_images is None else (model_fn, recalibration_images),
     ),
   )
-  return process, client_work
+  return federated_algorithm.built_from_client_work(process, client_work)

@@ -21,6 +21,39 @@ ModelWeights = tff.learning.models.ModelWeights
 
 
 @dataclasses.dataclass(frozen=True)
+class BuiltProcess:
+  """What every algorithm's builder returns.
+
+  Attributes:
+    process: the TFF process (`initialize`, `next`): a `tff.learning` process, a
+      `tff.templates.IterativeProcess` or a `server_step.DriverProcess`.
+    download_type: what one client receives in a round (a TFF type).
+    upload_type: what one client sends in a round.
+    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate (one, or an
+      ensemble's K).
+  """
+
+  process: Any
+  download_type: tff.Type
+  upload_type: tff.Type
+  models_fn: Callable[[Any], list[ModelWeights]]
+
+
+def built_from_client_work(process, client_work, models_fn=None) -> BuiltProcess:
+  """The `BuiltProcess` of a process whose clients all train one model with `client_work`
+  (a `client_work.ClientWork`): a client receives its computation's parameters but for
+  its own data (a sequence, sized 0) and sends back its result; `models_fn` defaults to
+  the process's model (`get_model_weights`)."""
+  client_update = client_work.client_update.type_signature
+  return BuiltProcess(
+    process,
+    client_update.parameter,
+    client_update.result,
+    models_fn or (lambda state: [process.get_model_weights(state)]),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class FederatedAlgorithm:
   """A built algorithm: its TFF process and how the training loop drives it.
 
@@ -66,6 +99,18 @@ class FederatedAlgorithm:
   ) = None
   client_state: client_states.ClientStateSpec | None = None
   client_models: Callable[[Sequence[int], int], list[int]] | None = None
+
+  @classmethod
+  def of(cls, name: str, built: BuiltProcess, **hooks) -> "FederatedAlgorithm":
+    """The algorithm `name` of a builder's result; `hooks` are the other fields."""
+    return cls(
+      name=name,
+      process=built.process,
+      download_type=built.download_type,
+      upload_type=built.upload_type,
+      models_fn=hooks.pop("models_fn", built.models_fn),
+      **{"indexed_clients": False, **hooks},
+    )
 
   def next_args(self, datasets: Sequence[tf.data.Dataset], client_indices, states=None) -> tuple:
     """`process.next`'s arguments after the state, for one cohort.

@@ -47,8 +47,8 @@ import tensorflow_federated as tff
 
 from tff_ens import client_work as client_work_lib
 from tff_ens import fedavg
+from tff_ens import federated_algorithm
 from tff_ens import fedppd_local
-from tff_ens import server_step
 from tff_ens import settings
 from tff_ens.settings import setting
 
@@ -370,25 +370,13 @@ def build_client_work(
   return client_work_lib.build_round_client_work(client_update, round_number, finalize)
 
 
-@dataclasses.dataclass(frozen=True)
-class FedPPD:
-  """A built FedPPD process and how to read its student.
-
-  Attributes:
-    process: the `LearningProcess` (FedPPD) or `server_step.DriverProcess`
-      (FedPPD+Distill); its model is `join(teacher, student)`.
-    client_work: its client work (for communication accounting).
-    teacher_sizes: (trainable, non-trainable) tensor counts of the teacher,
-      for `split`.
-  """
-
-  process: tff.learning.templates.LearningProcess | server_step.DriverProcess
-  client_work: client_work_lib.ClientWork
-  teacher_sizes: tuple[int, int]
-
-  def student_weights(self, state) -> ModelWeights:
-    """The global PPD model (the student) of a process state."""
-    return split(self.process.get_model_weights(state), self.teacher_sizes)[1]
+def built_fedppd(process, client_work, teacher_fn) -> federated_algorithm.BuiltProcess:
+  """The `BuiltProcess` of FedPPD or FedPPD+Distill, whose model is `join(teacher, student)`:
+  the model it evaluates is the student, the global PPD model."""
+  sizes = count_teacher_tensors(teacher_fn)
+  return federated_algorithm.built_from_client_work(
+    process, client_work, lambda state: [split(process.get_model_weights(state), sizes)[1]]
+  )
 
 
 def build_fedppd(
@@ -398,7 +386,7 @@ def build_fedppd(
   config: PosteriorConfig,
   *,
   aggregator_factory: (tff.aggregators.WeightedAggregationFactory | None) = None,
-) -> FedPPD:
+) -> federated_algorithm.BuiltProcess:
   """Builds FedPPD: FedAvg's stages with `build_client_work`'s client work.
 
   The server averages the clients' students and teachers (weighted by their
@@ -417,7 +405,7 @@ def build_fedppd(
     factory.create(weights_type, tff.TensorType(np.float32)),
     fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type),
   )
-  return FedPPD(process, client_work, count_teacher_tensors(teacher_fn))
+  return built_fedppd(process, client_work, teacher_fn)
 
 
 def build_initial_weights_fn(teacher_fn, student_fn) -> tff.Computation:

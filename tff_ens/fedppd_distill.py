@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import federated_algorithm
 from tff_ens import fedppd
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation
@@ -66,7 +67,7 @@ def build_fedppd_distill(
   *,
   clients_per_round: int,
   teacher_server_config: (server_distillation.ServerDistillationConfig | None) = None,
-) -> fedppd.FedPPD:
+) -> federated_algorithm.BuiltProcess:
   """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
 
   The clients' students are distilled into the global student on the
@@ -97,6 +98,6 @@ def build_fedppd_distill(
       else None
     ),
   )
-  return fedppd.FedPPD(
-    server_step.DriverProcess(initialize_fn, collect, step), client_work, teacher_sizes
+  return fedppd.built_fedppd(
+    server_step.DriverProcess(initialize_fn, collect, step), client_work, teacher_fn
   )

@@ -30,7 +30,6 @@ once:
 """
 
 import collections
-import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -41,6 +40,7 @@ import tensorflow_federated as tff
 from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
 from tff_ens import drop_worst
+from tff_ens import federated_algorithm
 from tff_ens import keyed_stages
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_distillation
@@ -300,19 +300,6 @@ def build_prototype_client_work(
   return client_work_lib.build_sgd_client_work(local_update, download_type, element_spec, config)
 
 
-@dataclasses.dataclass(frozen=True)
-class PrototypeProcess:
-  """The built process and the types that cross the network.
-
-  `download_type` is what one client receives in a round, `upload_type`
-  what it sends (the largest prototype's size, see the module docstring).
-  """
-
-  process: server_step.DriverProcess
-  download_type: tff.Type
-  upload_type: tff.Type
-
-
 def build_heterogeneous_feddf(
   model_fns: Sequence[Callable[[], tf.keras.Model]],
   names: Sequence[str],
@@ -322,12 +309,13 @@ def build_heterogeneous_feddf(
   config: server_distillation.ServerDistillationConfig,
   *,
   clients_per_round: int,
-) -> PrototypeProcess:
+) -> federated_algorithm.BuiltProcess:
   """Builds FedDF over P prototypes as a `server_step.DriverProcess`.
 
   `next(state, client_data, client_indices)`: client i (its fixed index in
   the population) runs prototype `i mod P`. The state's `model` is the
-  tuple of the P global models.
+  tuple of the P global models; the one evaluated is the first. What a client
+  downloads and uploads is the largest prototype's size (see the module docstring).
 
   Args:
     model_fns: builds prototype p's Keras model (logits), its initial
@@ -394,8 +382,9 @@ def build_heterogeneous_feddf(
   download = tff.StructType(
     [("model", download_type), ("learning_rate", client_type.parameter.learning_rate)]
   )
-  return PrototypeProcess(
+  return federated_algorithm.BuiltProcess(
     server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities),
     download,
     client_type.result,
+    lambda state: [state["model"][0]],
   )

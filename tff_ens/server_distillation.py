@@ -43,6 +43,7 @@ from tff_ens import client_work as client_work_lib
 from tff_ens import distillation
 from tff_ens import drop_worst
 from tff_ens import fedavg
+from tff_ens import federated_algorithm
 from tff_ens import server_data as server_data_lib
 from tff_ens import server_step
 from tff_ens import settings
@@ -338,21 +339,6 @@ class DistillationStep:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class ServerDistillationProcess:
-  """The built process and its client work.
-
-  Attributes:
-    process: the `server_step.DriverProcess`; its `last_round_teachers`
-      are the last round's teachers.
-    client_work: the shared client work (its `client_update` gives the
-      per-client download and upload types).
-  """
-
-  process: server_step.DriverProcess
-  client_work: client_work_lib.ClientWork
-
-
 def build_server_distillation(
   model_fn: Callable[[], tf.keras.Model],
   element_spec,
@@ -361,8 +347,9 @@ def build_server_distillation(
   config: ServerDistillationConfig,
   *,
   clients_per_round: int,
-) -> ServerDistillationProcess:
-  """Builds FedBE, FedDF or v-Distillation (`config.method`).
+) -> federated_algorithm.BuiltProcess:
+  """Builds FedBE, FedDF or v-Distillation (`config.method`) as a
+  `server_step.DriverProcess`, whose `last_round_teachers` are the last round's teachers.
 
   Args:
     model_fn: no-arg function building the (global and client) model.
@@ -382,4 +369,4 @@ def build_server_distillation(
   )
   step = DistillationStep(model_fn, data, config)
   process = server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities)
-  return ServerDistillationProcess(process, client_work)
+  return federated_algorithm.built_from_client_work(process, client_work)

@@ -116,10 +116,11 @@ def test_fed_ensemble_on_device_averages_each_members_device_results():
     "fedensemble", small_femnist_model, SPEC, CONFIG, ensemble_size=3, seed=7, on_device=True
   )
   clients = [0, 1, 2, 3, 4]
-  assigned = algorithm.client_models(clients, 0)
-  assert assigned == [int(fed_ensemble.assigned_model(7, c, 0, 3, "permutation")) for c in clients]
   with runtime.execution_context():
     state = algorithm.process.initialize()
+  assigned = algorithm.client_models(clients, state["distributor"])
+  assert assigned == [int(fed_ensemble.assigned_model(7, c, 0, 3, "permutation")) for c in clients]
+  with runtime.execution_context():
     members = algorithm.models_fn(state)
     # Client c's device returns its assigned member's weights plus c.
     results = [

@@ -308,6 +308,9 @@ def test_round_trains_only_the_assigned_members(built):
   assert metrics["client_work"]["num_examples"] == 5.0
   assert new_state["distributor"]["round"] == 1
   assert new_state["distributor"]["seed"] == seed
+  # The distributor reports the key state of the next round: what the training loop reads a
+  # client's next model from (FedDyn's stored states), with no round counter of its own.
+  assert metrics["distributor"] == new_state["distributor"]
   assert new_state["client_work"] == 1
 
 
@@ -506,7 +509,8 @@ def test_feddyn_client_state_stays_on_the_client():
   assert zeros.dtype == np.float32 and zeros.shape == (
     sum(int(np.prod(v.shape)) for v in member_model(0).trainable_variables),
   )
-  assert feddyn.client_models([0, 1, 3], 2) == [assign(0, c, 2, 3) for c in (0, 1, 3)]
+  key_state = {"round": np.int32(2), "seed": np.int64(0)}  # The distributor's state.
+  assert feddyn.client_models([0, 1, 3], key_state) == [assign(0, c, 2, 3) for c in (0, 1, 3)]
   with pytest.raises(ValueError, match="fedensemble"):
     algorithms.build_algorithm(
       "fedavg", member_model, SPEC, Config(), local_objective="feddyn", num_clients=10

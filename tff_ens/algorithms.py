@@ -254,9 +254,13 @@ def _build_fed_ensemble(name, model_fn, element_spec, local_config, opts: BuildO
     on_device=opts.on_device,
   )
 
-  def client_models(clients, round_num):
+  def client_models(clients, key_state):
     return [
-      int(fed_ensemble.assigned_model(opts.seed, c, round_num, opts.ensemble_size, opts.assignment))
+      int(
+        fed_ensemble.assigned_model(
+          key_state["seed"], c, key_state["round"], opts.ensemble_size, opts.assignment
+        )
+      )
       for c in clients
     ]
 

@@ -80,9 +80,11 @@ class FederatedAlgorithm:
     client_state: for algorithms whose clients keep a state between rounds
       (FedDyn), what it is; `process.next` then takes the cohort's states
       last and returns their new values after the metrics. None otherwise.
-    client_models: `(client indices, 0-based round) -> [k]`, the model of `models_fn`
-      each client trains in that round (Fed-ensemble's `assigned_model`, which the
-      process's distributor computes too); None: every client trains the first.
+    client_models: `(client indices, key state) -> [k]`, the model of `models_fn` each
+      client trains in the round whose distributor state is the key state (the state's
+      `distributor`, which the distributor also reports as its measurements for the next
+      round; Fed-ensemble's `assigned_model`, as its distributor computes it); None: every
+      client trains the first.
   """
 
   name: str
@@ -98,7 +100,7 @@ class FederatedAlgorithm:
     Callable[[Any], list[tuple[str, Callable[[], tf.keras.Model], ModelWeights]]] | None
   ) = None
   client_state: client_states.ClientStateSpec | None = None
-  client_models: Callable[[Sequence[int], int], list[int]] | None = None
+  client_models: Callable[[Sequence[int], Any], list[int]] | None = None
 
   @classmethod
   def of(cls, name: str, built: BuiltProcess, **hooks) -> "FederatedAlgorithm":

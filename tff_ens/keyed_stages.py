@@ -70,10 +70,12 @@ def build_keyed_distributor(
 ) -> tff.templates.MeasuredProcess:
   """The distributor of K server models, one to each client by its key.
 
-  `next(state, models, client_indices) -> (state, (downloads, keys), ())`, both at CLIENTS: a
+  `next(state, models, client_indices) -> (state, (downloads, keys) at CLIENTS, state)`: a
   client
   computes `client_key(state, index)` (int32 [1]), downloads `select_model(models, key)` with
   `tff.federated_select` and turns it into its download with `to_download(selected, key)`.
+  Its measurements are its new state, the key state of the next round, so that a caller can
+  know a client's key before that round (`federated_algorithm.FederatedAlgorithm.client_models`).
 
   Args:
     models_type: the K models' type (a tuple of K structures).
@@ -104,9 +106,7 @@ def build_keyed_distributor(
     )
     downloads = tff.federated_map(to_download, (selected, keys))
     new_state = state if next_key_state is None else tff.federated_map(next_key_state, state)
-    return tff.templates.MeasuredProcessOutput(
-      new_state, (downloads, keys), tff.federated_value((), tff.SERVER)
-    )
+    return tff.templates.MeasuredProcessOutput(new_state, (downloads, keys), new_state)
 
   return tff.templates.MeasuredProcess(initialize, next_fn)
 

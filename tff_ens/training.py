@@ -185,6 +185,8 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
   dp_epsilons = _dp_epsilons(config, num_clients)
   speeds = simulation.client_speeds(num_clients, config.seed)
   store = _client_state_store(algorithm, outputs.dir, start_round)
+  # The distributor's state, which says which model each client trains in the next round.
+  key_state = state["distributor"] if algorithm.client_models is not None else None
   # The state waits on the TFF worker between rounds; `held.value` downloads
   # it for evaluation and checkpoints.
   held = runtime.ResidentState(algorithm.process.next, state)
@@ -198,7 +200,7 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       plan = simulation.plan_round(config, train_sizes, speeds, round_num)
       if devices is not None:
         reports, datasets = _train_on_devices(
-          devices, config, train, plan, held, algorithm, round_num
+          devices, config, train, plan, held, algorithm, key_state
         )
       else:
         reports, datasets = plan.reports, _client_datasets(config, train, plan, augmentation)
@@ -209,7 +211,9 @@ def _train(config, data, algorithm, state, outputs, evaluator) -> dict:
       }
       if datasets:
         cohort = plan.cohort[reports]
-        measured, curves = _next_round(held, algorithm, store, datasets, cohort, round_num)
+        measured, curves, key_state = _next_round(
+          held, algorithm, store, datasets, cohort, round_num, key_state
+        )
         row.update(measured)
         outputs.release_curves(round_num, curves)
       # else: every sampled client dropped out; no model changes this round.
@@ -310,13 +314,14 @@ def _teacher_predictions(data, algorithm, every_split: bool):
   return algorithm.teacher_fn(np.concatenate([s.concatenated()[0] for s in splits]))
 
 
-def _next_round(held, algorithm, store, datasets, cohort, round_num) -> tuple[dict, dict]:
+def _next_round(held, algorithm, store, datasets, cohort, round_num, key_state):
   """Runs the round on the reporting clients' datasets; returns the metrics.csv keys it
-  measured and the server step's learning curves (its measurements that are arrays)."""
+  measured, the server step's learning curves (its measurements that are arrays) and the
+  distributor's key state for the next round (`key_state` stays when it reports none)."""
   if store is None:
     round_metrics = held.next(*algorithm.next_args(datasets, cohort))
   else:
-    models = algorithm.client_models(cohort, round_num - 1)
+    models = algorithm.client_models(cohort, key_state)
     round_metrics, new_states = held.next(
       *algorithm.next_args(
         datasets, cohort, [store.load(int(c), m) for c, m in zip(cohort, models)]
@@ -336,7 +341,9 @@ def _next_round(held, algorithm, store, datasets, cohort, round_num) -> tuple[di
       else:
         row[k] = float(v)
   row.update(privacy.aggregator_metrics(round_metrics.get("aggregator")))
-  return row, curves
+  if key_state is not None:
+    key_state = round_metrics["distributor"]
+  return row, curves, key_state
 
 
 def _end_phase(config, data, algorithm, held, evaluator, pool, train, row, round_num):
@@ -379,7 +386,7 @@ def _recalibration_images(config, model_fn, server_data) -> np.ndarray | None:
   return unlabeled[rng.choice(len(unlabeled), config.recalibrate_batch_norm, replace=False)]
 
 
-def _train_on_devices(devices, config, train, plan, held, algorithm, round_num):
+def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
   """The round's reporting clients trained on devices (`device_clients`), each from the
   model it is assigned: the reports left after device failures, and their results as the
   clients' datasets."""
@@ -387,7 +394,7 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, round_num):
   clients = np.flatnonzero(plan.reports)
   names = [train.client_ids[plan.cohort[k]] for k in clients]
   assigned = (
-    algorithm.client_models(plan.cohort[clients], round_num - 1)
+    algorithm.client_models(plan.cohort[clients], key_state)
     if algorithm.client_models is not None
     else [0] * len(clients)
   )

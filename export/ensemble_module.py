@@ -54,8 +54,8 @@ class EnsembleModule(tf.Module):
 
     def predict(image, alpha):
       member_probs = self.member_probabilities(image)
-      probabilities, predictive_entropy, mutual_information = (
-        ensemble_math.mixture_uncertainty(member_probs, alpha, tnp)
+      probabilities, predictive_entropy, mutual_information = ensemble_math.mixture_uncertainty(
+        member_probs, alpha, tnp
       )
       return {
         "probabilities": probabilities,

@@ -29,6 +29,8 @@ METADATA_NAME = "tff_ens"
 # The metadata's "runtime": what runs the file (`export.on_device` follows it).
 RUNTIME_TFLITE = "tflite"
 RUNTIME_LCE = "larq_compute_engine"
+
+
 def add(model: schema.ModelT, description: dict):
   """Adds (or replaces) the `METADATA_NAME` entry of a TFLite model object, in place."""
   buffer = schema.BufferT()

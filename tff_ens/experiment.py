@@ -1,10 +1,11 @@
 """A run's settings (`ExperimentConfig`: the command line's flags, `config.json`) and checks.
 
-Each setting is declared once, as a field of `ExperimentConfig` (`settings.setting`: its
-default, help, choices and bounds); `main` makes its flags from them. The library configs
-the builders take (`LocalTrainingConfig`, `DistillationConfig`, `PosteriorConfig`, ...) are
-built from these settings by `settings.build`, which names a library check's error by its
-flag, and the rules across settings are `ExperimentConfig.validate`'s.
+Each setting is declared once, as a field of `run_settings.RunSettings` (`settings.setting`:
+its default, help, choices and bounds), which `ExperimentConfig` extends; `main` makes its
+flags from them. The library configs the builders take (`LocalTrainingConfig`,
+`DistillationConfig`, `PosteriorConfig`, ...) are built from these settings by
+`settings.build`, which names a library check's error by its flag, and the rules across
+settings are `ExperimentConfig.validate`'s.
 
 Also the errors a run ends with (`UsageError`, `Stopped`) and `saved_config`, which reads
 the config of a run saved by an older version.

@@ -2,10 +2,10 @@
 
 A config dataclass declares each of its settings with `setting(...)`; its `__post_init__`
 calls `check(self)`, which enforces every declared choice and bound and raises a
-`SettingError` (a `ValueError`) naming the field. `experiment.ExperimentConfig` declares the
-command line's settings this way: `define_flags` makes one absl flag per field, and the
-experiment names a library config's `SettingError` by the flag it came from
-(`SettingError.named`), so the library and the command line share one check.
+`SettingError` (a `ValueError`) naming the field. `run_settings.RunSettings` declares the
+command line's settings this way: `define_flags` makes one absl flag per field, and `build`
+names a library config's `SettingError` by the setting it was built from, so the library and
+the command line share one check.
 """
 
 import dataclasses

@@ -438,8 +438,8 @@ def _mismatch_message(config) -> str:
     f"checkpoint {config.output_dir}/{run_files.CHECKPOINT_DIR}/"
     f"{run_files.CHECKPOINT_PREFIX}1 does not fit the state of "
     f"--algorithm={config.algorithm} --model={config.model} (its "
-    "nesting differs): another run wrote it; restore this run's own "
-    "checkpoints, or choose a new --output_dir"
+    "nesting differs): another run, or a version of tff-ens with another "
+    "state layout, wrote it; restore this run's own checkpoints, or choose a new --output_dir"
   )
 
 
@@ -519,8 +519,9 @@ def test_checkpoint_that_does_not_fit_is_refused(saved_state, state, mismatch):
     _outputs(saved_state, state)
   assert str(error.value) == (
     f"checkpoint {saved_state}/checkpoints/round_1 does not fit the state "
-    f"of --algorithm=fedavg --model=cnn ({mismatch}): another run wrote "
-    "it; restore this run's own checkpoints, or choose a new --output_dir"
+    f"of --algorithm=fedavg --model=cnn ({mismatch}): another run, or a version "
+    "of tff-ens with another state layout, wrote it; restore this run's own checkpoints, or "
+    "choose a new --output_dir"
   )
   assert snapshot(saved_state) == before
 

@@ -137,8 +137,8 @@ class RunOutputs:
     raise experiment.UsageError(
       f"checkpoint {path} does not fit the state of --algorithm="
       f"{config.algorithm} --model={config.model} ({mismatch}): another "
-      "run wrote it; restore this run's own checkpoints, or choose a new "
-      "--output_dir"
+      "run, or a version of tff-ens with another state layout, wrote it; restore this "
+      "run's own checkpoints, or choose a new --output_dir"
     )
 
   def latest_checkpoint(self) -> tuple[int, Any] | None:

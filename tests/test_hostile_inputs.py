@@ -433,13 +433,13 @@ def _run_with_copied_checkpoints(previous_run, tmp_path, **change):
   return config
 
 
-def _mismatch_message(config) -> str:
+def _mismatch_message(output_dir, algorithm, model, mismatch="its nesting differs") -> str:
   return (
-    f"checkpoint {config.output_dir}/{run_files.CHECKPOINT_DIR}/"
+    f"checkpoint {output_dir}/{run_files.CHECKPOINT_DIR}/"
     f"{run_files.CHECKPOINT_PREFIX}1 does not fit the state of "
-    f"--algorithm={config.algorithm} --model={config.model} (its "
-    "nesting differs): another run, or a version of tff-ens with another "
-    "state layout, wrote it; restore this run's own checkpoints, or choose a new --output_dir"
+    f"--algorithm={algorithm} --model={model} ({mismatch}): another run, or a version of "
+    "tff-ens with another state layout, wrote it; restore this run's own checkpoints, or "
+    "choose a new --output_dir"
   )
 
 
@@ -449,7 +449,7 @@ def test_cli_checkpoint_of_another_algorithm(previous_run, tmp_path):
   config = _run_with_copied_checkpoints(previous_run, tmp_path, algorithm="fedavgm")
   before = snapshot(config.output_dir)
   line = cli_error(run_cli(config, "--resume"))
-  assert line == f"error: {_mismatch_message(config)}"
+  assert line == f"error: {_mismatch_message(config.output_dir, config.algorithm, config.model)}"
   assert snapshot(config.output_dir) == before
 
 
@@ -460,7 +460,7 @@ def test_checkpoint_of_another_model(previous_run, tmp_path):
   before = snapshot(config.output_dir)
   with pytest.raises(experiment.UsageError) as error:
     training.run_experiment(config)
-  assert str(error.value) == _mismatch_message(config)
+  assert str(error.value) == _mismatch_message(config.output_dir, config.algorithm, config.model)
   assert snapshot(config.output_dir) == before
 
 
@@ -517,12 +517,7 @@ def test_checkpoint_that_does_not_fit_is_refused(saved_state, state, mismatch):
   before = snapshot(saved_state)
   with pytest.raises(experiment.UsageError) as error:
     _outputs(saved_state, state)
-  assert str(error.value) == (
-    f"checkpoint {saved_state}/checkpoints/round_1 does not fit the state "
-    f"of --algorithm=fedavg --model=cnn ({mismatch}): another run, or a version "
-    "of tff-ens with another state layout, wrote it; restore this run's own checkpoints, or "
-    "choose a new --output_dir"
-  )
+  assert str(error.value) == _mismatch_message(saved_state, "fedavg", "cnn", mismatch)
   assert snapshot(saved_state) == before
 
 

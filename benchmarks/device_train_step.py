@@ -29,7 +29,7 @@ from tasks import femnist
 
 # Replaces the default TFF context that importing TFF (through tasks) installs, whose
 # clean-up at interpreter exit fails.
-from tff_ens import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens.execution import runtime  # noqa: F401  # pylint: disable=unused-import
 
 SECTION = "## On-device training step (issue 25)"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

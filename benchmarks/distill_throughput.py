@@ -46,9 +46,9 @@ import tensorflow_federated as tff
 
 import report
 from tasks import femnist
-from tff_ens import distillation
-from tff_ens import server_data
-from tff_ens import student as student_lib
+from tff_ens.server import distillation
+from tff_ens.server import server_data
+from tff_ens.server import student as student_lib
 
 SECTION = "## Distillation throughput (issues 4 and 20)"
 

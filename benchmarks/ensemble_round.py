@@ -50,9 +50,9 @@ import tensorflow_federated as tff
 import report
 from tasks import femnist
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import runtime
-from tff_ens import simulation
+from tff_ens.execution import runtime
+from tff_ens.program import simulation
+from tff_ens.templates import client_work
 
 SECTION = "## Fed-ensemble round time (issue 3)"
 

@@ -27,10 +27,10 @@ import psutil
 import report
 from tasks import femnist
 from tff_ens import algorithms
-from tff_ens import experiment
-from tff_ens import runtime
-from tff_ens import server_data as server_data_lib
-from tff_ens import simulation
+from tff_ens.execution import runtime
+from tff_ens.program import experiment
+from tff_ens.program import simulation
+from tff_ens.server import server_data as server_data_lib
 
 SECTION = "## State on the worker and worker memory (issue 7)"
 PLACES = (

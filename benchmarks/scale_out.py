@@ -36,10 +36,10 @@ import tensorflow as tf
 import report
 from tasks import femnist
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import runtime
-from tff_ens import simulation
-from tff_ens import worker_process
+from tff_ens.execution import runtime
+from tff_ens.execution import worker_process
+from tff_ens.program import simulation
+from tff_ens.templates import client_work
 
 SECTION = "## Scale-out on TFF workers (issue 7)"
 

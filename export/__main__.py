@@ -18,7 +18,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from tff_ens import cpp_log
+from tff_ens.execution import cpp_log
 
 # Before TensorFlow's import (through the modules below) starts its C++ log.
 if __name__ == "__main__":
@@ -32,7 +32,7 @@ import tasks
 
 # Replaces the default TFF context that importing TFF (through tasks) installs, whose
 # clean-up at interpreter exit fails once tensorflow-datasets is imported too.
-from tff_ens import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens.execution import runtime  # noqa: F401  # pylint: disable=unused-import
 
 FLAGS = flags.FLAGS
 

@@ -2,14 +2,14 @@ r"""A phone standing in for a federated client: serves local training requests i
 
   python -m export.device_client TRAINABLE.tflite    (in the device environment)
 
-Started by `tff_ens.device_clients` (the simulation's driver), one process per concurrent
+Started by `tff_ens.program.device_clients` (the simulation's driver), one process per concurrent
 client. It loads the `--format=trainable` file once, prints one JSON line
 `{"ready": true, "runtime": ...}`, then answers one JSON line per request line on stdin:
 
 - request: {"weights": NPZ, "data": NPZ, "batch_size": B, "out": NPZ}: set the file's
   weights to NPZ's w0, w1, ... (the model the server sent), train
   `export.device_training.DeviceTrainer.train_epochs` on data's x, y in batches of B of the
-  examples data's `order` lists (the driver's `tff_ens.simulation.client_order`: the order a
+  examples data's `order` lists (the driver's `tff_ens.program.simulation.client_order`: the order a
   TFF client would train in, its epochs and a straggler's share included), and write the
   trained weights to out;
 - answer: {"num_examples": n, "loss": sum of the examples' losses, "correct": number of

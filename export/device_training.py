@@ -4,7 +4,7 @@ NumPy and the standalone TFLite interpreter of `export.on_device` only (LiteRT i
 environment, tflite-runtime in the main one), no TensorFlow. A client's round (FedAvg's
 ClientUpdate, McMahan et al., AISTATS 2017, Algorithm 1) is `set_weights(server weights)`,
 which also zeroes the file's momentum buffers, then `train_epochs`, whose minibatches follow
-`tff_ens.simulation.client_dataset`: the examples of `epochs` passes, each pass in its own
+`tff_ens.program.simulation.client_dataset`: the examples of `epochs` passes, each pass in its own
 order, are concatenated and cut into batches of `batch_size`, so a batch may span two passes
 and the last one may be smaller (`tf.data`'s `repeat(epochs).batch(batch_size)`).
 """

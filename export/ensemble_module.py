@@ -5,13 +5,13 @@ models in one file and
 
 - `predict(image, alpha)` returns the alpha-weighted mixture of the members' softmax
   outputs, the members' outputs, and the mixture's uncertainty (the same quantities as
-  `tff_ens.metrics.ensemble_uncertainty`);
+  `tff_ens.math.metrics.ensemble_uncertainty`);
 - `personalize(images, labels, temperature)` returns alpha = softmax(-loss / temperature)
   from the phone's own labeled examples, loss_k being member k's mean cross-entropy on them
-  (Sec. IV-C, eq. 3-4; `tff_ens.ensemble_math.personalization_weights`). alpha = 1/K is the
+  (Sec. IV-C, eq. 3-4; `tff_ens.math.ensemble_math.personalization_weights`). alpha = 1/K is the
   uniform ensemble.
 
-The math is `tff_ens.ensemble_math`'s, the formulas the NumPy evaluation computes, here on
+The math is `tff_ens.math.ensemble_math`'s, the formulas the NumPy evaluation computes, here on
 `tf.experimental.numpy` in float32, so the two agree to float32 rounding.
 
 `quantization` (`QUANTIZATIONS`) shrinks the members, which hold all the weights:
@@ -34,7 +34,7 @@ import tensorflow.experimental.numpy as tnp
 from tensorflow.lite.python import schema_py_generated as schema
 from tensorflow.lite.tools import flatbuffer_utils
 
-from tff_ens import ensemble_math
+from tff_ens.math import ensemble_math
 
 SIGNATURES = ("predict", "personalize")
 QUANTIZATIONS = ("float", "dynamic", "int8")

@@ -36,7 +36,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from tff_ens import cpp_log
+from tff_ens.execution import cpp_log
 
 # Before TensorFlow's import (through the modules below) starts its C++ log.
 if __name__ == "__main__":
@@ -49,8 +49,8 @@ from export import on_device
 from export import runs
 from tasks import leaf
 from tasks.data import DataError
-from tff_ens import ensemble_math
-from tff_ens import metrics
+from tff_ens.math import ensemble_math
+from tff_ens.math import metrics
 
 # The Keras comparison needs TensorFlow: the main environment has it, the device one not.
 reference = (

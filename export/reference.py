@@ -1,20 +1,20 @@
 """What `export.evaluate` compares a file against, in the main environment (TensorFlow):
 the run's task data (any task and source) and its Keras model(s)' predictions on the
-file's inputs, computed as the run's summary was (`tff_ens.evaluation`,
-`tff_ens.personalization`)."""
+file's inputs, computed as the run's summary was (`tff_ens.math.evaluation`,
+`tff_ens.math.personalization`)."""
 
 import numpy as np
 
 from export import ExportError
 import tasks
-from tff_ens import ensemble_math
-from tff_ens import evaluation
-from tff_ens import metrics
-from tff_ens import personalization
 
 # Replaces the default TFF context that importing TFF (through tasks) installs, whose
 # clean-up at interpreter exit fails once tensorflow-datasets is imported too.
-from tff_ens import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens.execution import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens.math import ensemble_math
+from tff_ens.math import evaluation
+from tff_ens.math import metrics
+from tff_ens.math import personalization
 
 
 def load_data(run, data_dir: str | None):

@@ -111,7 +111,7 @@ class FederatedData:
     new_clients: writers that have test data only, never seen in training.
     source: where the data came from (e.g. "leaf:<absolute directory>", "tff:emnist").
     server: examples the task set aside for the server (`split_pool`), or None (the
-      server's data are then taken from `new_clients`, see tff_ens/server_data.py).
+      server's data are then taken from `new_clients`, see tff_ens/server/server_data.py).
     shift: labeled examples of the task's classes under covariate shift, or None
       (FEMNIST: the new writers; CIFAR-10: a corruption of its test set).
     ood: out-of-distribution inputs, or None (FEMNIST with digits only: the letters of

@@ -2,7 +2,7 @@
 
 TFF installs a default context at import that, on the first computation call,
 starts a `worker_binary` holding pytest's pipes open and outliving Python (see
-`tff_ens.runtime`). Every test here therefore runs inside
+`tff_ens.execution.runtime`). Every test here therefore runs inside
 `runtime.execution_context()`, entered once and shared by all test modules so
 the worker starts once, and left (worker stopped and reaped) when the session
 ends.
@@ -19,7 +19,7 @@ import inspect
 
 import pytest
 
-from tff_ens import runtime
+from tff_ens.execution import runtime
 
 
 class _SharedContext:

@@ -1,5 +1,5 @@
 """Small exported-run fixtures shared by the export tests: a FEMNIST-shaped model that
-converts in a second, and a run directory holding models as `tff_ens.training` writes it."""
+converts in a second, and a run directory holding models as `tff_ens.program.training` writes it."""
 
 import json
 import os
@@ -28,7 +28,7 @@ def small_femnist_model(seed: int, task=femnist) -> tf.keras.Model:
 
 
 def write_run(run_dir, models, config=None, summary=None) -> runs.Run:
-  """A run directory as tff_ens.training writes it, holding `models`."""
+  """A run directory as tff_ens.program.training writes it, holding `models`."""
   os.makedirs(run_dir, exist_ok=True)
   if len(models) == 1:
     models[0].save(os.path.join(run_dir, run_files.MODEL_FILE))

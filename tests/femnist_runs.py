@@ -4,8 +4,8 @@ import csv
 import os
 import pathlib
 
-from tff_ens import experiment
 from tff_ens import run_files
+from tff_ens.program import experiment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA_DIR = str(ROOT.parent / "shared" / "data" / "femnist")

@@ -10,8 +10,8 @@ import pytest
 import tasks
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
-from tff_ens import active_learning
-from tff_ens import training
+from tff_ens.program import active_learning
+from tff_ens.program import training
 
 CONFIG = active_learning.ActiveLearningConfig(phases=1, budget=2, rounds=4)
 

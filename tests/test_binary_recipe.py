@@ -9,16 +9,16 @@ import pytest
 
 from tasks import resnet
 from tests.femnist_runs import QUICK
-from tff_ens import active_learning
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import experiment
-from tff_ens import fed_ensemble
 from tff_ens import main as cli
 from tff_ens import run_files
-from tff_ens import server_distillation
-from tff_ens import training
-from tff_ens import weight_posterior
+from tff_ens.algorithms import fed_ensemble
+from tff_ens.algorithms import server_distillation
+from tff_ens.math import weight_posterior
+from tff_ens.program import active_learning
+from tff_ens.program import experiment
+from tff_ens.program import training
+from tff_ens.templates import client_work
 
 
 def recipe(**flags):

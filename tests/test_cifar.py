@@ -17,11 +17,11 @@ import tasks
 from tasks import cifar
 from tasks import partition
 from tff_ens import algorithms
-from tff_ens import experiment
 from tff_ens import run_files
-from tff_ens import server_data
-from tff_ens import simulation
-from tff_ens import training
+from tff_ens.program import experiment
+from tff_ens.program import simulation
+from tff_ens.program import training
+from tff_ens.server import server_data
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

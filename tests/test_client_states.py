@@ -1,11 +1,11 @@
-"""Tests of `tff_ens.client_states`: FedDyn's per-client states on disk."""
+"""Tests of `tff_ens.program.client_states`: FedDyn's per-client states on disk."""
 
 import os
 
 import numpy as np
 import pytest
 
-from tff_ens import client_states
+from tff_ens.program import client_states
 
 SPEC = client_states.ClientStateSpec(shape=(6,), dtype=np.dtype(np.float32))
 

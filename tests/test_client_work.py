@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.client_work`: the local training shared by all algorithms.
+"""Tests of `tff_ens.templates.client_work`: the local training shared by all algorithms.
 
 Small cases checked against NumPy / hand computations (docs/STYLE.md, 3 and 7):
 a linear softmax model on 2x2 images (4 features, 3 classes) and two or three
@@ -10,8 +10,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_ens import client_work
-from tff_ens import feddyn
+from tff_ens.templates import client_work
+from tff_ens.templates import feddyn
 from tiny import SPEC
 from tiny import tiny_model as linear_model
 

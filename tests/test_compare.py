@@ -17,9 +17,9 @@ from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
 from tff_ens import compare
-from tff_ens import finished_runs
 from tff_ens import run_files
-from tff_ens import training
+from tff_ens.program import finished_runs
+from tff_ens.program import training
 
 # Three real runs and CLI processes: minutes (`uv run pytest -m slow`).
 pytestmark = pytest.mark.slow

@@ -20,14 +20,14 @@ from tests.exported_runs import DATA_DIR
 from tests.exported_runs import REPO_ROOT
 from tests.exported_runs import small_femnist_model
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import device_clients
-from tff_ens import experiment
-from tff_ens import fed_ensemble
-from tff_ens import fedavg
 from tff_ens import run_files
-from tff_ens import runtime
-from tff_ens import simulation
+from tff_ens.algorithms import fed_ensemble
+from tff_ens.algorithms import fedavg
+from tff_ens.execution import runtime
+from tff_ens.program import device_clients
+from tff_ens.program import experiment
+from tff_ens.program import simulation
+from tff_ens.templates import client_work
 
 ModelWeights = tff.learning.models.ModelWeights
 needs_device_env = pytest.mark.skipif(

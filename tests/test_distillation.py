@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.distillation`: FedBE's and FedDF's server distillation.
+"""Tests of `tff_ens.server.distillation`: FedBE's and FedDF's server distillation.
 
 Hand/NumPy checks on the tiny linear models of `tiny.py` (4 features, 3
 classes): the targets and losses (AVGLOGITS KL, cross-entropy, sharpening
@@ -17,10 +17,10 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_ens import distillation
-from tff_ens import drop_worst
-from tff_ens import server_data
-from tff_ens import student as student_lib
+from tff_ens.math import drop_worst
+from tff_ens.server import distillation
+from tff_ens.server import server_data
+from tff_ens.server import student as student_lib
 from tiny import tiny_model
 
 ModelWeights = tff.learning.models.ModelWeights

@@ -25,8 +25,10 @@ def test_the_algorithm_tables_list_the_registry(page):
 
 def test_the_layout_names_every_module():
   text = (ROOT / "docs/layout.md").read_text()
-  sections = dict(re.findall(r"^## `([a-z_]+)/`[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S))
-  for package in ("tff_ens", "tasks", "export"):
+  sections = dict(re.findall(r"^## `([a-z_/]+)/`[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S))
+  packages = ["tasks", "export", "tff_ens"]
+  packages += [str(p.parent.relative_to(ROOT)) for p in ROOT.glob("tff_ens/*/__init__.py")]
+  for package in packages:
     listed = set(re.findall(r"^\| `([^`]+\.py)` \|", sections[package], re.MULTILINE))
     modules = {path.name for path in (ROOT / package).glob("*.py")}
     assert modules == listed, package

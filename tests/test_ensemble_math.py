@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.ensemble_math`: each formula by hand, computed with NumPy and with
+"""Tests of `tff_ens.math.ensemble_math`: each formula by hand, computed with NumPy and with
 `tf.experimental.numpy` (what the exported TFLite graph runs), the two agreeing."""
 
 import numpy as np
@@ -6,9 +6,9 @@ import pytest
 import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 
-from tff_ens import ensemble_math
-from tff_ens import metrics
-from tff_ens import personalization
+from tff_ens.math import ensemble_math
+from tff_ens.math import metrics
+from tff_ens.math import personalization
 
 # Two members, two examples, three classes; labels [0, 2].
 HAND_PROBS = np.array(

@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.evaluation` on hand-made cases with hand-computed numbers."""
+"""Tests of `tff_ens.math.evaluation` on hand-made cases with hand-computed numbers."""
 
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_ens import evaluation
-from tff_ens import metrics
+from tff_ens.math import evaluation
+from tff_ens.math import metrics
 
 ModelWeights = tff.learning.models.ModelWeights
 

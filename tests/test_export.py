@@ -29,10 +29,10 @@ from tests.exported_runs import DATA_DIR
 from tests.exported_runs import REPO_ROOT
 from tests.exported_runs import small_femnist_model
 from tests.exported_runs import write_run
-from tff_ens import ensemble_math
-from tff_ens import evaluation
-from tff_ens import metrics
-from tff_ens import personalization
+from tff_ens.math import ensemble_math
+from tff_ens.math import evaluation
+from tff_ens.math import metrics
+from tff_ens.math import personalization
 import tiny
 
 K = 3

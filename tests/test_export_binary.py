@@ -11,7 +11,7 @@ from export import metadata
 from export import on_device
 from tasks import femnist
 from tasks import resnet
-from tff_ens import client_work
+from tff_ens.templates import client_work
 
 
 def _binary_layers(model):

@@ -8,9 +8,9 @@ import tensorflow as tf
 
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
-from tff_ens import experiment
-from tff_ens import simulation
-from tff_ens import training
+from tff_ens.program import experiment
+from tff_ens.program import simulation
+from tff_ens.program import training
 
 
 def test_no_faults_by_default():

@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.fed_ensemble` (Shi et al., arXiv:2107.10663, Algorithm 1).
+"""Tests of `tff_ens.algorithms.fed_ensemble` (Shi et al., arXiv:2107.10663, Algorithm 1).
 
 The assignment P[i, t mod K], the one-model-down / one-update-up types, the
 per-slot server update on a hand-made example, an end-to-end round checked
@@ -14,11 +14,11 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import fed_ensemble
-from tff_ens import feddyn
-from tff_ens import federated_algorithm
-from tff_ens import keyed_stages
+from tff_ens.algorithms import fed_ensemble
+from tff_ens.templates import client_work
+from tff_ens.templates import feddyn
+from tff_ens.templates import federated_algorithm
+from tff_ens.templates import keyed_stages
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model

@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.fedavg` (FedAvg, FedAvgM) and the byte accounting of
+"""Tests of `tff_ens.algorithms.fedavg` (FedAvg, FedAvgM) and the byte accounting of
 `tff_ens.algorithms`, on two or three clients with a few examples each.
 
 Expected models are computed outside the process: per client with
@@ -12,10 +12,10 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import fedadam
-from tff_ens import fedavg
-from tff_ens import federated_algorithm
+from tff_ens.algorithms import fedadam
+from tff_ens.algorithms import fedavg
+from tff_ens.templates import client_work
+from tff_ens.templates import federated_algorithm
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model as make_model

@@ -11,14 +11,14 @@ import tasks
 from tests import tiny
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
-from tff_ens import distillation
-from tff_ens import experiment
-from tff_ens import fedppd
-from tff_ens import fedppd_distill
-from tff_ens import fedppd_local
-from tff_ens import runtime
-from tff_ens import server_distillation
-from tff_ens import training
+from tff_ens.algorithms import fedppd
+from tff_ens.algorithms import fedppd_distill
+from tff_ens.algorithms import server_distillation
+from tff_ens.execution import runtime
+from tff_ens.math import fedppd_local
+from tff_ens.program import experiment
+from tff_ens.program import training
+from tff_ens.server import distillation
 
 ModelWeights = tff.learning.models.ModelWeights
 

@@ -15,7 +15,7 @@ import tensorflow_federated as tff
 
 import tasks
 from tasks import femnist
-from tff_ens import experiment
+from tff_ens.program import experiment
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared/data/femnist"
 

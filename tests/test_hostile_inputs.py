@@ -33,10 +33,10 @@ import pytest
 import tasks
 from tests.femnist_runs import DATA_DIR
 from tests.femnist_runs import ROOT
-from tff_ens import experiment
 from tff_ens import run_files
-from tff_ens import run_outputs
-from tff_ens import training
+from tff_ens.program import experiment
+from tff_ens.program import run_outputs
+from tff_ens.program import training
 
 # Real writers for the small LEAF directory: three and two writers in two
 # train files, their test examples, and one writer with test data only.

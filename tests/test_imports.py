@@ -36,7 +36,7 @@ def project_modules() -> list[str]:
 
 def test_project_modules_are_found():
   modules = project_modules()
-  assert {"tff_ens.main", "tff_ens.training", "tasks.femnist"} <= set(modules)
+  assert {"tff_ens.main", "tff_ens.program.training", "tasks.femnist"} <= set(modules)
 
 
 @pytest.mark.parametrize("name", project_modules())

@@ -1,4 +1,4 @@
-"""FedDF across model prototypes (tff_ens/model_prototypes.py)."""
+"""FedDF across model prototypes (tff_ens/algorithms/model_prototypes.py)."""
 
 import numpy as np
 import pytest
@@ -6,10 +6,10 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import distillation
-from tff_ens import model_prototypes as mp
-from tff_ens import server_distillation as sd
+from tff_ens.algorithms import model_prototypes as mp
+from tff_ens.algorithms import server_distillation as sd
+from tff_ens.server import distillation
+from tff_ens.templates import client_work
 from tiny import CLIENT_DATA
 from tiny import SERVER
 from tiny import SPEC

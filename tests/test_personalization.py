@@ -1,12 +1,12 @@
-"""Tests of `tff_ens.personalization` (Shi et al., arXiv:2107.10663, eq. 3-4)."""
+"""Tests of `tff_ens.math.personalization` (Shi et al., arXiv:2107.10663, eq. 3-4)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from tff_ens import ensemble_math
-from tff_ens import personalization
+from tff_ens.math import ensemble_math
+from tff_ens.math import personalization
 
 
 class TestPersonalizationWeights:

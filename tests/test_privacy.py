@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.privacy`: DP-FedAvg's aggregation and its accounting.
+"""Tests of `tff_ens.templates.privacy`: DP-FedAvg's aggregation and its accounting.
 
 The accounting is checked against dp_accounting's own composition and, for
 full participation, against the Gaussian mechanism's RDP by hand. The
@@ -22,14 +22,14 @@ import tensorflow_federated as tff
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import experiment
-from tff_ens import fed_ensemble
-from tff_ens import fedavg
-from tff_ens import fedppd
-from tff_ens import privacy
 from tff_ens import run_files
-from tff_ens import training
+from tff_ens.algorithms import fed_ensemble
+from tff_ens.algorithms import fedavg
+from tff_ens.algorithms import fedppd
+from tff_ens.program import experiment
+from tff_ens.program import training
+from tff_ens.templates import client_work
+from tff_ens.templates import privacy
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model

@@ -32,10 +32,10 @@ import tensorflow_federated as tff
 
 from tasks import cifar
 from tasks import partition
-from tff_ens import client_work
-from tff_ens import fed_ensemble
-from tff_ens import keyed_stages
-from tff_ens import weight_posterior
+from tff_ens.algorithms import fed_ensemble
+from tff_ens.math import weight_posterior
+from tff_ens.templates import client_work
+from tff_ens.templates import keyed_stages
 
 ModelWeights = tff.learning.models.ModelWeights
 

@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.runtime` with real TFF workers and computations (no mocks)."""
+"""Tests of `tff_ens.execution.runtime` with real TFF workers and computations (no mocks)."""
 
 import collections
 import contextlib
@@ -18,8 +18,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import worker_processes
-from tff_ens import runtime
-from tff_ens import worker_process
+from tff_ens.execution import runtime
+from tff_ens.execution import worker_process
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,7 +115,7 @@ import numpy as np
 import psutil
 import tensorflow as tf
 import tensorflow_federated as tff
-from tff_ens import runtime
+from tff_ens.execution import runtime
 
 # KeyboardInterrupt on SIGINT even if pytest runs with SIGINT ignored.
 signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -27,15 +27,15 @@ from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import distillation
-from tff_ens import experiment
 from tff_ens import main as cli
 from tff_ens import run_files
-from tff_ens import runtime
-from tff_ens import server_distillation
-from tff_ens import training
-from tff_ens import worker_process
+from tff_ens.algorithms import server_distillation
+from tff_ens.execution import runtime
+from tff_ens.execution import worker_process
+from tff_ens.program import experiment
+from tff_ens.program import training
+from tff_ens.server import distillation
+from tff_ens.templates import client_work
 from tiny import SERVER
 from tiny import SPEC
 from tiny import one_batch

@@ -1,4 +1,4 @@
-"""The server's unlabeled and validation data (tff_ens/server_data.py)."""
+"""The server's unlabeled and validation data (tff_ens/server/server_data.py)."""
 
 import os
 
@@ -7,7 +7,7 @@ import pytest
 
 import tasks
 from tasks import femnist
-from tff_ens import server_data
+from tff_ens.server import server_data
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "femnist")
 

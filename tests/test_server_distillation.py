@@ -1,5 +1,6 @@
 """FedBE / FedDF / v-Distillation: TFF stages (the collect aggregator of
-tff_ens/server_step.py) and the server step in the driver (tff_ens/server_distillation.py)."""
+tff_ens/templates/server_step.py) and the server step in the driver
+(tff_ens/algorithms/server_distillation.py)."""
 
 import numpy as np
 import pytest
@@ -7,12 +8,12 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import algorithms
-from tff_ens import client_work
-from tff_ens import distillation
-from tff_ens import drop_worst
-from tff_ens import server_data as server_data_lib
-from tff_ens import server_distillation as sd
-from tff_ens import server_step
+from tff_ens.algorithms import server_distillation as sd
+from tff_ens.math import drop_worst
+from tff_ens.server import distillation
+from tff_ens.server import server_data as server_data_lib
+from tff_ens.templates import client_work
+from tff_ens.templates import server_step
 from tiny import CLIENT_DATA
 from tiny import SERVER
 from tiny import SPEC

@@ -1,4 +1,4 @@
-"""The server step in the driver (tff_ens/server_step.py, issue 20): hand-checked on a
+"""The server step in the driver (tff_ens/templates/server_step.py, issue 20): hand-checked on a
 tiny model, streamed from a file, and bounded in memory for a 300,000-image set."""
 
 import os
@@ -11,9 +11,9 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests.femnist_runs import ROOT
-from tff_ens import distillation
-from tff_ens import server_data
-from tff_ens import server_distillation as sd
+from tff_ens.algorithms import server_distillation as sd
+from tff_ens.server import distillation
+from tff_ens.server import server_data
 from tiny import SERVER
 from tiny import tiny_model
 
@@ -169,7 +169,7 @@ _STREAMING_RUN = textwrap.dedent(
   import numpy as np
   import tensorflow as tf
   from tff_ens import algorithms, client_work, distillation, runtime, server_data
-  from tff_ens import server_distillation as sd
+  from tff_ens.algorithms import server_distillation as sd
 
   def model_fn(k=0):
     return tf.keras.Sequential([

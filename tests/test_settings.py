@@ -14,10 +14,10 @@ import pytest
 
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
-from tff_ens import distillation
-from tff_ens import experiment
-from tff_ens import run_settings
 from tff_ens import settings
+from tff_ens.program import experiment
+from tff_ens.program import run_settings
+from tff_ens.server import distillation
 from tff_ens.settings import setting
 
 

@@ -17,11 +17,11 @@ from tests.femnist_runs import DATA_DIR
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
-from tff_ens import experiment
 from tff_ens import run_files
-from tff_ens import run_outputs
-from tff_ens import simulation
-from tff_ens import training
+from tff_ens.program import experiment
+from tff_ens.program import run_outputs
+from tff_ens.program import simulation
+from tff_ens.program import training
 
 
 def run_cli(*args, timeout=600):
@@ -514,7 +514,7 @@ def test_fedbe_sigkilled_then_resumed_ends_where_an_uninterrupted_run_does(tmp_p
 
 @pytest.mark.slow
 def test_feddyn_client_states_resume_from_the_checkpoint(tmp_path):
-  # FedDyn's clients keep a state on disk (tff_ens.client_states). A run
+  # FedDyn's clients keep a state on disk (tff_ens.program.client_states). A run
   # killed after round 3 wrote states but before round 4's checkpoint must
   # resume from round 2's checkpoint *and* round 2's client states.
   config = dataclasses.replace(

@@ -1,4 +1,4 @@
-"""Tests of `tff_ens.weight_posterior` (FedBE, Chen and Chao, ICLR 2021).
+"""Tests of `tff_ens.math.weight_posterior` (FedBE, Chen and Chao, ICLR 2021).
 
 Three clients with two-tensor models: the Gaussians (the paper's eq. 5 and
 the authors' normalized, scaled one) against NumPy and numbers worked by hand,
@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_ens import weight_posterior as wp
+from tff_ens.math import weight_posterior as wp
 
 ModelWeights = tff.learning.models.ModelWeights
 

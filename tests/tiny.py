@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from tff_ens import server_data
+from tff_ens.server import server_data
 
 # Batches of 2x2x1 images and int32 labels of 3 classes.
 SPEC = (tf.TensorSpec([None, 2, 2, 1], tf.float32), tf.TensorSpec([None], tf.int32))

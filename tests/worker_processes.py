@@ -15,7 +15,7 @@ import psutil
 import pytest
 import tensorflow_federated as tff
 
-from tff_ens import worker_process
+from tff_ens.execution import worker_process
 
 
 @tff.tensorflow.computation(np.int32)

@@ -24,7 +24,7 @@ from typing import Sequence
 from absl import app
 from absl import flags
 
-from tff_ens import cpp_log
+from tff_ens.execution import cpp_log
 
 cpp_log.quiet_unless_verbose(sys.argv)  # Before TensorFlow's import (see tff_ens/main.py).
 
@@ -36,10 +36,10 @@ import numpy as np
 import tensorflow as tf
 
 import tasks
-from tff_ens import evaluation
-from tff_ens import finished_runs
-from tff_ens import metrics
 from tff_ens import run_files
+from tff_ens.math import evaluation
+from tff_ens.math import metrics
+from tff_ens.program import finished_runs
 
 ACCURACY_FIGURE = "test_accuracy_by_round.png"
 PER_WRITER_FIGURE = "per_writer_accuracy.png"

@@ -16,7 +16,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from tff_ens import cpp_log
+from tff_ens.execution import cpp_log
 
 cpp_log.quiet_unless_verbose(sys.argv)
 
@@ -26,12 +26,12 @@ cpp_log.quiet_unless_verbose(sys.argv)
 import tasks
 from tasks import resnet
 from tff_ens import algorithms
-from tff_ens import client_states
-from tff_ens import experiment
 from tff_ens import run_files
 from tff_ens import settings
-from tff_ens import training
-from tff_ens import worker_process
+from tff_ens.execution import worker_process
+from tff_ens.program import client_states
+from tff_ens.program import experiment
+from tff_ens.program import training
 
 settings.define_flags(experiment.ExperimentConfig)
 

@@ -21,10 +21,10 @@ from absl import flags
 import grpc
 import portpicker
 
-# Installs tff_ens.runtime's default context in place of TFF's, whose teardown at exit
+# Installs tff_ens.execution.runtime's default context in place of TFF's, whose teardown at exit
 # prints an AttributeError.
-from tff_ens import runtime  # noqa: F401  # pylint: disable=unused-import
-from tff_ens import worker_process
+from tff_ens.execution import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens.execution import worker_process
 
 FLAGS = flags.FLAGS
 

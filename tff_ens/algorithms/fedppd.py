@@ -1,0 +1,418 @@
+"""FedPPD: Bayesian clients whose posterior predictive is distilled online.
+
+Bhatt, Gupta, Rai: "Federated Learning with Uncertainty via Distilled
+Predictive Distributions", ACML 2023 (arXiv:2206.07562), supplement,
+Algorithm 1.
+
+Each client keeps two networks. The *teacher* (the baselines' architecture)
+draws samples of the client's posterior p(theta | D_k) by stochastic gradient
+Langevin dynamics; at every local iteration the *student* (a larger network)
+takes one SGD step towards the current teacher's predictive distribution on a
+noise-perturbed minibatch, so that over the iterations it distills the
+posterior predictive distribution (PPD) sum_s p(y | x, theta_s) / S into one
+network. The server averages the clients' students (the global PPD model,
+the next round's student initialization) and, as the authors' code does, the
+teachers (the next round's chain start).
+
+In the four TFF stages FedPPD swaps only the client work: the model the
+process carries is teacher and student joined into one `ModelWeights`
+(`join`), so FedAvg's broadcast, weighted mean (with its rejection of
+non-finite updates) and finalizer are reused unchanged.
+
+The local iterations (SGLD, its units and schedules, which minibatch each network
+takes) are in `fedppd_local`; FedPPD+Distill is `fedppd_distill`.
+
+Where the authors' code departs from the supplement, `PosteriorConfig` has
+an option; its defaults are the paper's where it states the setting and the
+code's (trainers/ClientServUpdate.py, train_femnist.py, README commands)
+where it does not:
+- the student's minibatch (`student_minibatch`): a fresh one after each
+  SGLD step (Algorithm 1, default), the teacher's own, or whole teacher and
+  student epochs in turn (the code);
+- weight decay of the teacher and the student (the code's 1e-4);
+- the teacher's step size times 0.85 every 3 local epochs (the code's
+  StepLR), and both step sizes times 0.99 a round (train_femnist.py);
+  `fedppd_local.scheduled_rate`.
+FedPPD+Distill can distill the teachers too, as the code does
+(`fedppd_distill.build_fedppd_distill`'s `teacher_server_config`).
+"""
+
+import collections
+import dataclasses
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import settings
+from tff_ens.algorithms import fedavg
+from tff_ens.math import fedppd_local
+from tff_ens.settings import setting
+from tff_ens.templates import client_work as client_work_lib
+from tff_ens.templates import federated_algorithm
+
+ModelWeights = tff.learning.models.ModelWeights
+
+
+@dataclasses.dataclass(frozen=True)
+class PosteriorConfig:
+  """Hyperparameters of FedPPD's client update.
+
+  Attributes:
+    teacher_step_size: with sgld_scaling "posterior", eps of SGLD (the noise
+      variance at T = 1); with "authors", the step size on the minibatch's
+      mean loss (the code's `teach_lr`; eps = it / N).
+    temperature: T; the SGLD noise variance is eps * T. With sgld_scaling
+      "authors", relative to the authors' noise (1: theirs).
+    sgld_scaling: "posterior" (Welling & Teh, as the supplement's SGLD) or
+      "authors" (lib/sgld_optim.py); see `fedppd_local.chain_parameters`.
+    prior_precision: lambda of the teacher's N(0, 1/lambda) weight prior
+      (0: none besides teacher_weight_decay, as in the authors' code).
+    teacher_weight_decay: wd added to the gradient of the teacher's mean loss
+      as wd * w, i.e. a prior precision of N * wd (the code's 1e-4; the
+      paper gives none).
+    teacher_step_decay: the teacher's step size is multiplied by it every
+      teacher_step_decay_epochs local epochs (the code's StepLR, gamma 0.85
+      in its README commands; the paper gives no schedule; 1: none).
+    teacher_step_decay_epochs: see teacher_step_decay (the code's 3).
+    teacher_round_decay: the teacher's step size is multiplied by it every
+      round (the code's FEMNIST script, 0.99; 1: none).
+    student_lr: learning rate of the student's SGD.
+    student_round_decay: the student's learning rate is multiplied by it
+      every round (the code's FEMNIST script: 0.99, 0.995 with distillation
+      at the server; 1: none).
+    student_momentum: heavy-ball momentum of the student's SGD (0: plain).
+    student_weight_decay: the student's prior (L2) term, added to its
+      gradient as `student_weight_decay * w` (the code's 1e-4).
+    student_minibatch: what the student learns on, one of
+      `fedppd_local.STUDENT_MINIBATCHES` (`fedppd_local.minibatch_stream`): "fresh"
+      (the supplement's Algorithm 1), "same" (the teacher's minibatch) or
+      "alternate_epochs" (the authors' code).
+    input_noise_std: standard deviation of the Gaussian noise added to the
+      minibatch the teacher labels and the student learns from.
+    epochs: local epochs; the client's dataset repeats this many times, so N
+      (the number of examples of the likelihood) is its size / epochs.
+    max_update_norm: larger updates (teacher and student) are rejected
+      (`client_work.reject_bad_update`); 0: no limit.
+    seed: the run's seed, from which every client's noise is drawn.
+  """
+
+  teacher_step_size: float = setting(4e-4, above=0)
+  temperature: float = setting(1.0, at_least=0)
+  sgld_scaling: str = setting("posterior", choices=fedppd_local.SGLD_SCALINGS)
+  prior_precision: float = setting(0.0, at_least=0)
+  teacher_weight_decay: float = setting(1e-4, at_least=0)
+  teacher_step_decay: float = setting(0.85, above=0)
+  teacher_step_decay_epochs: int = setting(3, above=0)
+  teacher_round_decay: float = setting(0.99, above=0)
+  student_lr: float = setting(0.05, above=0)
+  student_round_decay: float = setting(0.99, above=0)
+  student_momentum: float = setting(0.0, at_least=0)
+  student_weight_decay: float = setting(1e-4, at_least=0)
+  student_minibatch: str = setting("fresh", choices=fedppd_local.STUDENT_MINIBATCHES)
+  input_noise_std: float = setting(0.001, at_least=0)
+  epochs: int = setting(1, above=0)
+  max_update_norm: float = setting(0.0, at_least=0)
+  seed: int = 0
+
+  def __post_init__(self):
+    settings.check(self)
+
+
+def join(teacher: ModelWeights, student: ModelWeights) -> ModelWeights:
+  """Teacher and student as one `ModelWeights`: teacher tensors first."""
+  return ModelWeights(
+    list(teacher.trainable) + list(student.trainable),
+    list(teacher.non_trainable) + list(student.non_trainable),
+  )
+
+
+def split(
+  weights: ModelWeights, teacher_sizes: tuple[int, int]
+) -> tuple[ModelWeights, ModelWeights]:
+  """Inverse of `join`; `teacher_sizes` = (trainable, non-trainable) counts."""
+  t, n = teacher_sizes
+  trainable, non_trainable = list(weights.trainable), list(weights.non_trainable)
+  return (
+    ModelWeights(trainable[:t], non_trainable[:n]),
+    ModelWeights(trainable[t:], non_trainable[n:]),
+  )
+
+
+def count_teacher_tensors(teacher_fn) -> tuple[int, int]:
+  """(trainable, non-trainable) tensor counts of the teacher, for `split`."""
+  with tf.Graph().as_default():
+    teacher = teacher_fn()
+    return len(teacher.trainable_weights), len(teacher.non_trainable_weights)
+
+
+def _client_seed(run_seed: int, round_num, dataset: tf.data.Dataset):
+  """A stateless seed unique to (run seed, round, client).
+
+  The client is identified by its first batch (its pixel and label sums):
+  the training loop shuffles each client's data with a seed of (run seed,
+  round, client), so this is reproducible and differs between clients
+  without an extra argument to `next` (which `LearningProcess` does not
+  allow).
+  """
+  pixels, labels = dataset.take(1).reduce(
+    (tf.constant(0.0), tf.constant(0, tf.int64)),
+    lambda acc, batch: (
+      acc[0] + tf.reduce_sum(batch[0]),
+      acc[1] + tf.reduce_sum(tf.cast(batch[1], tf.int64)),
+    ),
+  )
+  key = tf.stack([tf.constant(run_seed, tf.int64), tf.cast(round_num, tf.int64)])
+  key = tf.random.experimental.stateless_fold_in(
+    key, tf.cast(tf.bitcast(pixels, tf.int32), tf.int64)
+  )
+  return tf.random.experimental.stateless_fold_in(key, labels)
+
+
+@tf.function
+def train_teacher_student(
+  teacher: tf.keras.Model,
+  student: tf.keras.Model,
+  initial_weights: ModelWeights,
+  dataset: tf.data.Dataset,
+  round_num,
+  config: PosteriorConfig,
+):
+  """FedPPD's client update (Bhatt et al., supplement, Algorithm 1).
+
+  Over the client's minibatches in `fedppd_local.minibatch_stream`'s order: SGLD steps of
+  the teacher on the client's data (`fedppd_local.sgld_step` with `fedppd_local.chain_parameters`,
+  likelihood rescaled by N/n, step size by `fedppd_local.scheduled_rate`), and SGD steps
+  of the student on the cross-entropy to the current teacher's predictive
+  distribution on a minibatch plus Gaussian input noise
+  (`fedppd_local.distillation_loss`).
+
+  Args:
+    teacher: Keras model (logits) of the baselines' architecture.
+    student: Keras model (logits), usually larger.
+    initial_weights: `join(teacher weights, student weights)` to start from.
+    dataset: batches `(x, y)`, repeated `config.epochs` times.
+    round_num: the 0-based round (seeds the noise with the client's data,
+      sets the round's step sizes).
+    config: `PosteriorConfig`.
+
+  Returns:
+    `(ClientResult(update=initial - final joined weights, update_weight=N),
+    metrics)`, metrics as sums over examples: `loss` (teacher NLL),
+    `student_loss` (distillation loss), `correct` (the student's correct
+    predictions of the labels of its minibatches), `num_examples` (the
+    teacher's), `rejected`.
+  """
+  teacher_weights = ModelWeights.from_model(teacher)
+  student_weights = ModelWeights.from_model(student)
+  tf.nest.map_structure(
+    lambda v, t: v.assign(t), join(teacher_weights, student_weights), initial_weights
+  )
+  sizes = fedppd_local.batch_sizes(dataset)
+  seen = tf.reduce_sum(sizes)
+  num_data = tf.cast(seen, tf.float32) / float(config.epochs)
+  seed = _client_seed(config.seed, round_num, dataset)
+  step_size, temperature = fedppd_local.chain_parameters(
+    config.sgld_scaling, config.teacher_step_size, config.temperature, num_data
+  )
+  student_optimizer = tff.learning.optimizers.build_sgdm(
+    learning_rate=fedppd_local.scheduled_rate(
+      config.student_lr, round_num, 0, config.student_round_decay
+    ),
+    momentum=config.student_momentum or None,
+  )
+  student_vars = student_weights.trainable
+  opt_state = student_optimizer.initialize(
+    tuple(tf.TensorSpec(v.shape, v.dtype) for v in student_vars)
+  )
+  nll = tf.keras.losses.SparseCategoricalCrossentropy(
+    from_logits=True, reduction=tf.keras.losses.Reduction.SUM
+  )
+  prior_precision = config.prior_precision + num_data * config.teacher_weight_decay
+
+  def teacher_step(x, y, taught, step_seed):
+    """One SGLD step on (x, y); returns the batch's summed NLL."""
+    epoch = taught * config.epochs // tf.maximum(seen, 1)
+    eps = fedppd_local.scheduled_rate(
+      step_size,
+      round_num,
+      epoch,
+      config.teacher_round_decay,
+      config.teacher_step_decay,
+      config.teacher_step_decay_epochs,
+    )
+    with tf.GradientTape() as tape:
+      batch_nll = nll(y, teacher(x, training=True))
+      mean_nll = batch_nll / tf.cast(tf.shape(y)[0], tf.float32)
+    grads = tape.gradient(mean_nll, teacher_weights.trainable)
+    potential = [
+      num_data * g + prior_precision * w for g, w in zip(grads, teacher_weights.trainable)
+    ]
+    new_teacher = fedppd_local.sgld_step(
+      teacher_weights.trainable,
+      potential,
+      eps,
+      temperature,
+      tf.random.experimental.stateless_fold_in(step_seed, 0),
+    )
+    for v, t in zip(teacher_weights.trainable, new_teacher):
+      v.assign(v.constraint(t) if v.constraint is not None else t)
+    return batch_nll
+
+  def student_step(x, y, opt_state, step_seed):
+    """One SGD step towards the teacher on noisy x; returns (state, loss,
+    correct predictions of y)."""
+    noisy = x + config.input_noise_std * tf.random.stateless_normal(
+      tf.shape(x), seed=tf.random.experimental.stateless_fold_in(step_seed, 1)
+    )
+    targets = tf.nn.softmax(teacher(noisy, training=False))
+    with tf.GradientTape() as tape:
+      logits = student(noisy, training=True)
+      loss = fedppd_local.distillation_loss(targets, logits)
+    grads = tape.gradient(loss, student_vars)
+    grads = [g + config.student_weight_decay * w for g, w in zip(grads, student_vars)]
+    opt_state, new_student = student_optimizer.next(opt_state, tuple(student_vars), tuple(grads))
+    for v, t in zip(student_vars, new_student):
+      v.assign(t)
+    hits = tf.reduce_sum(
+      tf.cast(
+        tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)), tf.float32
+      )
+    )
+    return opt_state, loss, hits
+
+  def step(carry, batch):
+    opt_state, counter, taught, nll_sum, student_sum, correct = carry
+    x, y, role = batch
+    n = tf.shape(y, out_type=tf.int64)[0]
+    step_seed = tf.random.experimental.stateless_fold_in(seed, counter)
+    teaches = tf.not_equal(role, fedppd_local.STUDENT)
+    batch_nll = tf.cond(
+      teaches, lambda: teacher_step(x, y, taught, step_seed), lambda: tf.constant(0.0)
+    )
+    opt_state, loss, hits = tf.cond(
+      tf.not_equal(role, fedppd_local.TEACHER),
+      lambda: student_step(x, y, opt_state, step_seed),
+      lambda: (opt_state, tf.constant(0.0), tf.constant(0.0)),
+    )
+    return (
+      opt_state,
+      counter + 1,
+      taught + tf.where(teaches, n, tf.constant(0, tf.int64)),
+      nll_sum + batch_nll,
+      student_sum + loss * tf.cast(n, tf.float32),
+      correct + hits,
+    )
+
+  zero = tf.constant(0.0)
+  carry = fedppd_local.minibatch_stream(
+    dataset, sizes, config.student_minibatch, config.epochs
+  ).reduce((opt_state, tf.constant(0, tf.int64), tf.constant(0, tf.int64), zero, zero, zero), step)
+  _, _, taught, nll_sum, student_sum, correct = carry
+  count = tf.cast(taught, tf.float32)
+  final = tf.nest.map_structure(tf.identity, join(teacher_weights, student_weights))
+  update, weight, rejected = client_work_lib.reject_bad_update(
+    client_work_lib.weights_delta(initial_weights, final), num_data, config.max_update_norm
+  )
+  accepted = 1.0 - rejected
+  metrics = collections.OrderedDict(
+    loss=tf.where(accepted > 0, nll_sum, 0.0),
+    student_loss=tf.where(accepted > 0, student_sum, 0.0),
+    correct=correct * accepted,
+    num_examples=count * accepted,
+    rejected=rejected,
+  )
+  return tff.learning.templates.ClientResult(update, weight), metrics
+
+
+def joint_weights_type(teacher_fn, student_fn) -> tff.Type:
+  """TFF type of `join(teacher weights, student weights)`."""
+  with tf.Graph().as_default():
+    weights = join(ModelWeights.from_model(teacher_fn()), ModelWeights.from_model(student_fn()))
+    return tff.types.tensorflow_to_type(
+      tf.nest.map_structure(lambda v: tf.TensorSpec(v.shape, v.dtype), weights)
+    )
+
+
+def build_client_work(
+  teacher_fn: Callable[[], tf.keras.Model],
+  student_fn: Callable[[], tf.keras.Model],
+  element_spec,
+  config: PosteriorConfig,
+  weights_type: tff.Type,
+) -> client_work_lib.ClientWork:
+  """FedPPD's client-work stage: `train_teacher_student` at every client.
+
+  Its state is the 0-based round number, broadcast to seed the clients'
+  noise. `weights_type` is `joint_weights_type(teacher_fn, student_fn)`.
+  """
+  for model_fn in (teacher_fn, student_fn):
+    client_work_lib.check_data_fits_model(model_fn, element_spec)
+  data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
+
+  @tff.tensorflow.computation(weights_type, data_type, tf.int32)
+  def client_update(initial_weights, dataset, round_num):
+    return train_teacher_student(
+      teacher_fn(), student_fn(), initial_weights, dataset, round_num, config
+    )
+
+  @tff.tensorflow.computation(tf.int32)
+  def round_number(round_num):
+    return round_num
+
+  @tff.tensorflow.computation(client_update.type_signature.result[1])
+  def finalize(sums):
+    metrics = client_work_lib.finalize_train_metrics(sums)
+    metrics["student_loss"] = sums["student_loss"] / tf.maximum(sums["num_examples"], 1.0)
+    return metrics
+
+  return client_work_lib.build_round_client_work(client_update, round_number, finalize)
+
+
+def built_fedppd(process, client_work, teacher_fn) -> federated_algorithm.BuiltProcess:
+  """The `BuiltProcess` of FedPPD or FedPPD+Distill, whose model is `join(teacher, student)`:
+  the model it evaluates is the student, the global PPD model."""
+  sizes = count_teacher_tensors(teacher_fn)
+  return federated_algorithm.built_from_client_work(
+    process, client_work, lambda state: [split(process.get_model_weights(state), sizes)[1]]
+  )
+
+
+def build_fedppd(
+  teacher_fn: Callable[[], tf.keras.Model],
+  student_fn: Callable[[], tf.keras.Model],
+  element_spec,
+  config: PosteriorConfig,
+  *,
+  aggregator_factory: (tff.aggregators.WeightedAggregationFactory | None) = None,
+) -> federated_algorithm.BuiltProcess:
+  """Builds FedPPD: FedAvg's stages with `build_client_work`'s client work.
+
+  The server averages the clients' students and teachers (weighted by their
+  number of examples), the mean of Bhatt et al., Sec. 3.2. Clients upload
+  the change of the joined weights, so a weighted `tff.aggregators`
+  `aggregator_factory` (e.g. DP-FedAvg's, `privacy.DPConfig`) can replace
+  the mean.
+  """
+  weights_type = joint_weights_type(teacher_fn, student_fn)
+  factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
+  client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
+  process = tff.learning.templates.compose_learning_process(
+    build_initial_weights_fn(teacher_fn, student_fn),
+    tff.learning.templates.build_broadcast_process(weights_type),
+    client_work.process,
+    factory.create(weights_type, tff.TensorType(np.float32)),
+    fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type),
+  )
+  return built_fedppd(process, client_work, teacher_fn)
+
+
+def build_initial_weights_fn(teacher_fn, student_fn) -> tff.Computation:
+  """A TFF computation returning the initial `join(teacher, student)`."""
+
+  @tff.tensorflow.computation
+  def initial_weights():
+    return join(ModelWeights.from_model(teacher_fn()), ModelWeights.from_model(student_fn()))
+
+  return initial_weights

@@ -1,0 +1,103 @@
+"""FedPPD+Distill (Bhatt et al., ACML 2023, Sec. 3.2): FedPPD's clients, FedBE's server step.
+
+The clients are FedPPD's (`fedppd.build_client_work`); the server distills their
+students, and optionally their teachers, as FedBE does, in the driver
+(`server_step.DriverProcess`).
+"""
+
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens.algorithms import fedppd
+from tff_ens.algorithms import server_distillation
+from tff_ens.server import server_data as server_data_lib
+from tff_ens.templates import federated_algorithm
+from tff_ens.templates import server_step
+
+
+class FedPPDDistillStep:
+  """FedPPD+Distill's server step in the driver (`server_step.ServerStep`).
+
+  The clients' students are distilled into the global student by FedBE's
+  step (`server_distillation.DistillationStep`); the teachers are averaged
+  or, with a teacher step, distilled the same way (measurements prefixed
+  `teacher_`).
+  """
+
+  def __init__(self, teacher_sizes, student_step, teacher_step=None):
+    self._teacher_sizes = teacher_sizes
+    self._student_step = student_step
+    self._teacher_step = teacher_step
+
+  @property
+  def device(self):
+    return self._student_step.device
+
+  def __call__(self, global_weights, collected, round_num: int):
+    updates, weights = collected
+    global_teacher, global_student = fedppd.split(global_weights, self._teacher_sizes)
+    teacher_updates, student_updates = fedppd.split(updates, self._teacher_sizes)
+    student, measurements = self._student_step(
+      global_student, (student_updates, weights), round_num
+    )
+    if self._teacher_step is None:
+      teacher = global_teacher
+      if np.any(np.asarray(weights) > 0):
+        teacher = server_distillation.weighted_average(
+          server_distillation.client_models(global_teacher, teacher_updates), weights
+        )
+    else:
+      teacher, teacher_measurements = self._teacher_step(
+        global_teacher, (teacher_updates, weights), round_num
+      )
+      measurements.update((f"teacher_{k}", v) for k, v in teacher_measurements.items())
+    return fedppd.join(teacher, student), measurements
+
+
+def build_fedppd_distill(
+  teacher_fn: Callable[[], tf.keras.Model],
+  student_fn: Callable[[], tf.keras.Model],
+  element_spec,
+  config: fedppd.PosteriorConfig,
+  data: server_data_lib.ServerData,
+  server_config: server_distillation.ServerDistillationConfig,
+  *,
+  clients_per_round: int,
+  teacher_server_config: (server_distillation.ServerDistillationConfig | None) = None,
+) -> federated_algorithm.BuiltProcess:
+  """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
+
+  The clients' students are distilled into the global student on the
+  server's unlabeled data by FedBE's server step
+  (`server_distillation.DistillationStep` with `server_config`: teachers
+  from the average, the clients' students and samples around them, SWA),
+  instead of averaged. The clients' teachers are averaged as in FedPPD or,
+  with `teacher_server_config`, distilled the same way into the global
+  teacher as the authors' code does (train_femnist.py); that step's
+  measurements are prefixed `teacher_`. Aggregator FedBE's, client work
+  FedPPD's; the step runs in the driver (`server_step.DriverProcess`).
+  """
+  teacher_sizes = fedppd.count_teacher_tensors(teacher_fn)
+  weights_type = fedppd.joint_weights_type(teacher_fn, student_fn)
+  client_work = fedppd.build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
+  initialize_fn, collect = server_step.build_collect(
+    fedppd.build_initial_weights_fn(teacher_fn, student_fn),
+    tff.learning.templates.build_broadcast_process(weights_type),
+    client_work.process,
+    server_step.build_collect_aggregator(weights_type, clients_per_round),
+  )
+  step = FedPPDDistillStep(
+    teacher_sizes,
+    server_distillation.DistillationStep(student_fn, data, server_config),
+    (
+      server_distillation.DistillationStep(teacher_fn, data, teacher_server_config)
+      if teacher_server_config is not None
+      else None
+    ),
+  )
+  return fedppd.built_fedppd(
+    server_step.DriverProcess(initialize_fn, collect, step), client_work, teacher_fn
+  )

@@ -1,0 +1,372 @@
+"""FedBE, FedDF and v-Distillation: weight averaging replaced by server-side
+ensemble distillation, the server step in the driver (`server_step`).
+
+Chen and Chao, "FedBE: Making Bayesian Model Ensemble Applicable to Federated
+Learning", ICLR 2021, Algorithm 1; Lin, Kong, Stich and Jaggi, "Ensemble
+Distillation for Robust Model Fusion in Federated Learning", NeurIPS 2020,
+Algorithm 1.
+
+FedAvg's four stages with two swapped, composed by `server_step.build_collect`:
+
+* distributor and client work: FedAvg's (`client_work.build_client_work`);
+* aggregator (`server_step.build_collect_aggregator`): the server needs every
+  client's model, not only their mean, so the result is the cohort's updates
+  and weights;
+* finalizer (`DistillationStep`): the driver's TensorFlow (on the GPU when
+  there is one; TFF 0.87's worker uses none) rebuilds the client models (global - update),
+  forms the teachers, labels the server's unlabeled data with them and
+  distills into the student, which starts from the weight average:
+  - "fedbe": teachers {average, clients, M samples of a Gaussian (eq. 5) or
+    Dirichlet (eq. 7) over the client models} (`weight_posterior`), targets
+    the ensemble's mean probabilities (optionally sharpened), SGD with SWA
+    (`student_lib.distill`);
+  - "feddf": teachers the clients drop-worst keeps on the server's
+    validation data, targets softmax(mean logits) (AVGLOGITS), Adam with
+    cosine decay and early stopping on validation accuracy;
+  - "vdistill": FedBE's v-Distillation baseline, teachers the clients,
+    sharpened mean probabilities, plain SGD.
+
+The server's data (`server_data.ServerData`) reaches the step through
+`tf.data` pipelines, never the clients.
+"""
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens import settings
+from tff_ens.algorithms import fedavg
+from tff_ens.math import drop_worst
+from tff_ens.math import weight_posterior
+from tff_ens.server import distillation
+from tff_ens.server import server_data as server_data_lib
+from tff_ens.server import student as student_lib
+from tff_ens.settings import setting
+from tff_ens.templates import client_work as client_work_lib
+from tff_ens.templates import federated_algorithm
+from tff_ens.templates import server_step
+
+ModelWeights = tff.learning.models.ModelWeights
+
+METHODS = ("fedbe", "feddf", "vdistill")
+DISTRIBUTIONS = ("gaussian", "dirichlet")
+# The temperature of each method's targets when `sharpen_temperature` is None.
+DEFAULT_SHARPEN_TEMPERATURE = {"fedbe": 1.0, "vdistill": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerDistillationConfig:
+  """What the server does with the round's client models.
+
+  Attributes:
+    method: one of METHODS.
+    distill: the student's training (`distillation.DistillationConfig`).
+    distribution: FedBE's distribution over global models, "gaussian" or
+      "dirichlet".
+    num_samples: M, models sampled from it (FedBE).
+    targets: FedBE's teachers, one of `weight_posterior.TARGETS`.
+    dirichlet_alpha: the Dirichlet's alpha (FedBE, eq. 7).
+    gaussian: FedBE's Gaussian fit, one of `weight_posterior.GAUSSIANS`
+      ("paper": eq. 5; "code": the authors' normalized, scaled one with
+      `gaussian_var_scale` and `gaussian_var_clamp`).
+    dirichlet: FedBE's Dirichlet, one of `weight_posterior.DIRICHLETS`.
+    sharpen_temperature: T > 0 of the targets of fedbe and vdistill, the
+      ensemble's mean probabilities sharpened to p^(1/T) / sum p^(1/T)
+      (`distillation.sharpen`; 1 keeps them; unused by feddf). None: the
+      papers' (DEFAULT_SHARPEN_TEMPERATURE), 1 for fedbe (Chen and Chao,
+      Sec. 4: the mean probabilities) and 0.5 for vdistill (Sec. 5); the
+      authors' code sharpens both with 0.5.
+    drop_worst: leave the worst clients out (FedDF).
+    drop_worst_rule: which are the worst, one of
+      `drop_worst.DROP_WORST_RULES` (`drop_worst.drop_worst_mask`):
+      "guess_or_outliers" (the authors' code; the paper names no
+      threshold) or "majority" (at most the majority-class rate).
+    device: where the server computation runs (`distillation.choose_device`).
+    seed: seeds the samples and the distillation's shuffles (with the round).
+  """
+
+  method: str = setting(choices=METHODS)
+  distill: distillation.DistillationConfig
+  distribution: str = setting("gaussian", choices=DISTRIBUTIONS)
+  num_samples: int = setting(10, at_least=0)
+  targets: str = setting("S+A+C", choices=weight_posterior.TARGETS)
+  dirichlet_alpha: float = setting(1.0, above=0)
+  gaussian: str = setting("paper", choices=weight_posterior.GAUSSIANS)
+  gaussian_var_scale: float = setting(0.1, above=0)
+  gaussian_var_clamp: float = setting(1e-5, at_least=0)
+  dirichlet: str = setting("paper", choices=weight_posterior.DIRICHLETS)
+  sharpen_temperature: Optional[float] = setting(None, above=0)
+  # Before the `drop_worst` field, which hides the module in this class body.
+  drop_worst_rule: str = setting("guess_or_outliers", choices=drop_worst.DROP_WORST_RULES)
+  drop_worst: bool = False
+  device: str = "/CPU:0"
+  seed: int = 0
+
+  def __post_init__(self):
+    settings.check(self)
+    if self.num_samples < 1 and "S" in self.targets:
+      raise settings.SettingError(
+        "num_samples", self.num_samples, f"must be >= 1 for targets {self.targets}"
+      )
+    if self.method == "feddf" and not self.distill.eval_every:
+      raise ValueError(
+        "feddf stops early on validation data: its distill config needs eval_every > 0"
+      )
+
+
+def client_models(global_weights, updates):
+  """The clients' models w_i = w - update_i, stacked like `updates`."""
+  return tf.nest.map_structure(lambda w, u: w[None] - u, global_weights, updates)
+
+
+def weighted_average(stacked, weights):
+  """sum_i p_i w_i with p_i = weights_i / sum(weights) (FedAvg's average)."""
+  weights = tf.cast(weights, tf.float32)
+  p = tf.math.divide_no_nan(weights, tf.reduce_sum(weights))
+  return tf.nest.map_structure(lambda t: tf.tensordot(p, t, axes=1), stacked)
+
+
+def teachers(
+  model: tf.keras.Model,
+  global_weights,
+  collected,
+  seed,
+  config: ServerDistillationConfig,
+  validation,
+):
+  """The round's teachers, their weights and the student's start.
+
+  Returns `(teacher_stack, teacher_weights, average, num_dropped,
+  informative)`; the teacher weights are 0 for teachers to leave out
+  (rejected or dropped clients). The average is over the clients kept.
+  `informative` is False when drop-worst drops every client: there is then
+  nothing to distill from, and the round's model is the average of
+  all received clients (a FedAvg step), as in the first rounds of training.
+  """
+  updates, weights = collected
+  clients = client_models(global_weights, updates)
+  weights = tf.cast(weights, tf.float32)
+  received = weights > 0
+  keep = received
+  informative = tf.constant(True)
+  if config.drop_worst:
+    val_x, val_y = validation
+    accuracies = distillation.member_accuracies(model, clients, val_x, val_y)
+    keep, informative = drop_worst.drop_worst_mask(
+      config.drop_worst_rule, accuracies, val_y, model.output_shape[-1], members=received
+    )
+  weights = weights * tf.cast(keep, tf.float32)
+  num_dropped = tf.reduce_sum(tf.cast(received, tf.int32)) - tf.reduce_sum(tf.cast(keep, tf.int32))
+  average = weighted_average(clients, weights)
+  if config.method != "fedbe":  # FedDF, v-Distillation: the clients.
+    return (clients, tf.cast(weights > 0, tf.float32), average, num_dropped, informative)
+  samples = None
+  if "S" in config.targets:
+    if config.distribution == "gaussian":
+      # Fitted to the updates (better conditioned than the models, and the
+      # variance is the same); the mean model is then w - mean update.
+      mean_update, variance = weight_posterior.fit_gaussian_to_updates(
+        updates, weights, config.gaussian, config.gaussian_var_scale, config.gaussian_var_clamp
+      )
+      mean = tf.nest.map_structure(tf.subtract, global_weights, mean_update)
+      samples = weight_posterior.sample_gaussian(mean, variance, config.num_samples, seed)
+    else:
+      coefficients = weight_posterior.sample_dirichlet_coefficients(
+        weights, config.dirichlet_alpha, config.num_samples, seed, config.dirichlet
+      )
+      samples = weight_posterior.combine_models(clients, coefficients)
+  stack = weight_posterior.teacher_stack(
+    config.targets, average, clients if "C" in config.targets else None, samples
+  )
+  return (
+    stack,
+    weight_posterior.teacher_weights(config.targets, weights, config.num_samples),
+    average,
+    num_dropped,
+    informative,
+  )
+
+
+def distillation_targets(config: ServerDistillationConfig, predictions):
+  """The student's targets from the teachers' `ensemble_predictions`.
+
+  FedDF: AVGLOGITS (`distillation.avg_logits_targets`); FedBE and
+  v-Distillation: the mean probabilities, `distillation.sharpen`ed with
+  `config.sharpen_temperature` (or the method's default).
+  """
+  if config.method == "feddf":
+    return distillation.avg_logits_targets(predictions["mean_logits"])
+  temperature = config.sharpen_temperature
+  if temperature is None:
+    temperature = DEFAULT_SHARPEN_TEMPERATURE[config.method]
+  return distillation.sharpen(predictions["mean_probabilities"], temperature)
+
+
+def round_seed(config: ServerDistillationConfig, round_num):
+  """The server step's stateless seed for 0-based `round_num`."""
+  return tf.random.experimental.stateless_fold_in(
+    tf.constant([config.seed, 3], tf.int64), tf.cast(round_num, tf.int64)
+  )
+
+
+class DistillationStep:
+  """FedBE's, FedDF's or v-Distillation's server step, in the driver's TensorFlow.
+
+  FedBE Algorithm 1 lines 7-10 / FedDF Algorithm 1 lines 6-9 (see the module
+  docstring): `step(global weights, collected, round) -> (new weights,
+  measurements)`, a `server_step.ServerStep`. The teachers label the server's
+  unlabeled images batch by batch (`distillation.streamed_ensemble_predictions`)
+  into a target store as large as the images' (an array, or a temporary
+  `server_data.ImageFile` when the images stream from a file), and the
+  student (`student_lib.Student`, traced once per run) starts from the
+  weight average. Everything runs on `config.device`.
+  """
+
+  def __init__(
+    self,
+    model_fn: Callable[[], tf.keras.Model],
+    data: server_data_lib.ServerData,
+    config: ServerDistillationConfig,
+  ):
+    self.config = config
+    self.data = data
+    self.device = None  # Where the last step's ops ran (`server_step.placed_device`).
+    with tf.device(config.device):
+      self._model = model_fn()
+      self._student = student_lib.Student(self._model, config.distill)
+      self._validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
+
+  @tf.function
+  def _teachers(self, global_weights, collected, seed):
+    return teachers(self._model, global_weights, collected, seed, self.config, self._validation)
+
+  def __call__(self, global_weights, collected, round_num: int):
+    start = time.perf_counter()
+    config = self.config
+    received = bool(np.any(np.asarray(collected[1]) > 0))
+    with tf.device(config.device):
+      seed = round_seed(config, round_num)
+      stack, teacher_weights, average, num_dropped, informative = self._teachers(
+        global_weights, collected, seed
+      )
+      stats = collections.OrderedDict(
+        steps=0, examples=0, validation_curve=np.zeros([0, 2], np.float32)
+      )
+      average_accuracy = teachers_accuracy = tf.constant(-1.0)
+      if received:
+        average_accuracy, teachers_accuracy = self.validation_baselines(
+          stack, teacher_weights, average
+        )
+      if not received:  # No client this round: the model stays as it was.
+        new_weights = global_weights
+      elif not bool(informative):  # Drop-worst dropped every client: their average.
+        new_weights = average
+      else:
+        new_weights, stats = self._student.distill(
+          average, self.data.unlabeled, self.targets(stack, teacher_weights), seed, self._validation
+        )
+      distillation.assign_weights(self._model, new_weights)
+      student_accuracy = self._student.validation_accuracy(*self._validation)
+    self.device = server_step.placed_device(student_accuracy)
+    return new_weights, collections.OrderedDict(
+      student_validation_accuracy=student_accuracy,
+      average_validation_accuracy=average_accuracy,
+      teachers_validation_accuracy=teachers_accuracy,
+      dropped_clients=num_dropped,
+      distilled=int(received and bool(informative)),
+      distill_steps=stats["steps"],
+      distill_examples=stats["examples"],
+      server_seconds=time.perf_counter() - start,
+      validation_curve=stats["validation_curve"],
+    )
+
+  def validation_baselines(self, stack, teacher_weights, average):
+    """What the student competes with, on the server's validation data: the accuracy of
+    the clients' weight average (FedAvg's model, the student's start) and of the
+    teachers' predictive distribution (`distillation_targets`'s argmax)."""
+    x, y = self._validation
+    distillation.assign_weights(self._model, average)
+    average_accuracy = self._student.validation_accuracy(x, y)
+    predictions = distillation.ensemble_predictions(self._model, stack, x, teacher_weights)
+    return average_accuracy, distillation.accuracy(
+      distillation_targets(self.config, predictions), y
+    )
+
+  def targets(self, stack, teacher_weights):
+    """The student's targets on the unlabeled images (`distillation_targets`)."""
+    unlabeled = self.data.unlabeled
+    targets = server_data_lib.rows_like(unlabeled, self._model.output_shape[-1:])
+    for start, predictions in distillation.streamed_ensemble_predictions(
+      self._model, stack, unlabeled, teacher_weights
+    ):
+      batch = distillation_targets(self.config, predictions).numpy()
+      targets[start : start + len(batch)] = batch
+    return targets
+
+  def teacher_probabilities(self, global_weights, collected, round_num: int, images):
+    """The round's teacher ensemble on `images`: `OrderedDict(probabilities,
+    mean_entropy, average_probabilities)`, its predictive distribution (FedDF: the
+    softmax of AVGLOGITS), its members' mean entropy and the predictions of the
+    clients' weight average (the student's start); the same teachers as the step
+    distills from, for `ensemble_test_accuracy` and the teachers' uncertainty."""
+    with tf.device(self.config.device):
+      stack, teacher_weights, average, _, _ = self._teachers(
+        global_weights, collected, round_seed(self.config, round_num)
+      )
+      batches = [
+        p
+        for _, p in distillation.streamed_ensemble_predictions(
+          self._model, stack, images, teacher_weights
+        )
+      ]
+      distillation.assign_weights(self._model, average)
+      average_logits = distillation.predict_logits(
+        self._model, images, distillation.EVAL_BATCH_SIZE
+      )
+    probabilities = [
+      tf.nn.softmax(p["mean_logits"]) if self.config.method == "feddf" else p["mean_probabilities"]
+      for p in batches
+    ]
+    return collections.OrderedDict(
+      probabilities=np.concatenate(probabilities),
+      mean_entropy=np.concatenate([p["mean_entropy"] for p in batches]),
+      average_probabilities=tf.nn.softmax(average_logits).numpy(),
+    )
+
+
+def build_server_distillation(
+  model_fn: Callable[[], tf.keras.Model],
+  element_spec,
+  local_config: client_work_lib.LocalTrainingConfig,
+  data: server_data_lib.ServerData,
+  config: ServerDistillationConfig,
+  *,
+  clients_per_round: int,
+) -> federated_algorithm.BuiltProcess:
+  """Builds FedBE, FedDF or v-Distillation (`config.method`) as a
+  `server_step.DriverProcess`, whose `last_round_teachers` are the last round's teachers.
+
+  Args:
+    model_fn: no-arg function building the (global and client) model.
+    element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
+    local_config: the clients' training (FedAvg's).
+    data: the server's unlabeled and validation data.
+    config: the server step.
+    clients_per_round: the largest cohort (slots of the collect aggregator).
+  """
+  weights_type = client_work_lib.weights_type_of(model_fn)
+  client_work = client_work_lib.build_client_work(model_fn, element_spec, local_config)
+  initialize_fn, collect = server_step.build_collect(
+    fedavg.build_initial_weights_fn(model_fn),
+    tff.learning.templates.build_broadcast_process(weights_type),
+    client_work.process,
+    server_step.build_collect_aggregator(weights_type, clients_per_round),
+  )
+  step = DistillationStep(model_fn, data, config)
+  process = server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities)
+  return federated_algorithm.built_from_client_work(process, client_work)

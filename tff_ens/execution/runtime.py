@@ -1,0 +1,445 @@
+"""TFF execution contexts whose C++ worker processes have a bounded lifetime.
+
+Importing `tensorflow_federated` installs `set_sync_local_cpp_execution_context()`
+as the default context. We do not use it (nor its constructor
+`tff.backends.native.create_sync_local_cpp_execution_context`): on the first
+computation call it starts `worker_binary` with the caller's stdout/stderr (so
+the child holds pytest's or a parent's pipes open) and only stops it in a
+`__del__`, so the worker can outlive Python, e.g. when the parent is SIGKILLed.
+
+Here `execution_context()` starts its own worker (or connects to running ones,
+see `worker_process.start_worker` and `python -m tff_ens.worker`), installs a context built
+from public `tff.framework` pieces for the duration of a `with` block, and
+stops the worker on exit. Workers are started with their output away from the
+parent's pipes and with `PR_SET_PDEATHSIG=SIGKILL`, so they die with the
+thread that started them even if Python is killed.
+
+Note: TFF's context stack is thread-local; the context is current only in the
+thread that entered the block.
+"""
+
+import asyncio
+from collections.abc import Iterator, Sequence
+import contextlib
+import dataclasses
+import os
+import subprocess
+import threading
+from typing import Any, Optional
+
+import grpc
+import portpicker
+import tensorflow_federated as tff
+
+from tff_ens.execution import worker_process
+
+# As in TFF's `executor_factory.py`: allow messages up to 2 GB.
+_GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
+_GRPC_CHANNEL_OPTIONS = [
+  ("grpc.max_message_length", _GRPC_MAX_MESSAGE_BYTES),
+  ("grpc.max_receive_message_length", _GRPC_MAX_MESSAGE_BYTES),
+  ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE_BYTES),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Worker:
+  """The one worker of the installed context, for `ResidentState`."""
+
+  stub: tff.framework.RemoteExecutorGrpcStub
+  address: str
+  process: Optional[subprocess.Popen]
+  executors: list  # Closed when the context exits.
+
+
+# Per thread (as TFF's context stack): the single worker of each installed
+# `execution_context`, innermost last; None for a several-worker context.
+_installed = threading.local()
+
+
+def _current_worker() -> Optional[_Worker]:
+  stack = getattr(_installed, "workers", [])
+  return stack[-1] if stack else None
+
+
+class _NoExecutionContext(tff.framework.SyncContext):
+  """Default context outside `execution_context()`: refuses to run.
+
+  Replaces the one TFF installs at import, which would start a
+  `worker_binary` that outlives Python (see the module docstring).
+  """
+
+  def invoke(self, comp, arg):
+    raise RuntimeError(
+      "TFF computations run inside tff_ens.execution.runtime.execution_context(): "
+      "wrap the call in `with execution_context():`"
+    )
+
+
+tff.framework.set_default_context(_NoExecutionContext())
+
+
+class _LatestExecutorFactory(tff.framework.ExecutorFactory):
+  """Holds one executor, for the cardinalities of the latest computation.
+
+  TFF's `ResourceManagingExecutorFactory` keeps an executor per distinct
+  cardinality (up to 10) and drops old ones without closing them. On the C++
+  worker every executor keeps its own copy of the computations it ran: with
+  Fed-ensemble's five LEAF CNNs the worker grew by ~1.2 GB for every new
+  cohort size and never shrank, so client dropouts (a different cohort size
+  most rounds) ran it out of memory (measured in benchmarks/RESULTS.md,
+  "Worker memory"). Closing the previous executor when the cardinalities
+  change frees it on the worker. Computations run one at a time per worker,
+  so no value of the closed executor is still in use.
+  """
+
+  def __init__(self, stack_fn):
+    self._stack_fn = stack_fn
+    self._key = None
+    self._executor = None
+
+  def create_executor(self, cardinalities):
+    key = sorted((str(placement), n) for placement, n in cardinalities.items())
+    if key != self._key:
+      self.clean_up_executor(cardinalities)
+      self._executor = self._stack_fn(cardinalities)
+      self._key = key
+    return self._executor
+
+  def clean_up_executor(self, cardinalities):
+    del cardinalities  # There is only one executor.
+    if self._executor is not None:
+      self._executor.close()
+    self._executor = self._key = None
+
+
+def _executor_factory(
+  stub: tff.framework.RemoteExecutorGrpcStub,
+  address: str,
+  process: Optional[subprocess.Popen],
+  executors: list[tff.framework.RemoteExecutor],
+) -> tff.framework.ExecutorFactory:
+  """Executor factory over one worker, as TFF's `local_cpp_executor_factory`."""
+
+  def stack_fn(cardinalities):
+    # TFF retries calls that fail with gRPC UNAVAILABLE forever, re-creating
+    # the executor each time; checking here turns a dead worker into an error.
+    worker_process.wait_until_serving(stub, address, process)
+    # As TFF: computations with no CLIENTS-placed argument get 0 clients.
+    cardinalities.setdefault(tff.CLIENTS, 0)
+    # Not `stream_structs=True`: it moves a 132 MB state about twice as fast
+    # but its value finalizers then fail ("value not found, cannot dispose").
+    executor = tff.framework.RemoteExecutor(stub)
+    executor.set_cardinalities(cardinalities)
+    executors.append(executor)
+    return executor
+
+  return _LatestExecutorFactory(stack_fn)
+
+
+def _is_per_client(type_spec: tff.types.Type) -> bool:
+  return (
+    isinstance(type_spec, tff.FederatedType)
+    and type_spec.placement is tff.CLIENTS
+    and not type_spec.all_equal
+  )
+
+
+def _compile_to_mergeable_form(comp):
+  """TFF's mergeable-form compiler, refusing computations with per-client results.
+
+  TFF 0.87's `MergeableCompExecutionContext` concatenates CLIENTS-placed results
+  in the order the workers finish, not in client order; refuse rather than
+  return them silently permuted.
+  """
+  if tff.types.contains(comp.type_signature.result, _is_per_client):
+    raise ValueError(
+      "Computations returning CLIENTS-placed values cannot run on several "
+      "workers (TFF 0.87 returns them out of client order); use one worker."
+    )
+  return tff.backends.native.compile_to_mergeable_comp_form(comp)
+
+
+@contextlib.contextmanager
+def execution_context(
+  *,
+  workers: Sequence[str] = (),
+  max_concurrent_computation_calls: int = -1,
+) -> Iterator[None]:
+  """Installs a TFF C++ execution context for the duration of the block and shuts it down on exit.
+
+  With no `workers`, starts a local `worker_binary` (see `worker_process.start_worker`) on a
+  free port and stops it on exit. With `workers` ("host:port" of running TFF
+  worker services, e.g. `worker_process.start_worker` or `python -m tff_ens.worker`), connects
+  to them: one worker is used directly; with several, each computation is
+  compiled to TFF's mergeable form and its clients are split across the
+  workers. That needs computations with no aggregation depending on another
+  (`tff.learning` processes are fine) and without CLIENTS-placed results.
+
+  On exit, normal or by exception (KeyboardInterrupt included), the previous
+  context is current again, the workers' executors are released and a worker
+  started here is stopped and reaped. While the block runs, our context is on
+  top of the (thread-local) context stack, so the default context TFF
+  installed at import is never invoked and never starts its own worker.
+
+  Args:
+    workers: Addresses of running worker services; empty to start a local one.
+    max_concurrent_computation_calls: For the local worker: how many calls of
+      one computation (e.g. one per client) run in parallel; nonpositive means
+      no limit. On 2 cores all clients in parallel can be slower than a small
+      limit, so the training code picks it. Workers given in `workers` were
+      configured when they were started.
+
+  Raises:
+    worker_process.WorkerError: If a worker does not come up or is unreachable, on entry or
+      when a computation finds it gone.
+    ValueError: If `max_concurrent_computation_calls` is set with `workers`.
+  """
+  if workers and max_concurrent_computation_calls > 0:
+    raise ValueError(
+      "max_concurrent_computation_calls is a flag of the worker process; "
+      "pass it to start_worker for workers given by address."
+    )
+  process = None
+  channels = []
+  executors = []
+  try:
+    if workers:
+      addresses = list(workers)
+    else:
+      port = portpicker.pick_unused_port()
+      process = worker_process.start_worker(
+        port,
+        max_concurrent_computation_calls=max_concurrent_computation_calls,
+      )
+      addresses = [f"localhost:{port}"]
+    factories = []
+    for address in addresses:
+      channel = grpc.insecure_channel(address, _GRPC_CHANNEL_OPTIONS)
+      channels.append(channel)
+      stub = tff.framework.RemoteExecutorGrpcStub(channel)
+      worker_process.wait_until_serving(stub, address, process)
+      factories.append(_executor_factory(stub, address, process, executors))
+
+    transforms = dict(
+      transform_args=tff.tensorflow.transform_args,
+      transform_result=tff.tensorflow.transform_result,
+    )
+    # The same compiler and transforms as TFF's
+    # `create_sync_local_cpp_execution_context`.
+    compiler_fn = tff.backends.native.desugar_and_transform_to_native
+    if len(factories) == 1:
+      context = tff.framework.SyncExecutionContext(factories[0], compiler_fn, **transforms)
+    else:
+      context = tff.framework.MergeableCompExecutionContext(
+        async_contexts=[
+          tff.framework.AsyncExecutionContext(f, compiler_fn, **transforms) for f in factories
+        ],
+        compiler_fn=_compile_to_mergeable_form,
+        **transforms,
+      )
+    if not hasattr(_installed, "workers"):
+      _installed.workers = []
+    _installed.workers.append(
+      _Worker(stub, addresses[0], process, executors) if len(factories) == 1 else None
+    )
+    try:
+      with tff.framework.get_context_stack().install(context):
+        yield
+    finally:
+      _installed.workers.pop()
+  finally:
+    try:
+      for executor in executors:
+        executor.close()  # Frees its state on the worker; never raises on RPC.
+      for channel in channels:
+        channel.close()
+    finally:
+      if process is not None:
+        worker_process.stop_worker(process)
+
+
+class ResidentState:
+  """Runs `next(state, *args) -> (state, metrics)` keeping the state on the worker.
+
+  TFF's execution contexts return every result to Python, so a round of
+  `process.next(state, data)` moves the whole server state to the worker and
+  back. With 10 FEMNIST clients that is 0.4 s of a 3.0 s FedAvg round (one
+  LEAF CNN, 26 MB) and 4.5 s of an 8.4 s Fed-ensemble round (five, 132 MB)
+  (benchmarks/RESULTS.md, "Fed-ensemble round time"). TFF 0.87 has no API
+  that leaves a result on the executor (`tff.program`'s native context
+  materializes its arguments), so this drives the worker's executor directly
+  through the public `tff.framework.RemoteExecutor`, as the sync context does
+  inside `invoke`: the state stays a value on the worker between calls, only
+  the metrics come back, and `value` downloads the state when it is needed
+  (evaluation, checkpoints). The computation, its arguments and its results
+  are the same as `next(state, *args)` through the context; only where the
+  state waits between rounds changes.
+
+  While a state the worker derived from a call is held there, TFF's worker
+  keeps that call's per-client values alive, and through the state passed in,
+  those of every earlier call back to the last state uploaded from Python:
+  held round after round, the worker grew by 0.7 GB a round for
+  v-Distillation (ten client models collected) and up to 0.4 GB for a K=5
+  Fed-ensemble, where it stays flat when the state moves through Python
+  (benchmarks/RESULTS.md, "State on the worker and worker memory"). So the
+  chain is cut by re-uploading the state from Python: in the round after
+  `value` downloaded it anyway (evaluation, checkpoints), and every N rounds
+  held, N being the rounds it took a local worker to grow by
+  `max_growth_bytes` after the first round (every round for a remote worker,
+  whose memory is not visible here).
+
+  With a context over several workers (TFF's mergeable form) the state goes
+  through the context as usual.
+  """
+
+  def __init__(self, next_computation, state, *, max_growth_bytes: int = 2 * 2**30):
+    """`next_computation`: a TFF computation `(state, *args) -> (state, metrics)`, or a
+    Python function (a `server_step.DriverProcess`'s `next`), whose state is in Python."""
+    self._next = next_computation
+    self._worker = _current_worker() if isinstance(next_computation, tff.Computation) else None
+    self._state = state  # The Python value, or None while only on the worker.
+    self._remote = None
+    self._max_growth_bytes = max_growth_bytes
+    self._first_rss = None  # The local worker's RSS after the first round.
+    self._rounds_held = 0  # Rounds since the state was last uploaded.
+    self._cut_every = None  # N of the class doc, once measured.
+    self._executor = None
+    self._clients = None
+    self._comp = None
+    if self._worker is not None:
+      self._compiled = tff.backends.native.desugar_and_transform_to_native(next_computation)
+
+  @property
+  def value(self):
+    """The state as a Python structure (downloaded once after each `next`)."""
+    if self._state is None:
+      self._state = self._download(self._remote, 0)
+      self._remote = None  # Uploaded again next round (see the class doc).
+      self._rounds_held = 0
+    return self._state
+
+  @property
+  def cut_every(self) -> int | None:
+    """N of the class doc: rounds between re-uploads once measured, else None."""
+    return self._cut_every
+
+  def next(self, *args) -> Any:
+    """One call of the computation on the held state.
+
+    Returns its metrics, or, for a computation with more results after the
+    state (`(state, metrics, client states)`), the tuple of them all.
+    """
+    if self._worker is None:
+      self._state, *results = _state_first(self._next(self.value, *args))
+      return results[0] if len(results) == 1 else tuple(results)
+    parameter = self._compiled.type_signature.parameter
+    clients = {len(a) for a, t in zip(args, list(parameter)[1:]) if _is_per_client(t)}
+    if len(clients) > 1:
+      raise ValueError(f"CLIENTS-placed arguments of different lengths: {sorted(clients)}")
+    with self._worker_errors():
+      self._use_executor(clients.pop() if clients else 0)
+      if self._remote is None:
+        self._remote = self._run(
+          self._executor.create_value(tff.tensorflow.transform_args(self._state), parameter[0])
+        )
+      values = [self._remote] + [
+        self._run(self._executor.create_value(tff.tensorflow.transform_args(a), t))
+        for a, t in zip(args, list(parameter)[1:])
+      ]
+      call = self._run(
+        self._executor.create_call(self._comp, self._run(self._executor.create_struct(values)))
+      )
+      self._remote = self._run(self._executor.create_selection(call, 0))
+      self._state = None
+      results = tuple(
+        self._download(self._run(self._executor.create_selection(call, i)), i)
+        for i in range(1, len(self._next.type_signature.result))
+      )
+    self._rounds_held += 1
+    if self._cut_due():
+      _ = self.value  # Downloads the state; the next round uploads it.
+    return results[0] if len(results) == 1 else results
+
+  def _cut_due(self) -> bool:
+    """Whether to cut the held state's chain now (see the class doc)."""
+    if self._cut_every is not None:
+      return self._rounds_held >= self._cut_every
+    if self._worker.process is None:
+      self._cut_every = 1
+      return True
+    try:
+      rss = _resident_bytes(self._worker.process.pid)
+    except OSError:  # The worker is gone; the next call reports it.
+      return False
+    if self._first_rss is None:
+      self._first_rss = rss
+    elif rss - self._first_rss > self._max_growth_bytes:
+      self._cut_every = self._rounds_held
+      return True
+    return False
+
+  def _use_executor(self, clients: int) -> None:
+    """An executor for `clients` clients; the state moves if the count changes."""
+    if self._executor is not None and clients == self._clients:
+      return
+    if self._executor is not None:
+      _ = self.value  # Downloaded (and let go) before the executor frees it.
+      self._worker.executors.remove(self._executor)
+      self._executor.close()
+    worker_process.wait_until_serving(self._worker.stub, self._worker.address, self._worker.process)
+    # Values are disposed on the worker as soon as Python drops them, so
+    # a replaced state does not wait there for a batch of 20.
+    self._executor = tff.framework.RemoteExecutor(self._worker.stub, dispose_batch_size=1)
+    self._executor.set_cardinalities({tff.CLIENTS: clients})
+    self._worker.executors.append(self._executor)
+    self._clients = clients
+    self._comp = self._run(
+      self._executor.create_value(self._compiled, self._compiled.type_signature)
+    )
+
+  def _download(self, remote, index: int):
+    with self._worker_errors():
+      value = self._run(remote.compute())
+    return tff.tensorflow.transform_result(
+      tff.types.type_to_py_container(value, self._next.type_signature.result[index])
+    )
+
+  @contextlib.contextmanager
+  def _worker_errors(self):
+    """A gRPC error from a dead or unreachable worker becomes a `WorkerError`."""
+    try:
+      yield
+    except grpc.RpcError:
+      if self._worker.process is not None:
+        # A killed worker may still be exiting when its connection drops.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+          self._worker.process.wait(timeout=worker_process.STOP_GRACE_S)
+      worker_process.wait_until_serving(
+        self._worker.stub, self._worker.address, self._worker.process
+      )
+      raise
+
+  @staticmethod
+  def _run(coroutine):
+    # RemoteExecutor's coroutines make blocking gRPC calls and never wait on
+    # each other, so each runs to completion on its own event loop.
+    return asyncio.run(coroutine)
+
+
+def _resident_bytes(pid: int) -> int:
+  """Resident memory of a local process (Linux, as TFF's worker binary)."""
+  with open(f"/proc/{pid}/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def state_and_metrics(output) -> tuple[Any, Any]:
+  """`(state, metrics)` of an `IterativeProcess.next` or `LearningProcess.next`."""
+  return tuple(_state_first(output)[:2])
+
+
+def _state_first(output) -> tuple:
+  """The results of a process's `next`, the state first."""
+  if hasattr(output, "state"):  # tff.learning's LearningProcessOutput.
+    return output.state, output.metrics
+  return tuple(output)

@@ -1,0 +1,3 @@
+"""Paper math and measurements: the papers' formulas and the metrics of predictions, as NumPy
+and TensorFlow functions with no TFF computation.
+"""

@@ -1,0 +1,325 @@
+"""What a run reports: evaluation of its model(s), progress lines and `summary.json`.
+
+`Evaluator` predicts with the process' model(s) on a task split; `progress` reports each
+round on a terminal or in the log; `write_summary` evaluates the final model(s), saves them
+and writes `summary.json` and `per_client_accuracy.json`, with the keys of uncertainty,
+privacy, server distillation and FedDF's prototypes.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import os
+import statistics
+import sys
+
+import numpy as np
+
+from tff_ens import algorithms
+from tff_ens import run_files
+from tff_ens.math import ensemble_math
+from tff_ens.math import evaluation
+from tff_ens.math import metrics
+from tff_ens.math import personalization
+from tff_ens.program import experiment
+from tff_ens.program import plots
+from tff_ens.program import run_outputs
+from tff_ens.templates import privacy
+
+
+class Evaluator:
+  """Evaluates the process' model(s) on a task split with one Keras model."""
+
+  def __init__(self, model_fn):
+    self.model = model_fn()
+
+  def member_probabilities(self, models: list, split) -> dict[str, np.ndarray]:
+    """{client: [K, n, classes]} for the K models on each client's examples."""
+    x, _ = split.concatenated()
+    counts = [split.num_examples(c) for c in split.client_ids]
+    member_probs = []
+    for weights in models:
+      evaluation.assign_weights(self.model, weights)
+      member_probs.append(evaluation.predict_probabilities(self.model, x))
+    stacked = np.stack(member_probs, axis=1)  # [n, K, classes]
+    return {
+      c: np.moveaxis(p, 1, 0)
+      for c, p in zip(split.client_ids, metrics.split_by_client(stacked, counts))
+    }
+
+  def summary(
+    self, models: list, split, prefix: str = "test", member_probs: dict | None = None
+  ) -> dict:
+    """Metrics of the uniform average of `models` on `split`."""
+    member_probs = member_probs or self.member_probabilities(models, split)
+    probs = {c: p.mean(0) for c, p in member_probs.items()}
+    return metrics.classification_summary(probs, split.y, prefix)
+
+  def ensemble_summary(
+    self, models: list, data, member_test: dict, temperature: float, seed: int
+  ) -> dict:
+    """Fed-ensemble's metrics: members, personalized weights, uncertainty."""
+    clients = [c for c in data.test.client_ids if c in data.train.x]
+    member_train = self.member_probabilities(models, data.train)
+    if not temperature:
+      temperature = personalization.choose_temperature(member_train, data.train.y, seed=seed)
+    all_members = np.concatenate([member_test[c] for c in clients], axis=1)
+    y = np.concatenate([data.test.y[c] for c in clients])
+    personalized, personalized_nll = [], []
+    for c in clients:
+      alpha = personalization.personalization_weights(
+        ensemble_math.member_losses(member_train[c], data.train.y[c]), temperature
+      )
+      probs = ensemble_math.mixture(member_test[c], alpha)
+      personalized.append(metrics.accuracy(probs, data.test.y[c]))
+      personalized_nll.append(metrics.negative_log_likelihood(probs, data.test.y[c]))
+    uncertainty = metrics.ensemble_uncertainty(all_members)
+    wrong = uncertainty["probabilities"].argmax(-1) != y
+    return {
+      "ensemble_size": len(models),
+      "member_test_accuracy": [metrics.accuracy(p, y) for p in all_members],
+      "personalized_accuracy": float(np.mean(personalized)),
+      "personalized_test_loss": float(np.mean(personalized_nll)),
+      "personalization_temperature": temperature,
+      "entropy_error_auroc": metrics.auroc(uncertainty["entropy"], wrong),
+      "mean_mutual_information": float(uncertainty["mutual_information"].mean()),
+    }
+
+
+# The metrics a terminal's evaluation line shows.
+EVALUATION_KEYS = ("test_accuracy", "test_loss", "ece", "per_client_accuracy")
+
+
+@contextlib.contextmanager
+def progress(config: experiment.ExperimentConfig, start_round: int):
+  """A tqdm bar on a terminal; plain log lines otherwise."""
+  if sys.stderr.isatty():
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+    bar = tqdm(total=config.rounds, initial=start_round, unit="round", dynamic_ncols=True)
+    last = {}  # The latest value of each shown metric.
+
+    def report(round_num, row):
+      last.update({k: f"{row[k]:.4f}" for k in ("train_loss", "test_accuracy") if k in row})
+      if "test_accuracy" in row:  # One line per evaluation, above the bar.
+        bar.write(
+          f"round {round_num}: "
+          + " ".join(f"{k}={row[k]:.4f}" for k in EVALUATION_KEYS if k in row)
+        )
+      bar.set_postfix(last, refresh=False)
+      bar.update(1)
+
+    try:
+      yield report
+    finally:
+      bar.close()
+  else:
+    yield lambda r, row: logging.info(
+      "round %d/%d %s",
+      r,
+      config.rounds,
+      " ".join(f"{k}={v:.4f}" for k, v in row.items() if isinstance(v, float)),
+    )
+
+
+def write_summary(config, data, algorithm, state, outputs, evaluator, teacher_test=None, pool=None):
+  """The run's summary of its final `state`: saves the model(s), `per_client_accuracy.json` and
+  `summary.json`, and returns the summary."""
+  models = algorithm.models_fn(state)
+  # Each split predicted once (FEMNIST's shift split is its new clients).
+  predicted = {}
+
+  def member_probabilities(split) -> dict[str, np.ndarray]:
+    if id(split) not in predicted:
+      predicted[id(split)] = evaluator.member_probabilities(models, split)
+    return predicted[id(split)]
+
+  member_test = member_probabilities(data.test)
+  summary = evaluator.summary(models, data.test, member_probs=member_test)
+  if len(models) > 1:
+    summary.update(
+      evaluator.ensemble_summary(
+        models, data, member_test, config.personalization_temperature, config.seed
+      )
+    )
+  rows = outputs.metrics_rows()
+  if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
+    summary.update(
+      server_distillation_summary(data, rows, summary, teacher_test, algorithm.server_device())
+    )
+  if config.dp_config() is not None:
+    summary.update(privacy_summary(config, rows, len(data.train.client_ids)))
+  if algorithm.prototypes_fn is not None:
+    summary["prototype_test_accuracy"] = prototype_accuracies(
+      algorithm.prototypes_fn(state), data.test, outputs.dir
+    )
+  summary.update(uncertainty_summary(config, data, member_probabilities, outputs.dir, teacher_test))
+  new_clients = evaluator.summary(
+    models, data.new_clients, prefix="new", member_probs=member_probabilities(data.new_clients)
+  )
+  down, up = algorithm.bytes_per_client_round()
+  seconds = [float(r["seconds"]) for r in rows if r.get("seconds")]
+  summary.update(
+    task=config.task,
+    algorithm=config.algorithm,
+    rounds=config.rounds,
+    seed=config.seed,
+    new_client_accuracy=new_clients.get("new_accuracy"),
+    bytes_down_per_client_round=down,
+    bytes_up_per_client_round=up,
+    seconds_per_round=statistics.median(seconds) if seconds else None,
+    config=dataclasses.asdict(config),
+  )
+  if pool is not None:
+    summary["active_learning_curve"] = [[p["labeled"], p["test_accuracy"]] for p in pool.curve]
+  run_outputs.save_models(outputs.dir, evaluator.model, models)
+  run_files.write_json_atomically(
+    os.path.join(outputs.dir, run_files.PER_CLIENT_ACCURACY_FILE),
+    {c: metrics.accuracy(member_test[c].mean(0), data.test.y[c]) for c in data.test.client_ids},
+  )
+  run_files.write_json_atomically(os.path.join(outputs.dir, run_files.SUMMARY_FILE), summary)
+  return summary
+
+
+def evaluation_splits(data) -> dict:
+  """The splits the final evaluation predicts on: test, and ood and shift when
+  the task has them (see `tasks.data.FederatedData`)."""
+  splits = {"test": data.test, "ood": data.ood, "shift": data.shift}
+  return {
+    name: split for name, split in splits.items() if split is not None and split.num_examples()
+  }
+
+
+def uncertainty_summary(config, data, member_probabilities, output_dir: str, teacher=None) -> dict:
+  """`metrics.uncertainty_summary` of the run's model(s), whose
+  `member_probabilities(split)` are {client: [K, n, classes]}, and of the last
+  round's teachers (keys prefixed `teacher_`) for server-distillation
+  algorithms; draws `plots.UNCERTAINTY_FIGURE`."""
+  splits = evaluation_splits(data)
+  members = {}
+  for name, split in splits.items():
+    probs = member_probabilities(split)
+    members[name] = np.concatenate([probs[c] for c in split.client_ids], axis=1)
+  predictions = {name: metrics.predictive_uncertainty(p) for name, p in members.items()}
+  labels = {name: split.concatenated()[1] for name, split in splits.items()}
+  summary = metrics.uncertainty_summary(
+    predictions["test"],
+    labels["test"],
+    predictions.get("ood"),
+    predictions.get("shift"),
+    labels.get("shift"),
+  )
+  plots.uncertainty_figure(
+    os.path.join(output_dir, plots.UNCERTAINTY_FIGURE),
+    summary["reliability"],
+    {
+      "test (in-distribution)" if name == "test" else name: p["entropy"]
+      for name, p in predictions.items()
+    },
+    f"{config.algorithm}, {config.task} ({config.classes} classes), "
+    f"seed {config.seed}, {config.rounds} rounds",
+  )
+  if teacher is not None:
+    counts = [splits[name].num_examples() for name in splits]
+    teacher_predictions = {}
+    for name, probs, mean_entropy in zip(
+      splits,
+      metrics.split_by_client(teacher["probabilities"], counts),
+      metrics.split_by_client(teacher["mean_entropy"], counts),
+    ):
+      entropy = ensemble_math.entropy(probs)
+      teacher_predictions[name] = {
+        "probabilities": probs,
+        "entropy": entropy,
+        "mutual_information": entropy - mean_entropy,
+      }
+    teachers = metrics.uncertainty_summary(
+      teacher_predictions["test"],
+      labels["test"],
+      teacher_predictions.get("ood"),
+      teacher_predictions.get("shift"),
+      labels.get("shift"),
+    )
+    summary.update({f"teacher_{k}": v for k, v in teachers.items()})
+  return summary
+
+
+def privacy_summary(config, rows, num_clients: int) -> dict:
+  """DP keys: epsilon at delta after all rounds (None without noise), z, C.
+
+  `dp_clip_norm` is the fixed clip, or the adaptive clip after the last round
+  (`dp_clipping` says which).
+  """
+  clips = [float(r["dp_clip_norm"]) for r in rows if r.get("dp_clip_norm")]
+  dp = config.dp_config()
+  noised = dp.noise_multiplier > 0
+  delta = config.dp_delta(num_clients) if noised else None
+  return {
+    "dp_epsilon": float(
+      privacy.epsilons(
+        dp.noise_multiplier, config.clients_per_round, num_clients, config.rounds, delta
+      )[-1]
+    )
+    if noised
+    else None,
+    "dp_delta": delta,
+    "dp_noise_multiplier": dp.noise_multiplier,
+    "dp_clip_norm": clips[-1] if dp.adaptive and clips else dp.clip_norm,
+    "dp_clipping": "adaptive" if dp.adaptive else "fixed",
+  }
+
+
+def server_distillation_summary(
+  data, rows, summary, teacher_test, server_device: str | None
+) -> dict:
+  """FedBE/FedDF keys: teacher and student accuracy, server time, and the device the
+  server step's ops ran on (read from TensorFlow's placement; None if no round ran in
+  this process)."""
+  server_seconds = [float(r["server_seconds"]) for r in rows if r.get("server_seconds")]
+  # Throughput over the rounds that distilled (others skip the student).
+  distilling = [r for r in rows if float(r.get("distill_examples") or 0)]
+  examples = sum(float(r["distill_examples"]) for r in distilling)
+  distill_seconds = sum(float(r["server_seconds"]) for r in distilling)
+  extra = {
+    "distilled_test_accuracy": summary["test_accuracy"],
+    "ensemble_test_accuracy": None,
+    "server_seconds_per_round": (statistics.median(server_seconds) if server_seconds else None),
+    "distill_examples_per_second": (examples / distill_seconds if distill_seconds else None),
+    "server_device": server_device,
+  }
+  if teacher_test is not None:
+    extra["ensemble_test_accuracy"] = test_accuracy(data, teacher_test["probabilities"])
+  return extra
+
+
+def test_accuracy(data, probabilities) -> float:
+  """The test accuracy of predictions whose first rows are the test split's, in its
+  clients' order (as `evaluation_splits` concatenates them)."""
+  counts = [data.test.num_examples(c) for c in data.test.client_ids]
+  return metrics.classification_summary(
+    dict(zip(data.test.client_ids, metrics.split_by_client(probabilities[: sum(counts)], counts))),
+    data.test.y,
+  )["test_accuracy"]
+
+
+def teacher_round_accuracies(data, predictions) -> dict:
+  """metrics.csv's view of a round's teachers (`FederatedAlgorithm.teacher_fn`'s
+  `predictions` on the test split first): `teachers_test_accuracy` and, where the step
+  reports it, `average_test_accuracy` of the clients' weight average."""
+  row = {"teachers_test_accuracy": test_accuracy(data, predictions["probabilities"])}
+  if "average_probabilities" in predictions:
+    row["average_test_accuracy"] = test_accuracy(data, predictions["average_probabilities"])
+  return row
+
+
+def prototype_accuracies(prototypes, split, output_dir: str) -> dict[str, float]:
+  """Each prototype's test accuracy; saved as `prototypes/<name>.keras`."""
+  os.makedirs(os.path.join(output_dir, run_files.PROTOTYPES_DIR), exist_ok=True)
+  accuracies = {}
+  for name, model_fn, weights in prototypes:
+    evaluator = Evaluator(model_fn)
+    accuracies[name] = evaluator.summary([weights], split)["test_accuracy"]
+    run_outputs.save_model(
+      os.path.join(output_dir, run_files.PROTOTYPES_DIR, f"{name}.keras"), evaluator.model, weights
+    )
+  return accuracies

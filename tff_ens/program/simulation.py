@@ -1,0 +1,177 @@
+"""The simulated federation of a round: who is sampled, who fails, and their data.
+
+Client sampling, dropouts and stragglers (`simulate_faults`), device speeds and FedScale's
+over-commitment (`first_to_finish`), all in one `RoundPlan` (`plan_round`), and each
+client's local dataset (`client_dataset`, `client_order`). Everything is a pure function of
+`(seed, round)`, so a resumed run samples the same clients as an uninterrupted one.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tff_ens.program import experiment
+
+
+def sample_clients(num_clients: int, cohort_size: int, seed: int, round_num: int) -> np.ndarray:
+  """Indices of the clients of round `round_num`: a function of the seed only."""
+  rng = np.random.default_rng([seed, round_num])
+  return rng.choice(num_clients, size=cohort_size, replace=False)
+
+
+def simulate_faults(
+  cohort_size: int, seed: int, round_num: int, dropout_rate: float, straggler_rate: float
+) -> tuple[np.ndarray, np.ndarray]:
+  """Which sampled clients report this round, and how much work each does.
+
+  Each client independently drops out (returns nothing) with probability
+  `dropout_rate`, and is a straggler with probability `straggler_rate`: as in
+  FedBE's systems-heterogeneity experiment (Chen & Chao, ICLR 2021, Sec. 5),
+  its local epochs are drawn uniformly from (0, E], i.e. it completes a
+  fraction u ~ U(0, 1] of its E epochs. Seeded by (seed, round).
+
+  Returns:
+    (reports: bool [cohort_size], work: float [cohort_size] in (0, 1]).
+  """
+  rng = np.random.default_rng([seed, round_num, 2])
+  reports = rng.random(cohort_size) >= dropout_rate
+  straggles = rng.random(cohort_size) < straggler_rate
+  work = np.where(straggles, 1.0 - rng.random(cohort_size), 1.0)
+  return reports, work
+
+
+def client_speeds(num_clients: int, seed: int) -> np.ndarray:
+  """Each client's device speed (local batches per unit of time).
+
+  FedScale (Lai et al., ICML 2022) replays measured device traces; without
+  them we assume speeds spread log-normally (sigma 0.5, so the 10% slowest
+  are about 2x slower than the median), fixed per client for the run.
+  """
+  return np.random.default_rng([seed, 3]).lognormal(0.0, 0.5, num_clients)
+
+
+def first_to_finish(durations: np.ndarray, reports: np.ndarray, m: int) -> np.ndarray:
+  """FedScale's over-commitment: the first `m` reporting clients to finish.
+
+  The server selects more clients than it needs (FedScale: 1.3 m) and
+  aggregates the `m` whose updates arrive first; the rest are discarded.
+  Ties go to the earlier client of the cohort.
+
+  Args:
+    durations: each cohort client's simulated training time.
+    reports: which cohort clients report at all (not dropped out).
+    m: updates to aggregate; 0 keeps every reporting client.
+
+  Returns:
+    bool [cohort]: the clients whose updates are aggregated.
+  """
+  if m <= 0:
+    return reports.copy()
+  order = np.argsort(np.where(reports, durations, np.inf), kind="stable")
+  kept = np.zeros_like(reports)
+  kept[order[:m]] = True
+  return kept & reports
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+  """Who is sampled in a round, who reports and how much each one trains.
+
+  Attributes:
+    cohort: indices of the sampled training clients.
+    seeds: each sampled client's data-shuffling seed.
+    reports: the clients whose updates the server aggregates.
+    work: each client's completed share of its local epochs, in (0, 1].
+    late: reporting clients left out by --aggregate_first.
+    poisoned: reporting clients injected with NaN data
+      (--nan_clients_per_round), whose updates must be rejected.
+  """
+
+  cohort: np.ndarray
+  seeds: np.ndarray
+  reports: np.ndarray
+  work: np.ndarray
+  late: np.ndarray
+  poisoned: np.ndarray
+
+
+def plan_round(
+  config: experiment.ExperimentConfig, sizes: np.ndarray, speeds: np.ndarray, round_num: int
+) -> RoundPlan:
+  """The round's cohort and faults: a function of (seed, round) only.
+
+  Args:
+    config: the run's flags.
+    sizes: labeled training examples of every client.
+    speeds: `client_speeds` of every client.
+    round_num: the round, from 1.
+  """
+  cohort = sample_clients(len(sizes), config.clients_per_round, config.seed, round_num)
+  seeds = np.random.default_rng([config.seed, round_num, 1]).integers(2**31, size=len(cohort))
+  reports, work = simulate_faults(
+    len(cohort), config.seed, round_num, config.dropout_rate, config.straggler_rate
+  )
+  batches = np.ceil(sizes[cohort] * config.client_epochs / config.batch_size)
+  kept = first_to_finish(work * batches / speeds[cohort], reports, config.aggregate_first)
+  poisoned = np.zeros_like(kept)
+  poisoned[np.flatnonzero(kept)[: config.nan_clients_per_round]] = True
+  return RoundPlan(
+    cohort=cohort, seeds=seeds, reports=kept, work=work, late=reports & ~kept, poisoned=poisoned
+  )
+
+
+def client_dataset(
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  epochs: int,
+  batch_size: int,
+  seed: int,
+  augmentation=None,
+  work: float = 1.0,
+  poisoned: bool = False,
+) -> tf.data.Dataset:
+  """One client's local training data: shuffled (seeded), repeated, batched.
+
+  `augmentation` is the task's TRAIN_AUGMENTATION, `(x, y, seed) -> (x, y)`;
+  the i-th example of the stream gets the stateless seed (seed, i). A
+  straggler (`work` < 1) stops after that fraction of its batches (at least
+  one). A `poisoned` client (fault injection) has NaN inputs, so its local
+  training ends in NaN weights, as a broken device's would.
+  """
+  if poisoned:
+    x = np.full_like(x, np.nan)
+  dataset = (
+    tf.data.Dataset.from_tensor_slices((x, y))
+    .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+    .repeat(epochs)
+  )
+  if augmentation is not None:
+    dataset = dataset.enumerate().map(
+      lambda i, example: augmentation(*example, tf.stack([tf.constant(seed, tf.int64), i]))
+    )
+  dataset = dataset.batch(batch_size)
+  if work < 1.0:
+    batches = math.ceil(len(x) * epochs / batch_size)
+    dataset = dataset.take(max(1, math.ceil(work * batches)))
+  return dataset
+
+
+def client_order(
+  num_examples: int, *, epochs: int, batch_size: int, seed: int, work: float = 1.0
+) -> np.ndarray:
+  """The indices of a client's examples in the order `client_dataset` trains on them."""
+  indices = np.arange(num_examples, dtype=np.int32)
+  batches = client_dataset(
+    indices, indices, epochs=epochs, batch_size=batch_size, seed=seed, work=work
+  )
+  return np.concatenate([y for _, y in batches.as_numpy_iterator()] or [indices[:0]])
+
+
+def batch_element_spec(task) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+  return (
+    tf.TensorSpec((None,) + tuple(task.INPUT_SHAPE), tf.float32),
+    tf.TensorSpec((None,), tf.int32),
+  )

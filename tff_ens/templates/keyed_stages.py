@@ -1,0 +1,318 @@
+"""TFF stages for K server models of which each client trains one, picked by a key.
+
+Fed-ensemble's K members (each client trains member P[i, t mod K]) and FedDF's P model
+prototypes (client i runs prototype i mod P) are both K models at the server and one key per
+client. The stages they share:
+
+* `build_keyed_distributor`: each client computes its key from its index in the population
+  and the distributor's state, and downloads only that model (`tff.federated_select`);
+* `build_slot_aggregator`: each client's update is added into slot `key` of K sums, so model
+  k is averaged over the clients that trained it; with DP (`privacy.DPConfig`, a fixed clip),
+  each update is clipped on its client and every slot sum is noised at the server;
+* `add_to_slot`, the one place a structure is added into one of K slots (also used by
+  `server_step`'s collect aggregator);
+* `compose`: the four stages as one `tff.templates.IterativeProcess` whose `next` passes the
+  cohort's client indices (and, with stateful clients, their states) through, with one
+  state slot and one metrics entry per stage, as `tff.learning.templates` composes them.
+"""
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens.templates import privacy
+
+ModelWeights = tff.learning.models.ModelWeights
+
+
+def add_to_slot(slots: tuple, update, key, scale=None) -> tuple:
+  """`slots` with `update` (times `scale`, if given) added into slot `key`, an int32 scalar
+  in [0, K).
+
+  The slots are K separate structures, not one stacked tensor, and only slot `key` is
+  computed: TFF's C++ runtime passes the other slots through without copying, where a
+  scatter into a stacked [K, ...] tensor writes all K models for every client (for K = 5 the
+  round went from 3.57x to 2.38x FedAvg's time and the worker from 7.0 to 3.5 GiB;
+  benchmarks/RESULTS.md).
+  """
+  if scale is not None:
+    scale = tf.cast(scale, tf.float32)
+    update = tf.nest.map_structure(lambda u: scale * u, update)
+
+  def add(slot):
+    return lambda: tf.nest.map_structure(tf.add, slot, update)
+
+  return tuple(
+    tf.cond(tf.equal(key, k), add(slot), lambda slot=slot: slot) for k, slot in enumerate(slots)
+  )
+
+
+def empty_slots(update_type: tff.Type, num_slots: int) -> tuple:
+  """K zero structures of `update_type` and their K zero weights (in a TF graph)."""
+  specs = tff.types.type_to_tf_tensor_specs(update_type)
+  return (
+    tuple(
+      tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs) for _ in range(num_slots)
+    ),
+    tf.zeros([num_slots], tf.float32),
+  )
+
+
+def build_keyed_distributor(
+  models_type: tff.Type,
+  initial_key_state,
+  client_key: tff.Computation,
+  select_model: tff.Computation,
+  to_download: tff.Computation,
+  next_key_state: tff.Computation | None = None,
+) -> tff.templates.MeasuredProcess:
+  """The distributor of K server models, one to each client by its key.
+
+  `next(state, models, client_indices) -> (state, (downloads, keys) at CLIENTS, state)`: a
+  client
+  computes `client_key(state, index)` (int32 [1]), downloads `select_model(models, key)` with
+  `tff.federated_select` and turns it into its download with `to_download(selected, key)`.
+  Its measurements are its new state, the key state of the next round, so that a caller can
+  know a client's key before that round (`federated_algorithm.FederatedAlgorithm.client_models`).
+
+  Args:
+    models_type: the K models' type (a tuple of K structures).
+    initial_key_state: the state the keys depend on (e.g. the round and a seed), a
+      structure of NumPy values.
+    client_key: TFF computation `(key state, int32 index) -> int32 [1]`.
+    select_model: TFF computation `(models, int32 key) -> selected`; TFF 0.87's
+      `federated_select` needs an unnamed structure of tensors (it fails on structs whose
+      names are not in alphabetical order, as in `ModelWeights`).
+    to_download: TFF computation `(sequence of selected, int32 [1]) -> download`.
+    next_key_state: TFF computation advancing the key state each round; None: it stays.
+  """
+  num_models = len(models_type)
+
+  @tff.federated_computation
+  def initialize():
+    return tff.federated_value(initial_key_state, tff.SERVER)
+
+  state_type = initialize.type_signature.result
+
+  @tff.federated_computation(
+    state_type, tff.FederatedType(models_type, tff.SERVER), tff.FederatedType(np.int32, tff.CLIENTS)
+  )
+  def next_fn(state, models, client_indices):
+    keys = tff.federated_map(client_key, (tff.federated_broadcast(state), client_indices))
+    selected = tff.federated_select(
+      keys, tff.federated_value(np.int32(num_models - 1), tff.SERVER), models, select_model
+    )
+    downloads = tff.federated_map(to_download, (selected, keys))
+    new_state = state if next_key_state is None else tff.federated_map(next_key_state, state)
+    return tff.templates.MeasuredProcessOutput(new_state, (downloads, keys), new_state)
+
+  return tff.templates.MeasuredProcess(initialize, next_fn)
+
+
+def privatize_slots(slots, noise_stddev, clients_per_slot: float):
+  """DP-FedAvg's server step on the K slot sums of clipped updates.
+
+  McMahan et al., ICLR 2018, Algorithm 1, applied per slot: every slot sum gets Gaussian
+  noise of standard deviation `noise_stddev` (z C, `privacy.add_gaussian_noise`, unseeded),
+  and every slot's weight becomes the fixed `clients_per_slot` (m / K), so the mean divides
+  by a count that does not depend on who was sampled. A client adds to one slot only, so
+  the K sums together have DP-FedAvg's L2 sensitivity C and the same privacy accounting
+  (`privacy.epsilons`).
+
+  Returns:
+    (noised slots, weights [K]).
+  """
+  noised = tuple(privacy.add_gaussian_noise(slot, noise_stddev) for slot in slots)
+  return noised, tf.fill([len(slots)], tf.constant(clients_per_slot, tf.float32))
+
+
+def build_slot_aggregator(
+  update_type: tff.Type,
+  num_slots: int,
+  *,
+  count_clients_once: bool = True,
+  dp: privacy.DPConfig | None = None,
+) -> tff.templates.AggregationProcess:
+  """K weighted sums, one per key: `next(state, updates, weights, keys) -> (slots, slot
+  weights)` at SERVER.
+
+  Client i's update goes into slot `key_i` with weight 1 (`count_clients_once`: each model's
+  average counts each client once, Shi et al., Remark 1) or its own weight (its examples);
+  a rejected update (weight 0) stays uncounted. With `dp` (a fixed clip norm), each update is
+  clipped on its client and weighted 1, and the slot sums are noised (`privatize_slots`,
+  m / K clients per slot).
+  """
+  if dp is not None and dp.adaptive:
+    raise ValueError("DP over K slots needs a fixed clip norm > 0")
+
+  @tff.tensorflow.computation
+  def zero():
+    return empty_slots(update_type, num_slots)
+
+  accumulator_type = zero.type_signature.result
+
+  @tff.tensorflow.computation(update_type, np.float32)
+  def client_contribution(update, weight):
+    if dp is not None:
+      update = privacy.clip_update(update, dp.clip_norm)
+    if dp is not None or count_clients_once:
+      weight = tf.minimum(weight, 1.0)
+    return update, weight
+
+  @tff.tensorflow.computation(
+    accumulator_type, (update_type, np.float32, tff.TensorType(np.int32, [1]))
+  )
+  def accumulate(accumulator, value):
+    update, weight, key = value
+    slots, weights = accumulator
+    key = key[0]
+    return (
+      add_to_slot(slots, update, key, weight),
+      weights + tf.cast(weight, tf.float32) * tf.one_hot(key, num_slots),
+    )
+
+  @tff.tensorflow.computation(accumulator_type, accumulator_type)
+  def merge(a, b):
+    return tf.nest.map_structure(tf.add, a, b)
+
+  @tff.tensorflow.computation(accumulator_type)
+  def report(accumulator):
+    # The models trained are counted before DP's fixed weights replace the counts.
+    slots, weights = accumulator
+    trained = tf.reduce_sum(tf.cast(weights > 0, tf.int32))
+    if dp is not None:
+      slots, weights = privatize_slots(
+        slots, dp.noise_multiplier * dp.clip_norm, dp.clients_per_round / num_slots
+      )
+    return (slots, weights), trained
+
+  reported_type = report.type_signature.result
+
+  @tff.tensorflow.computation(reported_type)
+  def slot_sums(reported):
+    return reported[0]
+
+  @tff.tensorflow.computation(reported_type)
+  def models_trained(reported):
+    return reported[1]
+
+  @tff.federated_computation
+  def initialize():
+    return tff.federated_value((), tff.SERVER)
+
+  @tff.federated_computation(
+    initialize.type_signature.result,
+    tff.FederatedType(update_type, tff.CLIENTS),
+    tff.FederatedType(np.float32, tff.CLIENTS),
+    tff.FederatedType(tff.TensorType(np.int32, [1]), tff.CLIENTS),
+  )
+  def next_fn(state, updates, weights, keys):
+    updates, weights = tff.federated_map(client_contribution, (updates, weights))
+    reported = tff.federated_aggregate(
+      tff.federated_zip((updates, weights, keys)), zero(), accumulate, merge, report
+    )
+    return tff.templates.MeasuredProcessOutput(
+      state,
+      tff.federated_map(slot_sums, reported),
+      tff.federated_zip(
+        collections.OrderedDict(models_trained=tff.federated_map(models_trained, reported))
+      ),
+    )
+
+  return tff.templates.AggregationProcess(initialize, next_fn)
+
+
+def compose(
+  initial_models: tff.Computation,
+  distributor: tff.templates.MeasuredProcess,
+  client_work,
+  aggregator: tff.templates.AggregationProcess,
+  finalizer: tff.templates.MeasuredProcess,
+  *,
+  client_state_type: tff.Type | None = None,
+) -> tff.templates.IterativeProcess:
+  """The keyed stages as one process, as `tff.learning.templates.compose_learning_process`
+  composes FedAvg's, with the cohort's client indices passed to the distributor.
+
+  State: `OrderedDict(model, distributor, client_work, aggregator, finalizer)`; metrics:
+  one entry per stage. `next(state, client_data, client_indices) -> (state, metrics)`; with
+  `client_state_type` (clients that keep a state, e.g. FedDyn's), `next(state, client_data,
+  client_indices, client_states) -> (state, metrics, new client states)`.
+
+  Args:
+    initial_models: TFF computation `() -> the K models`.
+    distributor: `build_keyed_distributor`'s.
+    client_work: `initialize` and `next(state, downloads, client data[, client states])
+      -> MeasuredProcessOutput` whose result's `update` and `update_weight` are the
+      clients' (with client states, `next` returns `(state, result, new client states,
+      measurements)`).
+    aggregator: `build_slot_aggregator`'s.
+    finalizer: `next(state, models, slots) -> MeasuredProcessOutput(state, new models, ...)`.
+    client_state_type: the clients' own state, or None.
+  """
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_zip(
+      collections.OrderedDict(
+        model=tff.federated_eval(initial_models, tff.SERVER),
+        distributor=distributor.initialize(),
+        client_work=client_work.initialize(),
+        aggregator=aggregator.initialize(),
+        finalizer=finalizer.initialize(),
+      )
+    )
+
+  state_type = init_fn.type_signature.result
+  data_type = client_work.next.type_signature.parameter[2]
+  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
+
+  def round_fn(state, client_data, client_indices, client_states=None):
+    sent = distributor.next(state.distributor, state.model, client_indices)
+    downloads, keys = sent.result
+    if client_states is None:
+      work = client_work.next(state.client_work, downloads, client_data)
+      work_state, result, work_metrics = work.state, work.result, work.measurements
+    else:
+      work_state, result, new_client_states, work_metrics = client_work.next(
+        state.client_work, downloads, client_data, client_states
+      )
+    slots = aggregator.next(state.aggregator, result.update, result.update_weight, keys)
+    finalized = finalizer.next(state.finalizer, state.model, slots.result)
+    new_state = tff.federated_zip(
+      collections.OrderedDict(
+        model=finalized.result,
+        distributor=sent.state,
+        client_work=work_state,
+        aggregator=slots.state,
+        finalizer=finalized.state,
+      )
+    )
+    metrics = tff.federated_zip(
+      collections.OrderedDict(
+        distributor=sent.measurements,
+        client_work=work_metrics,
+        aggregator=slots.measurements,
+        finalizer=finalized.measurements,
+      )
+    )
+    if client_states is None:
+      return new_state, metrics
+    return new_state, metrics, new_client_states
+
+  if client_state_type is None:
+
+    @tff.federated_computation(state_type, data_type, indices_type)
+    def next_fn(state, client_data, client_indices):
+      return round_fn(state, client_data, client_indices)
+  else:
+
+    @tff.federated_computation(
+      state_type, data_type, indices_type, tff.FederatedType(client_state_type, tff.CLIENTS)
+    )
+    def next_fn(state, client_data, client_indices, client_states):
+      return round_fn(state, client_data, client_indices, client_states)
+
+  return tff.templates.IterativeProcess(init_fn, next_fn)

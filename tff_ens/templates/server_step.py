@@ -1,0 +1,259 @@
+"""Learning processes whose server step runs in the driver's TensorFlow.
+
+TFF 0.87's C++ worker places no op on a GPU (google-parfait/tensorflow-federated#4600), and
+a SERVER computation's data are constants of its graph. So the server distillation of FedBE,
+FedDF and FedPPD+Distill runs where a `tff.program` program runs its server-side logic: in
+the program, between computations. A `DriverProcess` is TFF's four stages with the last one
+moved out of TFF:
+
+* `collect`, a TFF computation: the distributor, the client work and the aggregator, which
+  returns every client's update (`build_collect_aggregator`: a `tff.federated_aggregate`
+  places the i-th client's update into slot i of `capacity` slots);
+* `step`, the finalizer: Python over `tf.function`s in this process, on `/GPU:0` when
+  TensorFlow sees one (`distillation.choose_device`), its data streamed by `tf.data`.
+
+`initialize` and `next(state, *client_args) -> (state, metrics)` keep the shape of a TFF
+process; the state is a structure of arrays (`model`, the TFF stages' states, `round`), so a
+checkpoint of it is complete: the step carries nothing else across rounds, and its randomness
+is a function of (seed, round).
+"""
+
+import collections
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_ens.templates import keyed_stages
+
+# `step(model, collected, round) -> (model, measurements)`, run in the driver.
+ServerStep = Callable[[Any, Any, int], tuple[Any, dict]]
+
+
+@dataclasses.dataclass
+class DriverProcess:
+  """TFF's distributor, client work and aggregator, then a server step in the driver.
+
+  Attributes:
+    initialize_fn: TFF computation `() -> OrderedDict(model, <stage states>)` at SERVER.
+    collect: TFF computation `(stages state, client data, *more client args) -> (stage
+      states without the model, collected, measurements)`.
+    step: the finalizer (`ServerStep`).
+    teachers: `(model, collected, round, images) -> OrderedDict(probabilities,
+      mean_entropy)`, the teacher ensemble `step` distills from; None if there is none.
+  """
+
+  initialize_fn: tff.Computation
+  collect: tff.Computation
+  step: ServerStep
+  teachers: Callable[..., dict] | None = None
+
+  def __post_init__(self):
+    self._last_round = None  # (model, collected, round) of the last `next`.
+
+  def initialize(self) -> collections.OrderedDict:
+    state = collections.OrderedDict(self.initialize_fn())
+    state["round"] = np.int32(0)
+    return state
+
+  def next(self, state, *client_args) -> tuple[collections.OrderedDict, dict]:
+    """One round: `collect` through the TFF context, then `step` here."""
+    round_num = int(state["round"])
+    stages = collections.OrderedDict((k, v) for k, v in state.items() if k != "round")
+    stage_states, collected, measurements = self.collect(stages, *client_args)
+    model, step_measurements = self.step(state["model"], collected, round_num)
+    self._last_round = (state["model"], collected, round_num)
+    # The step's model in the state's own containers, so checkpoints and the
+    # next round see one structure.
+    model = tf.nest.pack_sequence_as(state["model"], tf.nest.flatten(model))
+    new_state = collections.OrderedDict(model=to_numpy(model))
+    new_state.update(stage_states)
+    new_state["round"] = np.int32(round_num + 1)
+    metrics = collections.OrderedDict(measurements)
+    metrics["finalizer"] = collections.OrderedDict(
+      (k, np.asarray(v)) for k, v in step_measurements.items()
+    )
+    return new_state, metrics
+
+  def get_model_weights(self, state):
+    return state["model"]
+
+  def last_round_teachers(self, images: np.ndarray) -> dict:
+    """What the teachers of the last `next` predict on `images` (no client trains again)."""
+    if self.teachers is None or self._last_round is None:
+      raise ValueError("no round with teachers has run")
+    return self.teachers(*self._last_round, images)
+
+
+def to_numpy(structure):
+  """`structure` with every tensor as a NumPy array (checkpoints, TFF arguments)."""
+  return tf.nest.map_structure(np.asarray, structure)
+
+
+def build_collect(
+  initial_model_fn: tff.Computation,
+  distributor: tff.templates.MeasuredProcess,
+  client_work: tff.templates.MeasuredProcess,
+  aggregator: tff.templates.AggregationProcess,
+  *,
+  keyed: bool = False,
+) -> tuple[tff.Computation, tff.Computation]:
+  """`(initialize_fn, collect)` of a `DriverProcess` from TFF stages.
+
+  As `tff.learning.templates.compose_learning_process` composes them, the
+  finalizer left out: the distributor sends the state's model, the clients
+  train, and the aggregator's result (every client's update) is returned. With
+  `keyed`, the distributor is `keyed_stages.build_keyed_distributor`'s: `collect`
+  takes the cohort's client indices after its data and passes them to it.
+  """
+
+  @tff.federated_computation
+  def initialize_fn():
+    return tff.federated_zip(
+      collections.OrderedDict(
+        model=tff.federated_eval(initial_model_fn, tff.SERVER),
+        distributor=distributor.initialize(),
+        client_work=client_work.initialize(),
+        aggregator=aggregator.initialize(),
+      )
+    )
+
+  state_type = initialize_fn.type_signature.result
+  data_type = client_work.next.type_signature.parameter[2]
+
+  def collect_round(state, sent, downloads, client_data):
+    work = client_work.next(state.client_work, downloads, client_data)
+    collected = aggregator.next(state.aggregator, work.result.update, work.result.update_weight)
+    stage_states = tff.federated_zip(
+      collections.OrderedDict(
+        distributor=sent.state, client_work=work.state, aggregator=collected.state
+      )
+    )
+    measurements = tff.federated_zip(
+      collections.OrderedDict(
+        distributor=sent.measurements,
+        client_work=work.measurements,
+        aggregator=collected.measurements,
+      )
+    )
+    return stage_states, collected.result, measurements
+
+  if keyed:
+
+    @tff.federated_computation(state_type, data_type, tff.FederatedType(np.int32, tff.CLIENTS))
+    def collect(state, client_data, client_indices):
+      sent = distributor.next(state.distributor, state.model, client_indices)
+      return collect_round(state, sent, sent.result[0], client_data)
+  else:
+
+    @tff.federated_computation(state_type, data_type)
+    def collect(state, client_data):
+      sent = distributor.next(state.distributor, state.model)
+      return collect_round(state, sent, sent.result, client_data)
+
+  return initialize_fn, collect
+
+
+def placed_device(tensor) -> str:
+  """Where TensorFlow placed the op that produced `tensor`, as "/CPU:0" or "/GPU:0"."""
+  spec = tf.DeviceSpec.from_string(tensor.device)
+  return f"/{spec.device_type}:{spec.device_index}"
+
+
+def collect_update(accumulator, update, weight):
+  """Places one client's (update, weight) into the next free slot.
+
+  The accumulator is `(slots, weights, count)`: a tuple of `capacity`
+  structures, their weights and the number filled. Only slot `count` is
+  computed; the others pass through (`keyed_stages.add_to_slot`).
+  """
+  slots, weights, count = accumulator
+  capacity = len(slots)
+  with tf.control_dependencies(
+    [tf.debugging.assert_less(count, capacity, message="more clients than collect slots")]
+  ):
+    count = tf.identity(count)
+  slots = keyed_stages.add_to_slot(slots, update, count)  # Into zeros: the update itself.
+  weights = weights + tf.cast(weight, tf.float32) * tf.one_hot(count, capacity)
+  return slots, weights, count + 1
+
+
+def merge_collected(a, b):
+  """Appends b's filled slots after a's (for runtimes that merge partials)."""
+  slots_a, weights_a, count_a = a
+  slots_b, weights_b, count_b = b
+  capacity = len(slots_a)
+  stacked = tf.nest.map_structure(lambda *t: tf.stack(t), *(slots_a + slots_b))
+  index = tf.range(capacity)
+  source = tf.where(index < count_a, index, capacity + index - count_a)
+  merged = tf.nest.map_structure(lambda t: tf.gather(t, source), stacked)
+  weights = tf.gather(tf.concat([weights_a, weights_b], 0), source)
+  weights = tf.where(index < count_a + count_b, weights, 0.0)
+  return (
+    tuple(tf.nest.map_structure(lambda t, i=i: t[i], merged) for i in range(capacity)),
+    weights,
+    count_a + count_b,
+  )
+
+
+def build_collect_aggregator(
+  update_type: tff.Type, capacity: int
+) -> tff.templates.AggregationProcess:
+  """A weighted aggregation whose result is every client's update.
+
+  Result at SERVER: `(updates, weights)` with `updates` stacked
+  [capacity, ...] in the order the clients were aggregated and `weights`
+  [capacity] (0 for a slot no client filled, e.g. a smaller cohort or a
+  rejected update). The upload is one update and its weight per client, as
+  FedAvg's.
+  """
+  if capacity < 1:
+    raise ValueError(f"capacity must be >= 1, got {capacity}")
+
+  @tff.tensorflow.computation
+  def zero():
+    return (*keyed_stages.empty_slots(update_type, capacity), tf.constant(0, tf.int32))
+
+  accumulator_type = zero.type_signature.result
+
+  @tff.tensorflow.computation(accumulator_type, (update_type, np.float32))
+  def accumulate(accumulator, value):
+    return collect_update(accumulator, *value)
+
+  @tff.tensorflow.computation(accumulator_type, accumulator_type)
+  def merge(a, b):
+    return merge_collected(a, b)
+
+  @tff.tensorflow.computation(accumulator_type)
+  def report(accumulator):
+    slots, weights, _ = accumulator
+    return (tf.nest.map_structure(lambda *t: tf.stack(t), *slots), weights)
+
+  @tff.tensorflow.computation(report.type_signature.result)
+  def num_collected(collected):
+    return tf.reduce_sum(tf.cast(collected[1] > 0, tf.int32))
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_value((), tff.SERVER)
+
+  @tff.federated_computation(
+    init_fn.type_signature.result,
+    tff.FederatedType(update_type, tff.CLIENTS),
+    tff.FederatedType(np.float32, tff.CLIENTS),
+  )
+  def next_fn(state, updates, weights):
+    collected = tff.federated_aggregate(
+      tff.federated_zip((updates, weights)), zero(), accumulate, merge, report
+    )
+    return tff.templates.MeasuredProcessOutput(
+      state,
+      collected,
+      tff.federated_zip(
+        collections.OrderedDict(clients_collected=tff.federated_map(num_collected, collected))
+      ),
+    )
+
+  return tff.templates.AggregationProcess(init_fn, next_fn)

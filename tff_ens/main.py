@@ -3,7 +3,9 @@ r"""Command line: train a federated model and write its metrics and summary.
   python -m tff_ens.main --task=femnist --algorithm=fedavg --rounds=100 \
       --data_dir=../shared/data/femnist --output_dir=runs/fedavg
 
-Its flags are `run_settings.RunSettings`' fields, made by `settings.define_flags`; see `--help`.
+Its flags are the fields of `experiment.ExperimentConfig`, made by `settings.define_flags`:
+those of every run, then each settings group's, which `--help` lists under the algorithms that
+read it (`--helpfull`: absl's list).
 """
 
 import dataclasses
@@ -36,6 +38,30 @@ from tff_ens.program import training
 settings.define_flags(experiment.ExperimentConfig)
 
 FLAGS = flags.FLAGS
+_HELP = ("--help", "-h", "-?", "--helpshort")
+
+
+def usage() -> str:
+  """`--help`: the flags every run has, then one section per settings group, headed by the
+  algorithms that read it."""
+  fields = {f.name: f for f in dataclasses.fields(experiment.ExperimentConfig)}
+  lines = [__doc__.strip(), ""]
+  groups = experiment.COMMON_GROUPS + algorithms.SETTINGS_GROUPS
+  for group in groups:
+    if group in experiment.COMMON_GROUPS:
+      title = "every run" if group is experiment.COMMON_GROUPS[0] else "every run, cont."
+    else:
+      readers = [n for n, s in algorithms.REGISTRY.items() if group in s.settings]
+      title = "--algorithm=" + ", ".join(readers)
+    doc = (group.__doc__ or "").strip().splitlines()[0]
+    lines.append(f"{title} ({doc.rstrip('.')}):")
+    for name, field in fields.items():
+      if settings.group_of(field) is group:
+        spec = settings.declared(field)
+        choices = f"; one of {', '.join(map(str, spec.choices))}" if spec.choices else ""
+        lines.append(f"  --{name}: {spec.help} (default: {field.default!r}{choices})")
+    lines.append("")
+  return "\n".join(lines)
 
 
 def _binary_recipe(values: dict) -> dict:
@@ -50,7 +76,7 @@ def _binary_recipe(values: dict) -> dict:
   recipe = dict(resnet.BINARY_RECIPE)
   if values["client_runtime"] != "tff":  # The device file trains with SGD.
     del recipe["client_optimizer"], recipe["client_lr"]
-  if values["algorithm"] not in algorithms.FEDAVG_ALGORITHMS or values["norm"] != "batch":
+  if not algorithms.REGISTRY[values["algorithm"]].recalibrates or values["norm"] != "batch":
     del recipe["recalibrate_batch_norm"]
   recipe = {name: value for name, value in recipe.items() if not FLAGS[name].present}
   if recipe:
@@ -91,4 +117,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  if any(arg in _HELP for arg in sys.argv[1:]):
+    print(usage())
+    sys.exit(0)
   app.run(main)

@@ -677,7 +677,7 @@ class CifarTask:
 
     Args:
       data_dir: where the data are (see `find_data`).
-      partition: the split; None is `PartitionConfig()`.
+      partition: the split (`PartitionConfig.for_task`); None: iid with the defaults.
       seed: seeds the server's examples, the clients' split and the test
         split.
       shift_corruption, shift_severity: CIFAR-10's `shift` set (see
@@ -686,7 +686,9 @@ class CifarTask:
     Raises DataError (one line, naming the file or flag and the fix) if
     the data are missing, malformed or too small for the split.
     """
-    config = partition or partition_lib.PartitionConfig()
+    config = (partition or partition_lib.PartitionConfig()).for_task(
+      self.DEFAULT_PARTITION, self.SERVER_EXAMPLES
+    )
     _check_shift(shift_corruption, shift_severity)
     kind, where = self.find_data(data_dir)
     if kind == "tfds":

@@ -169,6 +169,8 @@ def load_data(
   """
   data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
   data = load_leaf(data_dir) if data_dir else load_tff()
+  if partition is not None:
+    partition = partition.for_task(DEFAULT_PARTITION, SERVER_EXAMPLES)
   if partition is None:
     return data
   train, test, server = data_lib.split_pool(

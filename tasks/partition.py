@@ -42,10 +42,10 @@ class PartitionError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PartitionConfig:
-  """How a task without natural clients is split (the `--partition` flags).
+  """How a task's pooled training examples are split over clients (the `--partition` flags).
 
   Attributes:
-    partition: one of PARTITIONS.
+    partition: one of PARTITIONS; None: the task's own (`for_task`).
     num_clients: how many clients share the training examples.
     alpha: the Dirichlet concentration of `dirichlet` (FedDF: 1 and 0.1).
     classes_per_client: N of `classes`, the major classes of `step`.
@@ -53,21 +53,78 @@ class PartitionConfig:
       (FedBE: 10).
     server_unlabeled_examples: training examples set aside, labels dropped,
       as the server's unlabeled distillation data (FedBE: 10,000 of
-      CIFAR-10's 50,000).
+      CIFAR-10's 50,000); None: the task's.
     server_validation_examples: training examples set aside as the server's
-      labeled validation set (FedDF's early stopping and drop-worst).
+      labeled validation set (FedDF's early stopping and drop-worst); None: the task's.
   """
 
-  partition: str = setting("iid", choices=PARTITIONS)
-  num_clients: int = setting(10, above=0)
-  alpha: float = setting(1.0, above=0)
-  classes_per_client: int = setting(2, above=0)
-  step_minor_examples: int = setting(10, at_least=0)
-  server_unlabeled_examples: int = setting(10_000, at_least=0)
-  server_validation_examples: int = setting(1_000, at_least=0)
+  partition: str | None = setting(
+    None,
+    "How the labeled training examples are split over clients (tasks/partition.py). Unset: "
+    "the task's own clients (FEMNIST's writers; CIFAR: iid). FEMNIST with a value pools its "
+    "training writers' examples and splits them by label, as CIFAR's are.",
+    choices=PARTITIONS,
+  )
+  num_clients: int = setting(10, "Clients sharing a --partition split.", above=0)
+  alpha: float = setting(
+    1.0,
+    "Dirichlet alpha of --partition=dirichlet (FedDF: 1 and 0.1).",
+    flag="partition_alpha",
+    above=0,
+  )
+  classes_per_client: int = setting(
+    2, "Labels per client of --partition=classes, major classes of --partition=step.", above=0
+  )
+  step_minor_examples: int = setting(
+    10, "--partition=step examples of every class per client.", at_least=0
+  )
+  server_unlabeled_examples: int | None = setting(
+    None,
+    "Training examples of a --partition split set aside as the server's unlabeled data "
+    "(default: CIFAR 10,000, FEMNIST 2,000). FEMNIST with this and "
+    "--server_validation_examples at 0 distills on its test-only writers instead.",
+    at_least=0,
+  )
+  server_validation_examples: int | None = setting(
+    None,
+    "Training examples of a --partition split set aside as the server's labeled validation "
+    "set (default: CIFAR 1,000, FEMNIST 500).",
+    at_least=0,
+  )
 
   def __post_init__(self):
     settings.check(self)
+
+  def for_task(self, default_partition: str | None, server_examples: tuple[int, int]):
+    """This split with a task's defaults filled in (`DEFAULT_PARTITION`, `SERVER_EXAMPLES`),
+    or None for the task's natural clients.
+
+    Raises:
+      SettingError: a split setting given for natural clients, which have no split.
+    """
+    partition = self.partition or default_partition
+    if partition is None:
+      defaults = PartitionConfig()
+      for field in dataclasses.fields(self):
+        if getattr(self, field.name) != getattr(defaults, field.name):
+          raise settings.SettingError(
+            field.name,
+            getattr(self, field.name),
+            "applies to a pooled split, and the task's clients are its own: set a "
+            "partition too, or leave it unset",
+          )
+      return None
+    unlabeled, validation = server_examples
+    return dataclasses.replace(
+      self,
+      partition=partition,
+      server_unlabeled_examples=_given(self.server_unlabeled_examples, unlabeled),
+      server_validation_examples=_given(self.server_validation_examples, validation),
+    )
+
+
+def _given(value, default):
+  return default if value is None else value
 
 
 def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:

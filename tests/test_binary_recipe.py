@@ -13,7 +13,6 @@ from tff_ens import algorithms
 from tff_ens import main as cli
 from tff_ens import run_files
 from tff_ens.algorithms import fed_ensemble
-from tff_ens.algorithms import server_distillation
 from tff_ens.math import weight_posterior
 from tff_ens.program import active_learning
 from tff_ens.program import experiment
@@ -114,8 +113,8 @@ def test_cli_choices_are_the_modules_own_constants():
     ("client_optimizer", client_work.OPTIMIZERS),
     ("assignment", fed_ensemble.ASSIGNMENTS),
     ("member_average", fed_ensemble.MEMBER_AVERAGES),
-    ("local_objective", algorithms.LOCAL_OBJECTIVES),
-    ("fedbe_distribution", server_distillation.DISTRIBUTIONS),
+    ("local_objective", fed_ensemble.LOCAL_OBJECTIVES),
+    ("fedbe_distribution", weight_posterior.DISTRIBUTIONS),
     ("fedbe_targets", weight_posterior.TARGETS),
     ("active_selection", active_learning.SELECTIONS),
   ):

@@ -5,9 +5,10 @@ import os
 import numpy as np
 import pytest
 
+from tff_ens.algorithms import algorithm
 from tff_ens.program import client_states
 
-SPEC = client_states.ClientStateSpec(shape=(6,), dtype=np.dtype(np.float32))
+SPEC = algorithm.ClientStates(shape=(6,), dtype=np.dtype(np.float32))
 
 
 def state(value):

@@ -21,9 +21,9 @@ from tests.exported_runs import REPO_ROOT
 from tests.exported_runs import small_femnist_model
 from tff_ens import algorithms
 from tff_ens import run_files
-from tff_ens.algorithms import fed_ensemble
 from tff_ens.algorithms import fedavg
 from tff_ens.execution import runtime
+from tff_ens.math import member_updates
 from tff_ens.program import device_clients
 from tff_ens.program import experiment
 from tff_ens.program import simulation
@@ -119,7 +119,9 @@ def test_fed_ensemble_on_device_averages_each_members_device_results():
   with runtime.execution_context():
     state = algorithm.process.initialize()
   assigned = algorithm.client_models(clients, state["distributor"])
-  assert assigned == [int(fed_ensemble.assigned_model(7, c, 0, 3, "permutation")) for c in clients]
+  assert assigned == [
+    int(member_updates.assigned_model(7, c, 0, 3, "permutation")) for c in clients
+  ]
   with runtime.execution_context():
     members = algorithm.models_fn(state)
     # Client c's device returns its assigned member's weights plus c.

@@ -17,10 +17,13 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens.algorithms import fedbe
+from tff_ens.algorithms import feddf
 from tff_ens.math import drop_worst
 from tff_ens.server import distillation
 from tff_ens.server import server_data
 from tff_ens.server import student as student_lib
+from tff_ens.templates import server_distillation
 from tiny import tiny_model
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -302,29 +305,37 @@ def test_swa_average_is_the_mean_of_the_collected_models():
   np.testing.assert_allclose(average[1], 2.0, rtol=1e-6)
 
 
+def _fedbe(steps: int, **own) -> distillation.DistillationConfig:
+  return fedbe.distillation_config(
+    server_distillation.Settings(distill_steps=steps), fedbe.Settings(**own)
+  )
+
+
 def test_fedbe_swa_warm_up_is_a_fraction_of_the_budget():
   # The paper's 250 steps of the authors' 1,580 (20 epochs of 79 batches).
-  assert distillation.fedbe_config(1_580).swa_warmup_steps == 250
-  assert distillation.fedbe_config(200).swa_warmup_steps == 32  # 31.6
+  assert _fedbe(1_580).swa_warmup_steps == 250
+  assert _fedbe(200).swa_warmup_steps == 32  # 31.6
   # The authors' code's 500 steps.
-  assert distillation.fedbe_config(1_580, swa_warmup_fraction=500 / 1_580).swa_warmup_steps == 500
-  assert distillation.fedbe_config(100, swa_warmup_fraction=0.0).swa_warmup_steps == 0
+  assert _fedbe(1_580, swa_warmup_fraction=500 / 1_580).swa_warmup_steps == 500
+  assert _fedbe(100, swa_warmup_fraction=0.0).swa_warmup_steps == 0
   # 200 steps, 32 warm-up: the cycles ending at 50, ..., 200 are collected.
-  config = distillation.fedbe_config(200)
+  config = _fedbe(200)
   assert [s + 1 for s in range(200) if student_lib.is_swa_collection_step(s, config)] == list(
     range(50, 201, 25)
   )
   with pytest.raises(ValueError, match="swa_warmup_fraction"):
-    distillation.fedbe_config(200, swa_warmup_fraction=1.0)
-  with pytest.raises(ValueError, match="num_steps must be >= 50 for SWA"):
-    distillation.fedbe_config(40, swa_warmup_fraction=0.7)
+    fedbe.Settings(swa_warmup_fraction=1.0)
+  # The check names the flag of the budget.
+  with pytest.raises(ValueError, match="distill_steps must be >= 50 for SWA"):
+    _fedbe(40, swa_warmup_fraction=0.7)
 
 
 def test_feddf_config_takes_the_authors_settings_where_the_paper_is_silent():
-  config = distillation.feddf_config()
-  assert (config.num_steps, config.patience) == (10_000, 1_000)  # Paper.
-  assert (config.batch_size, config.eval_every) == (128, 100)  # Code.
-  assert config.clip_norm == 5.0 and not config.keep_initial_student
+  config = feddf.distillation_config(server_distillation.Settings())
+  assert (config.optimizer, config.lr_schedule, config.loss) == ("adam", "cosine", "kl")
+  assert config.clip_norm == 5.0 and not config.keep_initial_student  # Code.
+  # The run's budget: the paper's 10,000 steps with patience 1,000 are flags away.
+  assert (config.num_steps, config.patience, config.eval_every) == (200, 100, 20)
 
 
 def test_config_validation():

@@ -14,10 +14,11 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import algorithms
+from tff_ens.algorithms import algorithm
 from tff_ens.algorithms import fed_ensemble
+from tff_ens.math import member_updates
 from tff_ens.templates import client_work
 from tff_ens.templates import feddyn
-from tff_ens.templates import federated_algorithm
 from tff_ens.templates import keyed_stages
 from tiny import SPEC
 from tiny import one_batch
@@ -47,7 +48,7 @@ CLIENT_DATA = [
 
 
 def assign(seed, client, round_num, k, assignment="permutation"):
-  return int(fed_ensemble.assigned_model(seed, client, round_num, k, assignment))
+  return int(member_updates.assigned_model(seed, client, round_num, k, assignment))
 
 
 def block_row(seed, client, block, k):
@@ -89,12 +90,12 @@ def test_assignment_is_deterministic_and_tensor_inputs_agree():
     assert assign(5, client, round_num, 3) == a
     # As TFF calls it: tensors (seed int64, index and round int32).
     b = int(
-      fed_ensemble.assigned_model(
+      member_updates.assigned_model(
         tf.constant(5, tf.int64), tf.constant(client, tf.int32), tf.constant(round_num, tf.int32), 3
       )
     )
     assert b == a
-  row = fed_ensemble.permutation_row(5, 3, 1, 3).numpy().tolist()
+  row = member_updates.permutation_row(5, 3, 1, 3).numpy().tolist()
   assert [assign(5, 3, t, 3) for t in range(3, 6)] == row
 
 
@@ -115,17 +116,13 @@ def test_random_assignment_is_in_range_and_not_a_permutation():
 
 def test_unknown_assignment_and_bad_size_raise():
   with pytest.raises(ValueError, match="cyclic"):
-    fed_ensemble.assigned_model(0, 0, 0, 3, "cyclic")
+    member_updates.assigned_model(0, 0, 0, 3, "cyclic")
   with pytest.raises(ValueError, match="ensemble_size"):
     fed_ensemble.build_fed_ensemble(member_model, SPEC, Config(), ensemble_size=0)
-  with pytest.raises(ValueError, match="cyclic"):
-    fed_ensemble.build_fed_ensemble(
-      member_model, SPEC, Config(), ensemble_size=2, assignment="cyclic"
-    )
-  with pytest.raises(ValueError, match="member_average 'median'"):
-    fed_ensemble.build_fed_ensemble(
-      member_model, SPEC, Config(), ensemble_size=2, member_average="median"
-    )
+  with pytest.raises(ValueError, match="unknown assignment=cyclic"):
+    fed_ensemble.Settings(assignment="cyclic")
+  with pytest.raises(ValueError, match="unknown member_average=median"):
+    fed_ensemble.Settings(member_average="median")
 
 
 # ------------------------------------------------------------- server update
@@ -153,7 +150,7 @@ def test_server_update_hand_example():
   )
   np.testing.assert_allclose([s.non_trainable[0] for s in slots], [5.0, 0.0, 4.0])
 
-  new = fed_ensemble.apply_slot_means(members, slots, weights)
+  new = member_updates.apply_slot_means(members, slots, weights)
   # Slot 0: (1 * u1 + 3 * u2) / 4 = [2.5, -1], non-trainable (0.5 + 4.5) / 4.
   np.testing.assert_allclose(new[0].trainable[0], [1.0 - 2.5, 1.0 + 1.0])
   np.testing.assert_allclose(new[0].non_trainable[0], 10.0 - 1.25)
@@ -171,7 +168,12 @@ def test_server_update_hand_example():
 @pytest.fixture(scope="module")
 def built():
   return fed_ensemble.build_fed_ensemble(
-    member_model, SPEC, Config(learning_rate=LR), ensemble_size=3, seed=4, member_average="examples"
+    member_model,
+    SPEC,
+    Config(learning_rate=LR),
+    ensemble_size=3,
+    options=fed_ensemble.Settings(member_average="examples"),
+    seed=4,
   )
 
 
@@ -225,7 +227,7 @@ def test_a_client_downloads_one_member_and_uploads_one_update(built):
   assert broadcasts
   for b in broadcasts:
     assert all(t.shape == () for t in _leaves(b.result.member))
-  assert sum(federated_algorithm.type_size_bytes(b.result) for b in broadcasts) == 4 + 8 + 4
+  assert sum(algorithm.type_size_bytes(b.result) for b in broadcasts) == 4 + 8 + 4
 
   # Clients -> server: one update of one member's shape, its weight and the key.
   (aggregate,) = [t for uri, t in intrinsics if uri == "federated_aggregate"]
@@ -415,7 +417,7 @@ def test_feddyn_server_correction_hand_example():
   )
   corrections = ((tf.constant([0.1, -0.2]),), (tf.constant([1.0, 1.0]),))
   slots = (ModelWeights([tf.constant([0.4, 0.8])], []), ModelWeights([tf.constant([0.0, 0.0])], []))
-  new_members, new_corrections = fed_ensemble.apply_feddyn_correction(
+  new_members, new_corrections = member_updates.apply_feddyn_correction(
     members, corrections, slots, tf.constant([2.0, 0.0]), 0.5, 4
   )
   # h = [0.1, -0.2] + 0.5 / 4 * [0.4, 0.8]; w = mean - h / 0.5.
@@ -434,8 +436,8 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
     SPEC,
     Config(learning_rate=LR),
     ensemble_size=k,
+    options=fed_ensemble.Settings(local_objective="feddyn", feddyn_alpha=alpha),
     seed=seed,
-    feddyn_alpha=alpha,
     num_clients=m,
   )
   optimizer = tff.learning.optimizers.build_sgdm(learning_rate=LR)
@@ -503,15 +505,20 @@ def test_feddyn_client_state_stays_on_the_client():
   )
   # g is neither downloaded nor uploaded: the bytes are Fed-ensemble's.
   assert feddyn.bytes_per_client_round() == fedavg.bytes_per_client_round()
-  assert feddyn.client_state is not None and fedavg.client_state is None
-  # g is one float32 vector, as long as the model's trainable weights.
-  zeros = feddyn.client_state.zeros()
+  assert feddyn.client_states is not None and fedavg.client_states is None
+  # g is one float32 vector, as long as the model's trainable weights, zeros at first.
+  zeros = feddyn.client_states.initial_value()
+  assert not zeros.any()
   assert zeros.dtype == np.float32 and zeros.shape == (
     sum(int(np.prod(v.shape)) for v in member_model(0).trainable_variables),
   )
   key_state = {"round": np.int32(2), "seed": np.int64(0)}  # The distributor's state.
   assert feddyn.client_models([0, 1, 3], key_state) == [assign(0, c, 2, 3) for c in (0, 1, 3)]
-  with pytest.raises(ValueError, match="fedensemble"):
+  # A client keeps one g per member: the member it trains is its state's key.
+  assert feddyn.client_states.keys_of([0, 1, 3], key_state) == [
+    assign(0, c, 2, 3) for c in (0, 1, 3)
+  ]
+  with pytest.raises(ValueError, match="fedavg reads no setting local_objective"):
     algorithms.build_algorithm(
       "fedavg", member_model, SPEC, Config(), local_objective="feddyn", num_clients=10
     )

@@ -11,14 +11,15 @@ import tasks
 from tests import tiny
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
+from tff_ens.algorithms import fedbe
 from tff_ens.algorithms import fedppd
 from tff_ens.algorithms import fedppd_distill
-from tff_ens.algorithms import server_distillation
 from tff_ens.execution import runtime
 from tff_ens.math import fedppd_local
+from tff_ens.math import weight_posterior
 from tff_ens.program import experiment
 from tff_ens.program import training
-from tff_ens.server import distillation
+from tff_ens.templates import server_distillation
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -71,7 +72,7 @@ Y = [0, 1, 2, 1]
 def test_client_update_is_one_sgld_step_then_one_distillation_step():
   """T = 0 and no input noise: both steps checked against a separate path,
   with both networks' weight decay."""
-  config = fedppd.PosteriorConfig(
+  config = fedppd_local.PosteriorConfig(
     teacher_step_size=0.01,
     temperature=0.0,
     prior_precision=0.5,
@@ -112,7 +113,7 @@ def test_client_update_is_one_sgld_step_then_one_distillation_step():
 
 def test_authors_scaling_steps_on_the_mean_loss_with_weight_decay():
   """lib/sgld_optim.py without noise: w - lr/2 (grad mean NLL + wd w)."""
-  config = fedppd.PosteriorConfig(
+  config = fedppd_local.PosteriorConfig(
     teacher_step_size=0.2,
     temperature=0.0,
     sgld_scaling="authors",
@@ -252,7 +253,7 @@ def test_alternate_epochs_puts_a_batch_in_the_epoch_of_its_first_example():
 @pytest.mark.parametrize("mode", fedppd_local.STUDENT_MINIBATCHES)
 def test_client_update_follows_the_student_minibatch_order(mode):
   """T = 0, no input noise: the update is that of the replayed order."""
-  config = fedppd.PosteriorConfig(
+  config = fedppd_local.PosteriorConfig(
     teacher_step_size=0.2,
     temperature=0.0,
     teacher_weight_decay=0.0,
@@ -282,7 +283,7 @@ def test_client_update_follows_the_student_minibatch_order(mode):
 def test_client_update_schedules_the_step_sizes_by_round_and_epoch():
   """Round 2: eps * 0.9^2 * 0.5^epoch (step decay every epoch), student
   lr * 0.8^2."""
-  config = fedppd.PosteriorConfig(
+  config = fedppd_local.PosteriorConfig(
     teacher_step_size=0.2,
     temperature=0.0,
     teacher_weight_decay=0.0,
@@ -327,11 +328,11 @@ def test_client_update_schedules_the_step_sizes_by_round_and_epoch():
 )
 def test_config_rejects_bad_options(change, message):
   with pytest.raises(ValueError, match=message):
-    fedppd.PosteriorConfig(**change)
+    fedppd_local.PosteriorConfig(**change)
 
 
 def test_client_noise_is_reproducible_and_differs_by_round():
-  config = fedppd.PosteriorConfig(teacher_step_size=0.01)
+  config = fedppd_local.PosteriorConfig(teacher_step_size=0.01)
   run = (
     lambda round_num: fedppd.train_teacher_student(
       tiny.tiny_model(),
@@ -349,7 +350,7 @@ def test_client_noise_is_reproducible_and_differs_by_round():
 
 
 def test_process_averages_students_and_uploads_teacher_plus_student():
-  config = fedppd.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
+  config = fedppd_local.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
   with runtime.execution_context():
     built = fedppd.build_fedppd(tiny.tiny_model, lambda: tiny.tiny_model(7), tiny.SPEC, config)
     state = built.process.initialize()
@@ -421,9 +422,15 @@ def test_fedppd_distill_run_distills_the_students(tmp_path):
 def test_fedppd_distill_distills_the_teachers_when_asked():
   """Without a teacher config the teachers are averaged as in FedPPD; with
   one they are distilled, the students' step unchanged."""
-  config = fedppd.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
+  config = fedppd_local.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
+  student_settings = server_distillation.Settings(
+    distill_steps=25, distill_batch_size=8, distill_curve_every=0
+  )
   server = server_distillation.ServerDistillationConfig(
-    method="fedbe", distill=distillation.fedbe_config(25, batch_size=8), num_samples=2, seed=3
+    method="fedbe",
+    distill=fedbe.distillation_config(student_settings),
+    posterior=weight_posterior.WeightPosterior(num_samples=2),
+    seed=3,
   )
   data = [tiny.one_batch(X[:2], Y[:2]), tiny.one_batch(X[2:], Y[2:])]
 
@@ -431,7 +438,7 @@ def test_fedppd_distill_distills_the_teachers_when_asked():
     with runtime.execution_context():
       built = build()
       state = built.process.initialize()
-      new_state, metrics = runtime.state_and_metrics(built.process.next(state, data))
+      new_state, metrics = runtime.state_first(built.process.next(state, data))[:2]
       return (
         fedppd.split(
           built.process.get_model_weights(new_state),

@@ -6,10 +6,13 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import algorithms
+from tff_ens.algorithms import fedbe
+from tff_ens.algorithms import feddf
 from tff_ens.algorithms import model_prototypes as mp
-from tff_ens.algorithms import server_distillation as sd
+from tff_ens.math import drop_worst as drop_worst_lib
 from tff_ens.server import distillation
 from tff_ens.templates import client_work
+from tff_ens.templates import server_distillation as sd
 from tiny import CLIENT_DATA
 from tiny import SERVER
 from tiny import SPEC
@@ -26,10 +29,13 @@ NAMES = ("dense", "bn")
 def _config(drop_worst=True, keep_initial_student=False):
   return sd.ServerDistillationConfig(
     method="feddf",
-    distill=distillation.feddf_config(
-      20, batch_size=8, patience=10, eval_every=5, keep_initial_student=keep_initial_student
+    distill=feddf.distillation_config(
+      sd.Settings(distill_steps=20, distill_batch_size=8),
+      feddf.Settings(
+        distill_patience=10, distill_eval_every=5, distill_keep_initial=keep_initial_student
+      ),
     ),
-    drop_worst=drop_worst,
+    drop_worst=drop_worst_lib.DropWorst(enabled=drop_worst),
     seed=3,
   )
 
@@ -89,7 +95,7 @@ def test_one_round_distills_every_prototype_from_all_clients():
   process = built.process
   state = process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
-  new_state, metrics = process.next(state, datasets, [0, 1, 2])
+  new_state, metrics, _ = process.next(state, datasets, [0, 1, 2])
   assert metrics["aggregator"]["clients_collected"] == 3
   finalizer = metrics["finalizer"]
   for name in NAMES:
@@ -101,7 +107,7 @@ def test_one_round_distills_every_prototype_from_all_clients():
     assert any(
       not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before))
     )
-  again, _ = process.next(state, datasets, [0, 1, 2])
+  again, *_ = process.next(state, datasets, [0, 1, 2])
   for a, b in zip(tf.nest.flatten(again["model"]), tf.nest.flatten(new_state["model"])):
     np.testing.assert_array_equal(a, b)
 
@@ -117,7 +123,7 @@ def test_a_prototype_no_client_ran_is_distilled_from_the_others():
   distillation.assign_weights(model, state["model"][1])
   before = distillation.accuracy(model(SERVER.validation_x), SERVER.validation_y)
   datasets = [one_batch(*CLIENT_DATA[0]), one_batch(*CLIENT_DATA[1])]
-  _, metrics = built.process.next(state, datasets, [0, 2])
+  _, metrics, _ = built.process.next(state, datasets, [0, 2])
   assert metrics["aggregator"]["clients_collected"] == 2
   assert metrics["finalizer"]["distilled"] == 1
   assert metrics["finalizer"]["student_validation_accuracy_bn"] >= before
@@ -131,8 +137,8 @@ def test_teachers_are_the_avglogits_of_every_clients_model():
   state = built.process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   images = SERVER.validation_x
-  built.process.next(state, datasets, [0, 1, 2])
-  teachers = built.process.last_round_teachers(images)["probabilities"]
+  *_, round_teachers = built.process.next(state, datasets, [0, 1, 2])
+  teachers = round_teachers.predict(images)["probabilities"]
   logits = []
   for i, data in enumerate(datasets):
     model_fn, start = MODEL_FNS[i % 2], state["model"][i % 2]
@@ -152,9 +158,9 @@ def test_algorithm_reports_one_model_download_of_the_largest_prototype():
     SPEC,
     LOCAL,
     server_data=SERVER,
-    server_config=_config(),
     clients_per_round=4,
-    prototypes=tuple(zip(NAMES, MODEL_FNS)),
+    prototypes=",".join(NAMES),
+    build_model=lambda name, seed: dict(zip(NAMES, MODEL_FNS))[name](),
   )
   # FedAvg's bytes for the larger prototype, plus the prototype's index.
   fedavg = algorithms.build_algorithm("fedavg", lambda k=0: MODEL_FNS[1](), SPEC, LOCAL)
@@ -165,10 +171,8 @@ def test_algorithm_reports_one_model_download_of_the_largest_prototype():
 
 
 def test_rejects_one_prototype_and_other_methods():
-  with pytest.raises(ValueError, match="FedDF's, not fedppd's"):
-    algorithms.build_algorithm(
-      "fedppd", lambda k=0: MODEL_FNS[0](), SPEC, LOCAL, prototypes=tuple(zip(NAMES, MODEL_FNS))
-    )
+  with pytest.raises(ValueError, match="fedppd reads no setting prototypes"):
+    algorithms.build_algorithm("fedppd", lambda k=0: MODEL_FNS[0](), SPEC, LOCAL, prototypes="a,b")
   with pytest.raises(ValueError, match="two or more"):
     mp.build_heterogeneous_feddf(
       MODEL_FNS[:1], NAMES[:1], SPEC, LOCAL, SERVER, _config(), clients_per_round=4
@@ -180,6 +184,8 @@ def test_rejects_one_prototype_and_other_methods():
       SPEC,
       LOCAL,
       SERVER,
-      sd.ServerDistillationConfig(method="fedbe", distill=distillation.fedbe_config(25)),
+      sd.ServerDistillationConfig(
+        method="fedbe", distill=fedbe.distillation_config(sd.Settings(distill_steps=25))
+      ),
       clients_per_round=4,
     )

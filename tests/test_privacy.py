@@ -26,6 +26,8 @@ from tff_ens import run_files
 from tff_ens.algorithms import fed_ensemble
 from tff_ens.algorithms import fedavg
 from tff_ens.algorithms import fedppd
+from tff_ens.math import fedppd_local
+from tff_ens.math import member_updates
 from tff_ens.program import experiment
 from tff_ens.program import training
 from tff_ens.templates import client_work
@@ -156,7 +158,7 @@ def _effective_noise_multiplier(event):
 
 def test_clipped_mean_without_noise_is_clipped_updates_over_cohort():
   clip, m = 0.05, 3
-  process = _dp_fedavg(tiny_model, privacy.DPConfig(0.0, clip, m))
+  process = _dp_fedavg(tiny_model, privacy.DPConfig(0.0, clip, clients_per_round=m))
   state = process.initialize()
   w0 = process.get_model_weights(state)
   data = CLIENT_DATA[:m]
@@ -172,7 +174,7 @@ def test_clipped_mean_without_noise_is_clipped_updates_over_cohort():
 
 def test_noise_of_the_mean_has_std_z_clip_over_cohort():
   clip, z, m = 0.1, 0.5, 4
-  process = _dp_fedavg(wide_model, privacy.DPConfig(z, clip, m))
+  process = _dp_fedavg(wide_model, privacy.DPConfig(z, clip, clients_per_round=m))
   state = process.initialize()
   w0 = process.get_model_weights(state)
   output = process.next(state, [one_batch(x, y) for x, y in CLIENT_DATA])
@@ -188,7 +190,7 @@ def test_noise_of_the_mean_has_std_z_clip_over_cohort():
 
 def test_adaptive_clip_is_measured_and_accounted_at_z():
   z, m = 0.15, 2
-  process = _dp_fedavg(tiny_model, privacy.DPConfig(z, 0.0, m))
+  process = _dp_fedavg(tiny_model, privacy.DPConfig(z, 0.0, clients_per_round=m))
   output = process.next(process.initialize(), [one_batch(x, y) for x, y in CLIENT_DATA[:m]])
   metrics = privacy.aggregator_metrics(output.metrics["aggregator"])
   # TFF starts the clip at 0.1 and moves it by at most a factor exp(0.2).
@@ -207,10 +209,10 @@ def test_fed_ensemble_slots_are_clipped_and_noised():
     Config(learning_rate=LR),
     ensemble_size=k,
     seed=seed,
-    dp=privacy.DPConfig(z, clip, m),
+    dp=privacy.DPConfig(z, clip, clients_per_round=m),
   )
   indices = [0, 1, 2, 3]
-  keys = [int(fed_ensemble.assigned_model(seed, i, 0, k)) for i in indices]
+  keys = [int(member_updates.assigned_model(seed, i, 0, k)) for i in indices]
   assert sorted(set(keys)) == [0, 1], "pick clients training both members"
   state = built.process.initialize()
   before = list(state["model"])
@@ -236,19 +238,23 @@ def test_fed_ensemble_slots_are_clipped_and_noised():
     assert np.all(_flat(a) != _flat(b))
   with pytest.raises(ValueError, match="fixed clip norm"):
     fed_ensemble.build_fed_ensemble(
-      tiny_model, SPEC, Config(), ensemble_size=k, dp=privacy.DPConfig(0.1, 0.0, m)
+      tiny_model,
+      SPEC,
+      Config(),
+      ensemble_size=k,
+      dp=privacy.DPConfig(0.1, 0.0, clients_per_round=m),
     )
 
 
 def test_fedppd_clips_the_joined_teacher_and_student_update():
   clip, m = 0.05, 2
-  config = fedppd.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
+  config = fedppd_local.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
   built = fedppd.build_fedppd(
     lambda: tiny_model(0),
     lambda: tiny_model(5),
     SPEC,
     config,
-    aggregator_factory=privacy.DPConfig(0.0, clip, m).aggregator_factory(),
+    aggregator_factory=privacy.DPConfig(0.0, clip, clients_per_round=m).aggregator_factory(),
   )
   state = built.process.initialize()
   w0 = built.process.get_model_weights(state)
@@ -274,12 +280,16 @@ def test_dp_for_distillation_algorithms_is_refused(algorithm):
   config = dataclasses.replace(
     QUICK, algorithm=algorithm, dp_noise_multiplier=0.1, dp_clip_norm=1.0
   )
-  refused = f"--dp_clip_norm=1.0: {algorithm}'s server distills"
+  refused = f"--dp_clip_norm=1.0: {algorithm}'s server needs more than the mean of the clients'"
   with pytest.raises(experiment.UsageError, match=refused):
     config.validate()
-  with pytest.raises(ValueError, match="distills"):
+  with pytest.raises(ValueError, match=f"{algorithm} does not take dp"):
     algorithms.build_algorithm(
-      algorithm, lambda k=0: tiny_model(), SPEC, Config(), dp=privacy.DPConfig(0.1, 1.0, 4)
+      algorithm,
+      lambda k=0: tiny_model(),
+      SPEC,
+      Config(),
+      dp=privacy.DPConfig(0.1, 1.0, clients_per_round=4),
     )
 
 

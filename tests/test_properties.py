@@ -32,7 +32,7 @@ import tensorflow_federated as tff
 
 from tasks import cifar
 from tasks import partition
-from tff_ens.algorithms import fed_ensemble
+from tff_ens.math import member_updates
 from tff_ens.math import weight_posterior
 from tff_ens.templates import client_work
 from tff_ens.templates import keyed_stages
@@ -272,7 +272,7 @@ def _aggregate(members, clients):
     weights += weight * tf.one_hot(key, len(members))
   return [
     m.numpy()
-    for m in fed_ensemble.apply_slot_means(tuple(tf.constant(m) for m in members), slots, weights)
+    for m in member_updates.apply_slot_means(tuple(tf.constant(m) for m in members), slots, weights)
   ]
 
 

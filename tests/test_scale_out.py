@@ -29,12 +29,10 @@ from tests.femnist_runs import read_metrics
 from tff_ens import algorithms
 from tff_ens import main as cli
 from tff_ens import run_files
-from tff_ens.algorithms import server_distillation
 from tff_ens.execution import runtime
 from tff_ens.execution import worker_process
 from tff_ens.program import experiment
 from tff_ens.program import training
-from tff_ens.server import distillation
 from tff_ens.templates import client_work
 from tiny import SERVER
 from tiny import SPEC
@@ -69,25 +67,29 @@ def test_two_workers_round_equals_local_round(name, two_workers):
     lambda k=0: tiny_model(seed=10 * k, batch_norm=True),
     SPEC,
     client_work.LocalTrainingConfig(learning_rate=0.5),
-    ensemble_size=2,
     seed=1,
-    server_data=SERVER,
-    server_config=server_distillation.ServerDistillationConfig(
-      method="fedbe", distill=distillation.fedbe_config(25, batch_size=8), num_samples=2
-    ),
+    server_data=SERVER if name == "fedbe" else None,
     clients_per_round=4,
+    **(
+      dict(distill_steps=25, distill_batch_size=8, distill_curve_every=0, fedbe_samples=2)
+      if name == "fedbe"
+      else dict(ensemble_size=2)
+      if name == "fedensemble"
+      else {}
+    ),
   )  # Fed-ensemble: clients 5, 2 train member 0; 1, 7 member 1.
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   clients = np.array([5, 1, 7, 2])
   with worker_processes.deadline(120), runtime.execution_context():
     state = algorithm.process.initialize()
-    local_state, local_metrics = algorithm.next_fn(state, datasets, clients)
+    local_state, local_round = algorithm.next_fn(state, datasets, clients)
     local_models = algorithm.models_fn(local_state)
     initial_models = algorithm.models_fn(state)
   cpu_before = [_cpu_seconds(p) for p in processes]
   with worker_processes.deadline(120), runtime.execution_context(workers=addresses):
-    split_state, split_metrics = algorithm.next_fn(state, datasets, clients)
+    split_state, split_round = algorithm.next_fn(state, datasets, clients)
     split_models = algorithm.models_fn(split_state)
+  local_metrics, split_metrics = local_round.metrics, split_round.metrics
   # Both workers computed (the clients were split, not sent to one).
   assert all(_cpu_seconds(p) > b for p, b in zip(processes, cpu_before))
   tf.nest.map_structure(

@@ -1,6 +1,6 @@
 """FedBE / FedDF / v-Distillation: TFF stages (the collect aggregator of
 tff_ens/templates/server_step.py) and the server step in the driver
-(tff_ens/algorithms/server_distillation.py)."""
+(tff_ens/templates/server_distillation.py)."""
 
 import numpy as np
 import pytest
@@ -8,11 +8,13 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import algorithms
-from tff_ens.algorithms import server_distillation as sd
+from tff_ens.algorithms import fedbe
+from tff_ens.algorithms import feddf
 from tff_ens.math import drop_worst
-from tff_ens.server import distillation
+from tff_ens.math import weight_posterior
 from tff_ens.server import server_data as server_data_lib
 from tff_ens.templates import client_work
+from tff_ens.templates import server_distillation as sd
 from tff_ens.templates import server_step
 from tiny import CLIENT_DATA
 from tiny import SERVER
@@ -25,6 +27,19 @@ ModelWeights = tff.learning.models.ModelWeights
 
 def _weights(value):
   return ModelWeights([tf.constant(value, tf.float32)], [])
+
+
+def _fedbe(steps: int, batch_size: int = 128, swa: bool = True):
+  """FedBE's student, `steps` of `batch_size`."""
+  shared = sd.Settings(distill_steps=steps, distill_batch_size=batch_size, distill_curve_every=0)
+  return fedbe.distillation_config(shared, swa=swa)
+
+
+def _feddf(steps: int, batch_size: int = 128, patience: int = 1_000, eval_every: int = 100):
+  """FedDF's student, at most `steps` of `batch_size`, stopping early."""
+  shared = sd.Settings(distill_steps=steps, distill_batch_size=batch_size)
+  own = feddf.Settings(distill_patience=patience, distill_eval_every=eval_every)
+  return feddf.distillation_config(shared, own)
 
 
 # ------------------------------------------------------------ collect aggregator
@@ -96,7 +111,7 @@ def test_fedbe_teachers_are_average_clients_and_gaussian_samples():
   ]
   # The third client was rejected (weight 0): no teacher, not in the average.
   config = sd.ServerDistillationConfig(
-    method="fedbe", distill=distillation.fedbe_config(25), num_samples=4
+    method="fedbe", distill=_fedbe(25), posterior=weight_posterior.WeightPosterior(num_samples=4)
   )
   stack, weights, average, dropped, informative = sd.teachers(
     model,
@@ -133,8 +148,8 @@ def test_feddf_drops_clients_at_chance_and_averages_the_others():
   ]
   config = sd.ServerDistillationConfig(
     method="feddf",
-    distill=distillation.feddf_config(20, patience=10, eval_every=5),
-    drop_worst=True,
+    distill=_feddf(20, patience=10, eval_every=5),
+    drop_worst=drop_worst.DropWorst(),
   )
   stack, weights, average, dropped, informative = sd.teachers(
     model, good, _collected(updates, [2.0, 5.0]), tf.constant([1, 2], tf.int64), config, validation
@@ -182,9 +197,8 @@ def test_drop_worst_rule_decides_which_clients_feddf_keeps():
   for rule in drop_worst.DROP_WORST_RULES:
     config = sd.ServerDistillationConfig(
       method="feddf",
-      distill=distillation.feddf_config(20, eval_every=5),
-      drop_worst=True,
-      drop_worst_rule=rule,
+      distill=_feddf(20, eval_every=5),
+      drop_worst=drop_worst.DropWorst(rule=rule),
     )
     _, weights, _, dropped, informative = sd.teachers(
       model, good, collected, tf.constant([1, 2], tf.int64), config, validation
@@ -204,11 +218,7 @@ def test_distillation_targets_sharpen_with_the_configured_temperature():
   squared = p**2 / np.sum(p**2, -1, keepdims=True)
 
   def targets(method, **kwargs):
-    distill = (
-      distillation.feddf_config(20, eval_every=5)
-      if method == "feddf"
-      else distillation.fedbe_config(25)
-    )
+    distill = _feddf(20, eval_every=5) if method == "feddf" else _fedbe(25)
     return sd.distillation_targets(
       sd.ServerDistillationConfig(method=method, distill=distill, **kwargs), predictions
     )
@@ -232,27 +242,30 @@ def test_distillation_targets_sharpen_with_the_configured_temperature():
 @pytest.mark.parametrize("method", sd.METHODS)
 def test_one_round_distills_from_the_cohort(method):
   local = client_work.LocalTrainingConfig(learning_rate=0.5)
+  student = dict(distill_batch_size=8, distill_curve_every=0)
   if method == "feddf":
-    distill = distillation.feddf_config(30, batch_size=8, patience=10, eval_every=5)
+    # Without drop-worst: these tiny clients are at chance level, and a round
+    # of only such clients skips distillation (test above).
+    student.update(distill_steps=30, distill_patience=10, distill_eval_every=5, drop_worst=False)
   else:
-    distill = distillation.fedbe_config(25, batch_size=8, swa=method == "fedbe")
-  # Without drop-worst: these tiny clients are at chance level, and a round
-  # of only such clients skips distillation (test above).
-  config = sd.ServerDistillationConfig(method=method, distill=distill, num_samples=2, seed=3)
+    student.update(distill_steps=25)
+  if method == "fedbe":
+    student.update(fedbe_samples=2)
   algorithm = algorithms.build_algorithm(
     method,
     lambda k=0: tiny_model(),
     SPEC,
     local,
     server_data=SERVER,
-    server_config=config,
     clients_per_round=3,
+    seed=3,
+    **student,
   )
   process = algorithm.process
   state = process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
-  state_after, metrics = process.next(state, datasets)
-  teacher = algorithm.teacher_fn(SERVER.validation_x)
+  state_after, metrics, teachers = process.next(state, datasets)
+  teacher = teachers.predict(SERVER.validation_x)
   finalizer = metrics["finalizer"]
   assert metrics["aggregator"]["clients_collected"] == 3
   assert finalizer["distill_steps"] >= 1
@@ -260,7 +273,7 @@ def test_one_round_distills_from_the_cohort(method):
   assert 0.0 <= finalizer["student_validation_accuracy"] <= 1.0
   assert finalizer["server_seconds"] > 0.0
   assert int(state_after["round"]) == 1
-  assert algorithm.server_device() == "/CPU:0"  # Where TF placed the step (no GPU here).
+  assert teachers.device == "/CPU:0"  # Where TF placed the step (no GPU here).
   before = process.get_model_weights(state)
   after = process.get_model_weights(state_after)
   assert any(not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before)))
@@ -276,41 +289,28 @@ def test_one_round_distills_from_the_cohort(method):
     entropy = -np.sum(probabilities * np.log(probabilities), -1)
     assert (teacher["mean_entropy"] <= entropy + 1e-5).all()
   # Same state and data, same round: the process is deterministic.
-  again, _ = process.next(state, datasets)
+  again, *_ = process.next(state, datasets)
   for a, b in zip(tf.nest.flatten(process.get_model_weights(again)), tf.nest.flatten(after)):
     np.testing.assert_array_equal(a, b)
 
 
 def test_upload_is_one_model_as_fedavg():
   local = client_work.LocalTrainingConfig(learning_rate=0.5)
-  config = sd.ServerDistillationConfig(method="fedbe", distill=distillation.fedbe_config(25))
-  fedbe = algorithms.build_algorithm(
-    "fedbe",
-    lambda k=0: tiny_model(),
-    SPEC,
-    local,
-    server_data=SERVER,
-    server_config=config,
-    clients_per_round=3,
+  built = algorithms.build_algorithm(
+    "fedbe", lambda k=0: tiny_model(), SPEC, local, server_data=SERVER, clients_per_round=3
   )
   fedavg = algorithms.build_algorithm("fedavg", lambda k=0: tiny_model(), SPEC, local)
-  assert fedbe.bytes_per_client_round() == fedavg.bytes_per_client_round()
+  assert built.bytes_per_client_round() == fedavg.bytes_per_client_round()
 
 
 def test_config_rejects_unknown_values():
   with pytest.raises(ValueError, match="method"):
-    sd.ServerDistillationConfig(method="fedx", distill=distillation.fedbe_config(25))
-  with pytest.raises(ValueError, match="targets"):
-    sd.ServerDistillationConfig(
-      method="fedbe", distill=distillation.fedbe_config(25), targets="C+S"
-    )
+    sd.ServerDistillationConfig(method="fedx", distill=_fedbe(25))
+  with pytest.raises(ValueError, match="unknown targets=C\\+S"):
+    weight_posterior.WeightPosterior(targets="C+S")
   with pytest.raises(ValueError, match="eval_every"):
-    sd.ServerDistillationConfig(method="feddf", distill=distillation.fedbe_config(25))
+    sd.ServerDistillationConfig(method="feddf", distill=_fedbe(25))
   with pytest.raises(ValueError, match="sharpen_temperature must be > 0"):
-    sd.ServerDistillationConfig(
-      method="fedbe", distill=distillation.fedbe_config(25), sharpen_temperature=0.0
-    )
-  with pytest.raises(ValueError, match="unknown drop_worst_rule=chance"):
-    sd.ServerDistillationConfig(
-      method="feddf", distill=distillation.feddf_config(20), drop_worst_rule="chance"
-    )
+    sd.ServerDistillationConfig(method="fedbe", distill=_fedbe(25), sharpen_temperature=0.0)
+  with pytest.raises(ValueError, match="unknown rule=chance"):
+    drop_worst.DropWorst(rule="chance")

@@ -11,9 +11,9 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests.femnist_runs import ROOT
-from tff_ens.algorithms import server_distillation as sd
 from tff_ens.server import distillation
 from tff_ens.server import server_data
+from tff_ens.templates import server_distillation as sd
 from tiny import SERVER
 from tiny import tiny_model
 
@@ -75,7 +75,8 @@ def test_one_step_matches_the_hand_computed_distillation():
   np.testing.assert_allclose(
     measurements["student_validation_accuracy"], np.mean(predicted == SERVER.validation_y)
   )
-  assert step.device == "/CPU:0"  # Read from TensorFlow's placement of the step's ops.
+  # Read from TensorFlow's placement of the step's ops.
+  assert measurements["server_device"] == "/CPU:0"
 
 
 def test_the_step_measures_the_average_and_the_teachers_it_competes_with():
@@ -168,8 +169,10 @@ _STREAMING_RUN = textwrap.dedent(
   import sys
   import numpy as np
   import tensorflow as tf
-  from tff_ens import algorithms, client_work, distillation, runtime, server_data
-  from tff_ens.algorithms import server_distillation as sd
+  from tff_ens import algorithms
+  from tff_ens.execution import runtime
+  from tff_ens.server import server_data
+  from tff_ens.templates import client_work
 
   def model_fn(k=0):
     return tf.keras.Sequential([
@@ -184,9 +187,6 @@ _STREAMING_RUN = textwrap.dedent(
   spec = (tf.TensorSpec([None, 28, 28, 1], tf.float32), tf.TensorSpec([None], tf.int32))
   rng = np.random.default_rng(0)
   clients = [tf.data.Dataset.from_tensors(labeled(8)) for _ in range(3)]
-  config = sd.ServerDistillationConfig(
-    method="fedbe", distill=distillation.fedbe_config(50, batch_size=128), num_samples=2
-  )
   local = client_work.LocalTrainingConfig(learning_rate=0.1)
   with runtime.execution_context():
     for path in sys.argv[1:]:
@@ -194,12 +194,12 @@ _STREAMING_RUN = textwrap.dedent(
         f.write("5")  # Resets the peak resident memory (VmHWM) to the current one.
       data = server_data.ServerData(server_data.ImageFile.npy(path), *labeled(20), path)
       fedbe = algorithms.build_algorithm(
-        "fedbe", model_fn, spec, local, server_data=data, server_config=config,
-        clients_per_round=3,
+        "fedbe", model_fn, spec, local, server_data=data, clients_per_round=3,
+        distill_steps=50, distill_batch_size=128, distill_curve_every=0, fedbe_samples=2,
       )
       state = fedbe.process.initialize()
       for _ in range(2):
-        state, metrics = fedbe.process.next(state, clients)
+        state, metrics, _ = fedbe.process.next(state, clients)
         assert int(metrics["finalizer"]["distilled"]) == 1
       with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))

@@ -1,8 +1,10 @@
-"""Tests of `tff_ens.settings` and of the run's settings declared with it (`run_settings`).
+"""Tests of `tff_ens.settings` and of the run's settings declared with it.
 
-Each setting is declared once: its bounds and choices are checked by `settings.check`, a
-library config's check names the flag it was built from (`settings.build`), and the command
-line's flags are made from the declarations (`settings.define_flags`), `--help` listing them.
+Each setting is declared once, by the settings group that reads it: its bounds and choices
+are checked by `settings.check`, a library config's check names the flag it was resolved from
+(`settings.resolve`), the run's config is composed of every group's flags
+(`settings.compose`, which refuses a flag declared twice) and the command line's flags are
+made from it (`settings.define_flags`), `--help` listing them by group.
 """
 
 import dataclasses
@@ -14,11 +16,14 @@ import pytest
 
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
+from tff_ens import algorithms
 from tff_ens import settings
+from tff_ens.algorithms import feddf
 from tff_ens.program import experiment
-from tff_ens.program import run_settings
-from tff_ens.server import distillation
 from tff_ens.settings import setting
+from tff_ens.templates import client_work
+from tff_ens.templates import privacy
+from tff_ens.templates import server_distillation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,21 +62,22 @@ def test_check_allows_the_bounds_and_an_unset_value():
   Example(steps=1, rate=1.0, delta=0.0, mode="b", size=None, scale=1e-9)
 
 
-def test_a_built_config_names_the_setting_it_came_from():
-  # The library check (DistillationConfig: num_steps > 0) speaks of the flag.
-  with pytest.raises(settings.SettingError, match="^distill_steps must be a positive") as error:
-    settings.build(
-      distillation.feddf_config,
-      dataclasses.replace(QUICK, distill_steps=0),
-      {"num_steps": "distill_steps"},
-    )
-  assert error.value.named("--distill_steps").startswith("--distill_steps must be")
-  # The same check reaches the command line as a one-line usage error.
+def test_a_resolved_group_names_the_flag_it_came_from():
+  # The library check (LocalTrainingConfig: learning_rate > 0) speaks of the flag.
+  with pytest.raises(settings.SettingError, match="^client_lr must be > 0") as error:
+    settings.resolve(client_work.LocalTrainingConfig, dataclasses.replace(QUICK, client_lr=0.0))
+  assert error.value.named("--client_lr").startswith("--client_lr must be")
+  # A check of a config built from a group (FedDF's student) speaks of the flag too.
+  with pytest.raises(settings.SettingError, match="^distill_steps must be a positive"):
+    feddf.distillation_config(server_distillation.Settings(distill_steps=0))
+  # The same checks reach the command line as one-line usage errors.
   with pytest.raises(experiment.UsageError, match="^--distill_steps must be a positive integer"):
     dataclasses.replace(QUICK, algorithm="feddf", distill_steps=0).validate()
+  with pytest.raises(experiment.UsageError, match="^--client_lr must be > 0"):
+    dataclasses.replace(QUICK, client_lr=0.0).validate()
   # A library user gets the library's names.
-  with pytest.raises(ValueError, match="^num_steps must be a positive integer, got 0$"):
-    distillation.feddf_config(0)
+  with pytest.raises(ValueError, match="^learning_rate must be > 0, got 0.0$"):
+    client_work.LocalTrainingConfig(learning_rate=0.0)
 
 
 def test_define_flags_makes_one_flag_of_each_type():
@@ -85,20 +91,52 @@ def test_define_flags_makes_one_flag_of_each_type():
     values(["prog", "--mode=c"])
 
 
-def test_every_run_setting_is_declared_with_help():
-  for field in dataclasses.fields(run_settings.RunSettings):
+def test_every_flag_is_declared_once_with_help_by_a_settings_group():
+  fields = dataclasses.fields(experiment.ExperimentConfig)
+  groups = experiment.COMMON_GROUPS + algorithms.SETTINGS_GROUPS
+  assert [f.name for f in fields] == [flag for g in groups for flag in settings.flags_of(g)]
+  for field in fields:
     assert settings.declared(field).help, field.name
-  assert dataclasses.fields(experiment.ExperimentConfig) == dataclasses.fields(
-    run_settings.RunSettings
-  )
+    assert settings.group_of(field) in groups, field.name
 
 
-def test_help_lists_every_flag_of_the_run():
+def test_a_library_default_is_its_flags_default():
+  defaults = {f.name: f.default for f in dataclasses.fields(experiment.ExperimentConfig)}
+  for group in experiment.COMMON_GROUPS + algorithms.SETTINGS_GROUPS:
+    # A group's fields that are flags, and those that take another group's flag.
+    for flag, field in {**settings.flags_of(group), **settings.uses_of(group)}.items():
+      assert field.default == defaults[flag], f"{group.__qualname__}.{field.name} and --{flag}"
+    # A group built from the defaults of the run is the library's default config (DP's
+    # defaults are no DP, for which there is no config).
+    if group is not privacy.DPConfig:
+      assert settings.resolve(group, experiment.ExperimentConfig()) == group(), group
+
+
+def test_a_setting_declared_twice_is_refused():
+  @dataclasses.dataclass(frozen=True)
+  class Other:
+    on: bool = setting(False, "The same flag again.")
+
+  @dataclasses.dataclass(frozen=True)
+  class Renamed:
+    switch: bool = setting(False, "The same flag, renamed.", flag="steps")
+
+  for twice in (Other, Renamed):
+    with pytest.raises(ValueError, match=r"the setting (on|steps) is declared twice: by Example"):
+      settings.compose("Config", [Example, twice], module=__name__)
+  composed = settings.compose("Config", [Example], module=__name__)
+  assert composed().steps == 3 and settings.group_of(dataclasses.fields(composed)[0]) is Example
+
+
+def test_help_lists_every_flag_under_the_algorithms_that_read_it():
   shown = subprocess.run(
     [sys.executable, "-m", "tff_ens.main", "--help"],
     cwd=ROOT,
     capture_output=True,
     text=True,
-  ).stdout  # absl's --help exits with 1.
-  for field in dataclasses.fields(run_settings.RunSettings):
-    assert f"--{field.name}:" in shown or f"--[no]{field.name}:" in shown, field.name
+    check=True,
+  ).stdout
+  for field in dataclasses.fields(experiment.ExperimentConfig):
+    assert f"  --{field.name}: " in shown, field.name
+  section = shown[shown.index("--algorithm=fedavgm (") :]
+  assert section.index("--server_momentum:") < section.index("\n\n")

@@ -2,21 +2,33 @@
 
 A config dataclass declares each of its settings with `setting(...)`; its `__post_init__`
 calls `check(self)`, which enforces every declared choice and bound and raises a
-`SettingError` (a `ValueError`) naming the field. `run_settings.RunSettings` declares the
-command line's settings this way: `define_flags` makes one absl flag per field, and `build`
-names a library config's `SettingError` by the setting it was built from, so the library and
-the command line share one check.
+`SettingError` (a `ValueError`) naming the field.
+
+A *settings group* is such a dataclass whose settings are also command-line flags and keys
+of a run's `config.json`: a library config (`LocalTrainingConfig`, `PosteriorConfig`, ...)
+declared next to the code that reads it, or an algorithm module's own `Settings`. A field's
+flag is its name, or the name its declaration gives (`flag="client_lr"`); a field that is
+no flag (`flag=None`) is the library's own, and one that `uses` another group's flag takes
+that flag's value when a run builds the group. `compose` makes one flat config class of
+the groups' flags, refusing a flag declared twice; `resolve` builds a group from such a
+config, naming a library check's error by its flag, so the library and the command line
+share one check and one default.
 """
 
+import contextlib
 import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from absl import flags
 
 _METADATA_KEY = "setting"
+# The metadata key of a composed config's field: the group that declares it.
+_GROUP_KEY = "group"
+# `setting(flag=...)` left out: the flag is the field's name.
+_FIELD_NAME = "<the field's name>"
 
 # The flags `define_flags` makes are its caller's (`--help` lists a main module's own flags).
 flags.disclaim_key_flags()
@@ -32,6 +44,8 @@ class Setting:
   at_least: float | None = None
   at_most: float | None = None
   below: float | None = None
+  flag: str | None = _FIELD_NAME
+  uses: str | None = None
 
   def problem(self, value, integer: bool = False) -> str | None:
     """Why `value` (of an `integer` setting or not) is not allowed, or None; None (unset)
@@ -67,6 +81,8 @@ def setting(
   default: Any = dataclasses.MISSING,
   help: str = "",  # noqa: A002 (absl's word for it)
   *,
+  flag: str | None = _FIELD_NAME,
+  uses: str | None = None,
   choices: Iterable = (),
   above: float | None = None,
   at_least: float | None = None,
@@ -75,14 +91,22 @@ def setting(
 ) -> Any:
   """A dataclass field declaring a setting: its default, a one-line help (the flag's),
   the values it may take (`choices`) or its bounds (`above` or `at_least`, `at_most` or
-  `below`; a range needs a lower bound)."""
-  declared = Setting(help, tuple(choices), above, at_least, at_most, below)
+  `below`; a range needs a lower bound).
+
+  In a settings group, `flag` names its flag when that is not the field's name, None makes
+  it the library's own (no flag); `uses` makes it take the value of the flag of that name,
+  which another group declares (its default here must be that flag's, which
+  `tests/test_settings.py` checks).
+  """
+  if uses is not None:
+    flag = None
+  declared = Setting(help, tuple(choices), above, at_least, at_most, below, flag, uses)
   return dataclasses.field(default=default, metadata={_METADATA_KEY: declared})
 
 
 def declared(field: dataclasses.Field) -> Setting:
-  """The field's `Setting` (an empty one for a field not made by `setting`)."""
-  return field.metadata.get(_METADATA_KEY, Setting())
+  """The field's `Setting` (a no-flag one for a field not made by `setting`)."""
+  return field.metadata.get(_METADATA_KEY, Setting(flag=None))
 
 
 class SettingError(ValueError):
@@ -113,18 +137,96 @@ def check(config) -> None:
       raise SettingError(field.name, value, problem)
 
 
-def build(factory: Callable, source, names: dict[str, str], **values):
-  """`factory(**{argument: source.<name>} for argument: name in names, **values)`: a
-  library config from `source`'s settings. Its `SettingError` names the setting of
-  `source` it came from, so one check serves the library and the command line."""
+# Settings groups ------------------------------------------------------------------------
+
+
+def group(cls):
+  """Makes `cls` a settings group: a frozen dataclass whose values its declarations check
+  when it is built (`check`, then the class's own `__post_init__` if it has one)."""
+  own = cls.__dict__.get("__post_init__")
+
+  def __post_init__(self):  # noqa: N807
+    check(self)
+    if own is not None:
+      own(self)
+
+  cls.__post_init__ = __post_init__
+  return dataclasses.dataclass(frozen=True)(cls)
+
+
+def flags_of(group: type) -> dict[str, dataclasses.Field]:
+  """{flag name: field} of the settings group `group` (a dataclass), in declaration order."""
+  named = {}
+  for field in dataclasses.fields(group):
+    flag = declared(field).flag
+    if flag is not None:
+      named[field.name if flag == _FIELD_NAME else flag] = field
+  return named
+
+
+def uses_of(group: type) -> dict[str, dataclasses.Field]:
+  """{flag name: field} of the fields of `group` that take another group's flag."""
+  return {declared(f).uses: f for f in dataclasses.fields(group) if declared(f).uses is not None}
+
+
+def group_of(field: dataclasses.Field) -> type | None:
+  """The group that declares a field of a `compose`d config."""
+  return field.metadata.get(_GROUP_KEY)
+
+
+def compose(name: str, groups: Iterable[type], *, module: str, bases: tuple = ()) -> type:
+  """A frozen dataclass `name` with one field per flag of `groups` (named by the flag, with
+  the group's type, default and declaration), subclassing `bases`.
+
+  Raises:
+    ValueError: a flag declared by two groups, naming both.
+  """
+  fields, owners = [], {}
+  for group in dict.fromkeys(groups):  # Each group once, in order.
+    hints = _type_hints(group)
+    for flag, field in flags_of(group).items():
+      if flag in owners:
+        raise ValueError(
+          f"the setting {flag} is declared twice: by {owners[flag].__qualname__} and "
+          f"{group.__qualname__}; declare it once and read it from there"
+        )
+      owners[flag] = group
+      spec = dataclasses.replace(declared(field), flag=_FIELD_NAME)
+      metadata = {_METADATA_KEY: spec, _GROUP_KEY: group}
+      fields.append(
+        (flag, hints[field.name], dataclasses.field(default=field.default, metadata=metadata))
+      )
+  composed = dataclasses.make_dataclass(name, fields, bases=bases, frozen=True)
+  composed.__module__ = module
+  return composed
+
+
+@contextlib.contextmanager
+def named_by(names: dict[str, str]):
+  """Renames a `SettingError` raised inside from a library field's name to the setting's
+  (`names`: field -> setting), so a library check speaks of the flag it came from."""
   try:
-    return factory(
-      **{argument: getattr(source, name) for argument, name in names.items()}, **values
-    )
+    yield
   except SettingError as e:
     if e.name not in names:
       raise
     raise SettingError(names[e.name], e.value, e.problem) from None
+
+
+def resolve(group: type, source, **values):
+  """`group` built from the flags of `source` (a `compose`d config, or any object with
+  them as attributes) and `values` for its other fields (which replace a flag's). Its
+  `SettingError` names the flag it came from, so one check serves the library and the
+  command line."""
+  named = {**flags_of(group), **uses_of(group)}
+  given = {field.name: getattr(source, flag) for flag, field in named.items()}
+  with named_by(field_flags(group)):
+    return group(**{**given, **values})
+
+
+def field_flags(group: type) -> dict[str, str]:
+  """{field name: flag name} of the group's fields that are or use flags."""
+  return {field.name: flag for flag, field in {**flags_of(group), **uses_of(group)}.items()}
 
 
 @functools.cache

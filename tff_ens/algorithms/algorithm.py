@@ -1,139 +1,254 @@
-"""What the training loop drives: a built algorithm (`FederatedAlgorithm`).
+"""What an algorithm module registers (`Algorithm`) and what its builder returns
+(`FederatedAlgorithm`, the interface the round loop drives).
 
-`FederatedAlgorithm` adds to an algorithm's TFF process what the loop needs around it: how
-to call `next` for a cohort, which models the state holds (one, or K for ensembles), and
-the types of what one client downloads and uploads in a round (`type_size_bytes`).
-`algorithms.build_algorithm` builds one.
+An algorithm is one module of `tff_ens.algorithms`: its settings (a settings group,
+`settings.setting`, or groups declared next to the library code that reads them), its
+builder `build(context: BuildContext) -> FederatedAlgorithm`, which composes the TFF stages
+its paper changes, its rules (`validate`) and one `Algorithm`, `ALGORITHM`, listed in one
+line of `algorithms.REGISTRY`. What an algorithm adds to the loop and to evaluation is a
+field of `FederatedAlgorithm`: clients that keep a state (`ClientStates`), its own cohort
+(`cohort_fn`), keyed clients (`client_keys`), the teachers its server step distilled from
+(the round's output), model prototypes, per-client models.
 """
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens.execution import runtime
-from tff_ens.program import client_states
-from tff_ens.templates import server_step
+from tff_ens.templates import built as built_lib
+from tff_ens.templates import client_work as client_work_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
 
 @dataclasses.dataclass(frozen=True)
-class BuiltProcess:
-  """What every algorithm's builder returns.
+class BuildContext:
+  """What a builder builds from: the run's model, its clients' data and training, and its
+  settings, resolved once by the program (or given by a library user).
 
   Attributes:
-    process: the TFF process (`initialize`, `next`): a `tff.learning` process, a
-      `tff.templates.IterativeProcess` or a `server_step.DriverProcess`.
-    download_type: what one client receives in a round (a TFF type).
-    upload_type: what one client sends in a round.
-    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate (one, or an
-      ensemble's K).
+    model_fn: `k -> Keras model`, the run's model initialized for ensemble member k (0 for
+      single-model algorithms).
+    element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
+    local: the clients' training.
+    groups: the settings groups the algorithm reads (`Algorithm.settings`), instances given
+      as a sequence or a mapping by type; a group not given takes its defaults (`group`).
+    seed: the run's seed.
+    num_clients: the population (FedDyn's m, the state of stateful clients).
+    clients_per_round: the largest cohort.
+    server_data: the server's data (`server.server_data.ServerData`) of algorithms that
+      take it (`Algorithm.server_data`), else None.
+    dp: DP-FedAvg's aggregation (`templates.privacy.DPConfig`) of algorithms that take it
+      (`Algorithm.dp`), else None.
+    on_device: the clients train on devices (`Algorithm.on_device`): their data are the
+      devices' results (`client_work.build_device_client_work`).
+    recalibration_images: server images on which the FedAvg family measures the new model's
+      batch-norm statistics each round (`Algorithm.recalibrates`), else None.
+    build_model: `(name, seed) -> Keras model`, the task's model called `name` (FedDF's
+      prototypes, FedPPD's student); None where no algorithm needs another model.
+    task: the run's task (a `tasks` module: its models, its constants), else None.
+    model: the name of the run's model (`model_fn`'s).
   """
 
-  process: Any
-  download_type: tff.Type
-  upload_type: tff.Type
-  models_fn: Callable[[Any], list[ModelWeights]]
+  model_fn: Callable[..., tf.keras.Model]
+  element_spec: Any
+  local: client_work_lib.LocalTrainingConfig
+  groups: Sequence[Any] | Mapping[type, Any] = ()
+  seed: int = 0
+  num_clients: int = 1
+  clients_per_round: int = 10
+  server_data: Any = None
+  dp: Any = None
+  on_device: bool = False
+  recalibration_images: np.ndarray | None = None
+  build_model: Callable[[str, int], tf.keras.Model] | None = None
+  task: Any = None
+  model: str = ""
+
+  def __post_init__(self):
+    if not isinstance(self.groups, Mapping):
+      object.__setattr__(self, "groups", {type(g): g for g in self.groups})
+
+  def group(self, group_type: type):
+    """The run's settings of `group_type`; its defaults if none were given."""
+    return self.groups.get(group_type) or group_type()
 
 
-def built_from_client_work(process, client_work, models_fn=None) -> BuiltProcess:
-  """The `BuiltProcess` of a process whose clients all train one model with `client_work`
-  (a `client_work.ClientWork`): a client receives its computation's parameters but for
-  its own data (a sequence, sized 0) and sends back its result; `models_fn` defaults to
-  the process's model (`get_model_weights`)."""
-  client_update = client_work.client_update.type_signature
-  return BuiltProcess(
-    process,
-    client_update.parameter,
-    client_update.result,
-    models_fn or (lambda state: [process.get_model_weights(state)]),
-  )
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """A registered algorithm: what its module declares.
+
+  Attributes:
+    name: its `--algorithm` value.
+    summary: one line for `--help` and the docs' tables.
+    build: `BuildContext -> FederatedAlgorithm`.
+    settings: the settings groups it reads besides the run's common ones (the program
+      refuses a flag of a group no chosen algorithm reads).
+    validate: `config -> None`, its rules across its settings and the run's (a flat config
+      of every flag); raises `settings.SettingError` naming the flag. None: no rule.
+    server_data: its server step uses the server's data.
+    dp: its server needs only the mean of the clients' updates, so DP-FedAvg's clipped and
+      noised mean can replace it.
+    recalibrates: its finalizer is FedAvg's, which can recalibrate batch norm on server
+      images.
+    on_device: its clients run plain local SGD(M), which devices can.
+    variant_flags: flags that name its variant, shown by `compare` even at their defaults.
+  """
+
+  name: str
+  summary: str
+  build: Callable[[BuildContext], "FederatedAlgorithm"]
+  settings: tuple[type, ...] = ()
+  validate: Callable[[Any], None] | None = None
+  server_data: bool = False
+  dp: bool = False
+  recalibrates: bool = False
+  on_device: bool = False
+  variant_flags: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientStates:
+  """What each client keeps between its rounds (FedDyn's g, Ditto's personal model, LG-FedAvg's
+  local layers): one array per (client, key), which the program stores and passes to
+  `next` for the cohort.
+
+  Attributes:
+    shape, dtype: one client's state.
+    keys: `(cohort, key state) -> [key]`, which of its states each client of the cohort
+      uses in the round whose distributor state is the key state (Fed-ensemble with FedDyn:
+      the member it trains); None: one state per client (key 0).
+    initial: a client's state before its first round; None: zeros.
+    model: `(state, global models) -> ModelWeights`, the client's own model for evaluation on
+      its own examples (Ditto's personal model, LG-FedAvg's local layers under the global
+      ones); None: the clients have none.
+  """
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  keys: Callable[[Sequence[int], Any], list[int]] | None = None
+  initial: Callable[[], np.ndarray] | None = None
+  model: Callable[[np.ndarray, list[ModelWeights]], ModelWeights] | None = None
+
+  @classmethod
+  def of(cls, state_type: tff.Type, **fields) -> "ClientStates":
+    """The states of a client state's TFF type (one tensor)."""
+    return cls(tuple(state_type.shape), np.dtype(state_type.dtype), **fields)
+
+  def initial_value(self) -> np.ndarray:
+    return self.initial() if self.initial is not None else np.zeros(self.shape, self.dtype)
+
+  def keys_of(self, cohort: Sequence[int], key_state) -> list[int]:
+    return self.keys(cohort, key_state) if self.keys is not None else [0] * len(cohort)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+  """What one round gives the loop.
+
+  Attributes:
+    metrics: the process's round metrics, one entry per stage.
+    client_states: the cohort's new states (`ClientStates`), else None.
+    output: what the round leaves for evaluation: a `DriverProcess`'s round teachers
+      (`templates.server_step.RoundTeachers`), else None.
+  """
+
+  metrics: Any
+  client_states: list | None = None
+  output: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class FederatedAlgorithm:
-  """A built algorithm: its TFF process and how the training loop drives it.
+  """A built algorithm: its TFF process and how the round loop drives and evaluates it.
 
   Attributes:
     name: the algorithm's flag value.
     process: the TFF process (`initialize`, `next`).
     download_type: what one client receives in a round (a TFF type).
     upload_type: what one client sends in a round.
-    indexed_clients: whether `process.next` takes the cohort's client
-      indices (int32 at CLIENTS) after its data (Fed-ensemble's permutation
-      rows, FedDF's prototypes); `tff.learning` processes do not.
-    models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate.
-    teacher_fn: for server-distillation algorithms, `images ->
-      OrderedDict(probabilities, mean_entropy)` of the teachers the last
-      round distilled from (`server_step.DriverProcess.last_round_teachers`);
-      None otherwise.
-    server_device: for algorithms whose server step runs in the driver, `() ->`
-      the device its ops last ran on (None before the first round); None otherwise.
-    evaluation_model_fn: builds the Keras model `models_fn`'s weights fit
-      when it is not the task's `--model` (FedPPD's student); None otherwise.
-    prototypes_fn: for FedDF over model prototypes, `state -> [(name,
-      model_fn, weights)]`, every prototype's model (`models_fn` gives the
-      first); None otherwise.
-    client_state: for algorithms whose clients keep a state between rounds
-      (FedDyn), what it is; `process.next` then takes the cohort's states
-      last and returns their new values after the metrics. None otherwise.
-    client_models: `(client indices, key state) -> [k]`, the model of `models_fn` each
-      client trains in the round whose distributor state is the key state (the state's
-      `distributor`, which the distributor also reports as its measurements for the next
-      round; Fed-ensemble's `assigned_model`, as its distributor computes it); None: every
+    models_fn: `state -> list[ModelWeights]`, the global model(s) to evaluate.
+    evaluation_model_fn: builds the Keras model `models_fn`'s weights fit.
+    client_keys: `(cohort, slots) -> [int]`, the int32 each client passes to `next` after its
+      data (`next`'s client indices): its index in the population (Fed-ensemble's
+      permutation rows, FedDF's prototypes) or its slot in the sampled cohort (a random
+      walk's walker); None: `next` takes none.
+    client_models: `(cohort, key state) -> [k]`, the model of `models_fn` each client trains
+      in the round whose distributor state is the key state (which the distributor reports
+      as its measurements for the next round; Fed-ensemble's `assigned_model`); None: every
       client trains the first.
+    client_states: what each client keeps between its rounds, else None.
+    cohort_fn: `(num_clients, seed, round) -> client indices`, the clients of a round when
+      the algorithm chooses them (a random walk's); None: the program samples
+      `--clients_per_round` uniformly.
+    prototypes_fn: for FedDF over model prototypes, `state -> [(name, model_fn,
+      weights)]`, every prototype's model (`models_fn` gives the first); None otherwise.
   """
 
   name: str
-  process: tff.templates.IterativeProcess | server_step.DriverProcess
+  process: Any
   download_type: tff.Type
   upload_type: tff.Type
-  indexed_clients: bool
   models_fn: Callable[[Any], list[ModelWeights]]
-  teacher_fn: Callable[[np.ndarray], dict] | None = None
-  server_device: Callable[[], str | None] | None = None
-  evaluation_model_fn: Callable[[], tf.keras.Model] | None = None
+  evaluation_model_fn: Callable[[], tf.keras.Model]
+  client_keys: Callable[[np.ndarray, np.ndarray], Sequence[int]] | None = None
+  client_models: Callable[[Sequence[int], Any], list[int]] | None = None
+  client_states: ClientStates | None = None
+  cohort_fn: Callable[[int, int, int], np.ndarray] | None = None
   prototypes_fn: (
     Callable[[Any], list[tuple[str, Callable[[], tf.keras.Model], ModelWeights]]] | None
   ) = None
-  client_state: client_states.ClientStateSpec | None = None
-  client_models: Callable[[Sequence[int], Any], list[int]] | None = None
 
   @classmethod
-  def of(cls, name: str, built: BuiltProcess, **hooks) -> "FederatedAlgorithm":
-    """The algorithm `name` of a builder's result; `hooks` are the other fields."""
+  def of(cls, name: str, built: built_lib.BuiltProcess, context: BuildContext, **fields):
+    """The algorithm `name` of a process builder's result; `fields` are the others."""
     return cls(
       name=name,
       process=built.process,
       download_type=built.download_type,
       upload_type=built.upload_type,
-      models_fn=hooks.pop("models_fn", built.models_fn),
-      **{"indexed_clients": False, **hooks},
+      models_fn=fields.pop("models_fn", built.models_fn),
+      evaluation_model_fn=fields.pop("evaluation_model_fn", lambda: context.model_fn(0)),
+      **fields,
     )
 
-  def next_args(self, datasets: Sequence[tf.data.Dataset], client_indices, states=None) -> tuple:
-    """`process.next`'s arguments after the state, for one cohort.
-
-    `client_indices` are the cohort's positions in the task's client list;
-    `states` their stored states (`client_state`), zeros if None.
-    """
+  def next_args(
+    self,
+    datasets: Sequence[tf.data.Dataset],
+    cohort: Sequence[int],
+    slots: Sequence[int] | None = None,
+    states: Sequence[np.ndarray] | None = None,
+  ) -> tuple:
+    """`process.next`'s arguments after the state, for one cohort: its datasets, its
+    `client_keys` (from the clients' indices in the population `cohort` and their
+    `slots` in the sampled cohort, by default their order) and its stored `states`."""
     args = (list(datasets),)
-    if self.indexed_clients:
-      args += ([np.int32(i) for i in client_indices],)
-    if self.client_state is not None:
-      args += (
-        list(states) if states is not None else [self.client_state.zeros() for _ in client_indices],
-      )
+    if self.client_keys is not None:
+      slots = np.arange(len(cohort)) if slots is None else slots
+      args += ([np.int32(k) for k in self.client_keys(np.asarray(cohort), np.asarray(slots))],)
+    if self.client_states is not None:
+      initial = self.client_states.initial_value
+      args += (list(states) if states is not None else [initial() for _ in cohort],)
     return args
 
-  def next_fn(self, state, datasets: Sequence[tf.data.Dataset], client_indices) -> tuple[Any, dict]:
-    """`(state, metrics)` of one round through the execution context."""
-    return runtime.state_and_metrics(
-      self.process.next(state, *self.next_args(datasets, client_indices))
-    )
+  def result(self, outputs) -> RoundResult:
+    """The `RoundResult` of `next`'s results after the state: the metrics, then the
+    clients' new states (`client_states`) or the round's teachers (a `DriverProcess`)."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    metrics, *rest = outputs
+    if self.client_states is not None:
+      return RoundResult(metrics, client_states=list(rest[0]))
+    return RoundResult(metrics, output=rest[0] if rest else None)
+
+  def next_fn(self, state, datasets, cohort) -> tuple[Any, RoundResult]:
+    """`(state, RoundResult)` of one round through the execution context."""
+    outputs = self.process.next(state, *self.next_args(datasets, cohort))
+    state, *outputs = runtime.state_first(outputs)
+    return state, self.result(tuple(outputs))
 
   def bytes_per_client_round(self) -> tuple[int, int]:
     """(bytes down, bytes up) for one client in one round, from the types."""

@@ -7,7 +7,7 @@ T-ASE 2023 (arXiv:2107.10663), Algorithm 1.
 The server keeps K models. Every K rounds each client i draws a random
 permutation P[i, :] of 0..K-1; in round t it trains model P[i, t mod K]. The
 algorithm is FedAvg's four stages with three swapped for the keyed stages it
-shares with FedDF's prototypes (`keyed_stages`, composed by `keyed_stages.compose`):
+shares with FedDF's prototypes (`keyed_stages`, composed by `composition.compose`):
 
 * distributor: the client computes its key P[i, t mod K] and downloads only
   that model with `tff.federated_select` (one model in the type signature);
@@ -46,109 +46,62 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import settings
+from tff_ens.algorithms import algorithm
+from tff_ens.algorithms import fedprox
+from tff_ens.math import member_updates
+from tff_ens.settings import setting
+from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
+from tff_ens.templates import composition
 from tff_ens.templates import feddyn
-from tff_ens.templates import federated_algorithm
 from tff_ens.templates import keyed_stages
 from tff_ens.templates import privacy
 
 ModelWeights = tff.learning.models.ModelWeights
 
-ASSIGNMENTS = ("permutation", "random")
+ASSIGNMENTS = member_updates.ASSIGNMENTS
 # How model k averages the clients that trained it: each client once (Shi et
 # al., Remark 1, and both of the authors' repositories) or by its examples
 # (FedAvg's weighting).
 MEMBER_AVERAGES = ("clients", "examples")
+LOCAL_OBJECTIVES = ("sgd", "fedprox", "feddyn")
 
 
-def _client_seed(seed, client_index, stream: int, counter):
-  """A stateless-RNG seed unique to (run seed, client, stream, counter)."""
-  key = tf.stack([tf.cast(seed, tf.int64), tf.cast(client_index, tf.int64)])
-  key = tf.random.experimental.stateless_fold_in(key, stream)
-  return tf.random.experimental.stateless_fold_in(key, tf.cast(counter, tf.int64))
+@settings.group
+class Ensemble:
+  """The size of a K-model ensemble (Fed-ensemble's, the random walks')."""
+
+  ensemble_size: int = setting(5, "K, the models of the ensemble.", above=0)
 
 
-def permutation_row(seed, client_index, block, ensemble_size: int):
-  """P[i, :] for block `block` = floor(t / K): a random permutation of 0..K-1.
+@settings.group
+class Settings:
+  """Fed-ensemble's assignment, average and local objective."""
 
-  Shi et al., Algorithm 1, line 4: each client draws an independent
-  permutation every K rounds.
-  """
-  scores = tf.random.stateless_uniform(
-    [ensemble_size], seed=_client_seed(seed, client_index, 0, block)
+  assignment: str = setting(
+    "permutation",
+    "Which model a client trains; random is the paper's Table VII ablation.",
+    choices=ASSIGNMENTS,
   )
-  return tf.argsort(scores)
-
-
-def assigned_model(
-  seed, client_index, round_num, ensemble_size: int, assignment: str = "permutation"
-):
-  """The model client `client_index` trains in round `round_num` (0-based).
-
-  "permutation": P[i, t mod K] (Shi et al., Algorithm 1, line 6), so every
-  client trains every model once in each block of K rounds. "random": a
-  uniformly random model per client and round (the paper's Table VII
-  ablation).
-  """
-  if assignment == "permutation":
-    row = permutation_row(seed, client_index, round_num // ensemble_size, ensemble_size)
-    return row[round_num % ensemble_size]
-  if assignment == "random":
-    return tf.random.stateless_uniform(
-      [], seed=_client_seed(seed, client_index, 1, round_num), maxval=ensemble_size, dtype=tf.int32
-    )
-  raise ValueError(f"unknown assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
-
-
-def apply_slot_means(members, slots, weights):
-  """Model k minus its slot's mean update; untouched if nobody trained it.
-
-  Shi et al., Algorithm 1, line 9: theta_k <- weighted mean of the returned
-  models that started from theta_k (as `theta_k - mean delta`).
-
-  Args:
-    members: a tuple of K models (structures of tensors).
-    slots: a tuple of K summed updates (`keyed_stages.build_slot_aggregator`).
-    weights: the K summed weights.
-  """
-
-  def apply(member, slot, total):
-    mean = lambda w, s: tf.where(total > 0, w - s / tf.maximum(total, 1e-12), w)
-    return tf.nest.map_structure(mean, member, slot)
-
-  return tuple(apply(m, s, weights[k]) for k, (m, s) in enumerate(zip(members, slots)))
-
-
-def apply_feddyn_correction(members, corrections, slots, weights, alpha: float, num_clients: int):
-  """FedDyn's server update for every model (Acar et al., Algorithm 1, 9-10).
-
-  For model k, with u_i = w_k - w_i the updates of the clients that trained
-  it (summed in slot k, unweighted) and m = `num_clients` the population:
-
-      h_k <- h_k + (alpha / m) sum_i u_i      (line 9: h - alpha/m sum (w_i - w))
-      w_k <- mean_i w_i - h_k / alpha         (line 10)
-
-  Args:
-    members: the K models after `apply_slot_means` (mean_i w_i, or w_k
-      unchanged when nobody trained it).
-    corrections: the K h's, one tensor per trainable weight.
-    slots, weights: the K unweighted update sums and client counts.
-    alpha: FedDyn's alpha.
-    num_clients: m.
-
-  Returns:
-    (members, corrections); a model nobody trained keeps both unchanged.
-  """
-  new_members, new_corrections = [], []
-  for member, h, slot, total in zip(members, corrections, slots, tf.unstack(weights)):
-    trained = total > 0
-    h = [
-      tf.where(trained, h_t + (alpha / num_clients) * u, h_t) for h_t, u in zip(h, slot.trainable)
-    ]
-    trainable = [tf.where(trained, w - h_t / alpha, w) for w, h_t in zip(member.trainable, h)]
-    new_members.append(ModelWeights(trainable, list(member.non_trainable)))
-    new_corrections.append(tuple(h))
-  return tuple(new_members), tuple(new_corrections)
+  member_average: str = setting(
+    "clients",
+    "Each model's average over its clients: each client once (the paper's Remark 1 and the "
+    "authors' code) or by examples (FedAvg's).",
+    choices=MEMBER_AVERAGES,
+  )
+  local_objective: str = setting(
+    "sgd",
+    "The clients' objective: sgd, fedprox (with --proximal_mu) or feddyn (with "
+    "--feddyn_alpha; K=1 is FedDyn).",
+    choices=LOCAL_OBJECTIVES,
+  )
+  feddyn_alpha: float = setting(
+    0.01,
+    "FedDyn's alpha (--local_objective=feddyn); its clients' states go to "
+    "OUTPUT_DIR/client_states.",
+    above=0,
+  )
 
 
 def build_fed_ensemble(
@@ -157,14 +110,13 @@ def build_fed_ensemble(
   local_config: client_work_lib.LocalTrainingConfig,
   *,
   ensemble_size: int,
+  options: Settings = Settings(),
   seed: int = 0,
-  assignment: str = "permutation",
   dp: privacy.DPConfig | None = None,
-  feddyn_alpha: float = 0.0,
   num_clients: int = 0,
-  member_average: str = "clients",
   on_device: bool = False,
-) -> federated_algorithm.BuiltProcess:
+  keys_given: bool = False,
+) -> built_lib.BuiltProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
   `next(state, client_data, client_indices)`: `client_data` are the cohort's
@@ -180,30 +132,26 @@ def build_fed_ensemble(
     element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
     local_config: client training (FedAvg's, or FedProx with `proximal_mu`).
     ensemble_size: K.
+    options: the assignment, the members' average and, with `local_objective="feddyn"`,
+      FedDyn's local objective and server correction with `feddyn_alpha`; DP and FedDyn
+      count every client once whatever `member_average` is.
     seed: seed of the permutations.
-    assignment: "permutation" or "random".
     dp: clip every update to `dp.clip_norm` and noise the slot sums
       (`privatize_slots`); fixed clipping only. None: plain slot means.
-    feddyn_alpha: > 0: FedDyn's local objective and server correction with
-      this alpha; 0: the local objective of `local_config`.
     num_clients: the population m (FedDyn's h divides by it).
-    member_average: one of MEMBER_AVERAGES; DP and FedDyn count every
-      client once whatever it is.
     on_device: the clients trained their assigned member on their devices
       (`tff_ens.program.device_clients`): their data are the results
       (`client_work.build_device_client_work`), so no FedDyn.
+    keys_given: the int32 each client passes after its data is the member it trains (a
+      random walk's walker), not its index in the population.
   """
-  if member_average not in MEMBER_AVERAGES:
-    raise ValueError(
-      f"unknown member_average {member_average!r}: choose one of {', '.join(MEMBER_AVERAGES)}"
-    )
   if ensemble_size < 1:
     raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
-  if assignment not in ASSIGNMENTS:
-    raise ValueError(f"unknown assignment {assignment!r}: choose one of {', '.join(ASSIGNMENTS)}")
   if dp is not None and dp.adaptive:
     raise ValueError("Fed-ensemble's DP needs a fixed clip norm > 0")
-  uses_feddyn = feddyn_alpha > 0
+  uses_feddyn = options.local_objective == "feddyn"
+  feddyn_alpha = options.feddyn_alpha if uses_feddyn else 0.0
+  assignment, member_average = options.assignment, options.member_average
   if uses_feddyn and on_device:
     raise ValueError("FedDyn's clients keep a state the device file has not: use SGD on devices")
   if uses_feddyn and (dp is not None or num_clients < 1):
@@ -231,7 +179,7 @@ def build_fed_ensemble(
     return tuple(ModelWeights.from_model(member_model_fn(i)) for i in range(k))
 
   members_type = initial_members.type_signature.result
-  distributor = _build_distributor(members_type, weights_type, k, seed, assignment)
+  distributor = _build_distributor(members_type, weights_type, k, seed, assignment, keys_given)
   update_type = client_work.client_update.type_signature.result[0].update
   aggregator = keyed_stages.build_slot_aggregator(
     update_type,
@@ -243,12 +191,13 @@ def build_fed_ensemble(
   finalizer = _build_finalizer(
     members_type, slots_type, weights_type, feddyn_alpha if uses_feddyn else 0.0, num_clients
   )
-  process = keyed_stages.compose(
+  process = composition.compose(
     initial_members,
     distributor,
     work_stage,
     aggregator,
     finalizer,
+    keyed=True,
     client_state_type=client_work.client_state_type if uses_feddyn else None,
   )
   client_update_type = client_work.client_update.type_signature
@@ -265,21 +214,30 @@ def build_fed_ensemble(
     uploaded = tff.StructType(list(client_update_type.result)[:2])
   key_type = distributor.next.type_signature.result.result[1].member
   upload = tff.StructType([("client_result", uploaded), ("key", key_type)])
-  return federated_algorithm.BuiltProcess(
-    process, download, upload, lambda state: list(state["model"])
+  return built_lib.BuiltProcess(
+    process,
+    download,
+    upload,
+    lambda state: list(state["model"]),
+    client_work.client_state_type if uses_feddyn else None,
   )
 
 
-def _build_distributor(members_type, weights_type, k: int, seed: int, assignment: str):
+def _build_distributor(
+  members_type, weights_type, k: int, seed: int, assignment: str, keys_given: bool
+):
   """Fed-ensemble's distributor: client i downloads member `assigned_model` of the round
-  (`keyed_stages.build_keyed_distributor`); its state is (round, seed)."""
+  (`keyed_stages.build_keyed_distributor`), or with `keys_given` the member its int32 names;
+  its state is (round, seed)."""
   key_state = collections.OrderedDict(round=np.int32(0), seed=np.int64(seed))
   key_state_type = collections.OrderedDict(round=np.int32, seed=np.int64)
 
   @tff.tensorflow.computation(key_state_type, np.int32)
   def client_key(state, client_index):
+    if keys_given:
+      return tf.reshape(client_index, [1])
     return tf.reshape(
-      assigned_model(state["seed"], client_index, state["round"], k, assignment), [1]
+      member_updates.assigned_model(state["seed"], client_index, state["round"], k, assignment), [1]
     )
 
   @tff.tensorflow.computation(members_type, np.int32)
@@ -312,7 +270,7 @@ def _build_finalizer(members_type, slots_type, weights_type, feddyn_alpha: float
 
   @tff.tensorflow.computation(members_type, slots_type)
   def slot_means(members, slots):
-    return apply_slot_means(members, *slots)
+    return member_updates.apply_slot_means(members, *slots)
 
   if not feddyn_alpha:
 
@@ -339,8 +297,12 @@ def _build_finalizer(members_type, slots_type, weights_type, feddyn_alpha: float
 
   @tff.tensorflow.computation(members_type, zero_corrections.type_signature.result, slots_type)
   def correct(members, corrections, slots):
-    return apply_feddyn_correction(
-      apply_slot_means(members, *slots), corrections, *slots, feddyn_alpha, num_clients
+    return member_updates.apply_feddyn_correction(
+      member_updates.apply_slot_means(members, *slots),
+      corrections,
+      *slots,
+      feddyn_alpha,
+      num_clients,
     )
 
   @tff.federated_computation
@@ -359,3 +321,79 @@ def _build_finalizer(members_type, slots_type, weights_type, feddyn_alpha: float
     )
 
   return tff.templates.MeasuredProcess(initialize_feddyn, next_feddyn)
+
+
+def client_models(key_state, clients, ensemble_size: int, assignment: str) -> list[int]:
+  """The member each of `clients` trains in the round whose distributor state is
+  `key_state` (`assigned_model`, as the distributor computes it)."""
+  return [
+    int(
+      member_updates.assigned_model(
+        key_state["seed"], c, key_state["round"], ensemble_size, assignment
+      )
+    )
+    for c in clients
+  ]
+
+
+def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
+  k = context.group(Ensemble).ensemble_size
+  options = context.group(Settings)
+  local = fedprox.local_config(context) if options.local_objective == "fedprox" else context.local
+  built = build_fed_ensemble(
+    context.model_fn,
+    context.element_spec,
+    local,
+    ensemble_size=k,
+    options=options,
+    seed=context.seed,
+    dp=context.dp,
+    num_clients=context.num_clients,
+    on_device=context.on_device,
+  )
+  members = lambda clients, key_state: client_models(key_state, clients, k, options.assignment)
+  states = None
+  if built.client_state_type is not None:
+    states = algorithm.ClientStates.of(built.client_state_type, keys=members)
+  return algorithm.FederatedAlgorithm.of(
+    "fedensemble",
+    built,
+    context,
+    client_keys=lambda clients, slots: clients,
+    client_models=members,
+    client_states=states,
+  )
+
+
+def validate(config) -> None:
+  """FedDyn keeps each client's unclipped updates, which DP cannot; devices train with plain
+  SGD(M); Fed-ensemble's DP clips at a fixed norm."""
+  if config.local_objective == "feddyn" and (config.dp_noise_multiplier or config.dp_clip_norm):
+    raise settings.SettingError(
+      "local_objective",
+      "feddyn",
+      "FedDyn keeps each client's unclipped updates: it does not combine with DP (--dp_*); "
+      "use --local_objective=sgd or fedprox",
+    )
+  if config.local_objective != "sgd" and config.client_runtime != "tff":
+    raise settings.SettingError(
+      "local_objective",
+      config.local_objective,
+      "the device file trains with plain SGD(M): use --local_objective=sgd or --client_runtime=tff",
+    )
+  if config.dp_noise_multiplier and not config.dp_clip_norm:
+    raise settings.SettingError(
+      "dp_clip_norm", 0.0, "--algorithm=fedensemble clips with a fixed norm only: set it > 0"
+    )
+
+
+ALGORITHM = algorithm.Algorithm(
+  "fedensemble",
+  "Fed-ensemble (Shi et al. 2021): K models, one per client per round",
+  build,
+  settings=(Ensemble, Settings, fedprox.Settings),
+  validate=validate,
+  dp=True,
+  on_device=True,
+  variant_flags=("ensemble_size", "local_objective"),
+)

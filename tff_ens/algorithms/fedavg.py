@@ -1,9 +1,11 @@
-"""FedAvg, FedProx, FedAvgM and FedAdam as TFF learning processes.
+"""FedAvg (McMahan et al., AISTATS 2017): the clients' updates averaged, weighted by their
+examples.
 
-One builder: FedProx is FedAvg with a proximal term in the shared client work
-(`LocalTrainingConfig.proximal_mu`); FedAvgM (Hsu et al. 2019) and FedAdam
-(`fedadam`) are FedAvg with another server optimizer in the finalizer. The four
-stages are composed by `tff.learning.templates.compose_learning_process`.
+The four stages of `tff.learning.templates.compose_learning_process`: the model broadcast, the
+shared client work (`client_work.build_client_work`), the weighted mean (or DP-FedAvg's,
+`templates.privacy`) and the finalizer applying a server optimizer to the mean update
+(`templates.server_optimizer`; SGD with step size 1 is FedAvg's). FedProx, FedAvgM and FedAdam
+are this builder with one change each (`fedprox`, `fedavgm`, `fedadam`).
 """
 
 from typing import Callable, Optional
@@ -12,101 +14,67 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import settings
+from tff_ens.algorithms import algorithm
+from tff_ens.settings import setting
+from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
-from tff_ens.templates import federated_algorithm
+from tff_ens.templates import server_optimizer as server_optimizer_lib
 
-ModelWeights = tff.learning.models.ModelWeights
-
-
-def build_initial_weights_fn(model_fn: Callable[[], tf.keras.Model]):
-  """A TFF computation returning the initial `ModelWeights` of `model_fn`."""
-
-  @tff.tensorflow.computation
-  def initial_weights():
-    return ModelWeights.from_model(model_fn())
-
-  return initial_weights
+# FedAvg's server step: the model moves by the whole mean update.
+LEARNING_RATE = 1.0
+# What the FedAvg family's stages take: DP-FedAvg's mean, batch-norm recalibration in the
+# finalizer, and plain local SGD(M) that devices can run.
+FAMILY = dict(dp=True, recalibrates=True, on_device=True)
 
 
-def build_server_optimizer(learning_rate: float = 1.0, momentum: float = 0.0):
-  """Server optimizer: SGD with rate 1 is FedAvg; momentum > 0 is FedAvgM."""
-  return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate, momentum=momentum or None)
+@settings.group
+class ServerSettings:
+  """The FedAvg family's server optimizer."""
 
-
-@tf.function
-def batch_norm_statistics(model: tf.keras.Model, weights: ModelWeights, images) -> ModelWeights:
-  """`weights` with the batch-norm statistics that `model` holding them measures on `images`.
-
-  The population statistics of Ioffe and Szegedy (ICML 2015, Algorithm 2, step 10),
-  estimated on one batch: every batch-norm layer runs in training mode with momentum 0, so
-  its moving mean and variance become those of its inputs over `images` (SWA's
-  `update_bn`, Izmailov et al., UAI 2018, over a single batch). The trainable weights and
-  the other non-trainable ones are unchanged.
-  """
-  model_weights = ModelWeights.from_model(model)
-  tf.nest.map_structure(lambda v, t: v.assign(t), model_weights, weights)
-  for layer in model.submodules:
-    if isinstance(layer, tf.keras.layers.BatchNormalization):
-      layer.momentum = 0.0
-  model(images, training=True)  # tf.function orders it after the assignments.
-  return ModelWeights(
-    list(weights.trainable), [tf.identity(v) for v in model_weights.non_trainable]
+  server_lr: float | None = setting(
+    None,
+    "The server optimizer's step size on the averaged update (the FedAvg family). Unset: the "
+    "algorithm's own (FedAvg's 1; FedAdam's in tff_ens/algorithms/fedadam.py).",
+    above=0,
   )
 
 
-def build_finalizer(
+def server_learning_rate(context: algorithm.BuildContext, default: float) -> float:
+  """`--server_lr`, else the algorithm's `default`."""
+  given = context.group(ServerSettings).server_lr
+  return default if given is None else given
+
+
+def build_family(
+  context: algorithm.BuildContext,
+  name: str,
   server_optimizer,
-  weights_type: tff.Type,
-  recalibration: tuple[Callable[[], tf.keras.Model], np.ndarray] | None = None,
-):
-  """Finalizer applying the averaged update to trainable and BN weights.
-
-  Trainable weights take a server optimizer step with the averaged delta as
-  gradient (Reddi et al., ICLR 2021, Algorithm 1: FedOpt); non-trainable
-  weights (batch-norm statistics) become the average of the clients' ones,
-  i.e. `w - mean(w - w_i)`. TFF's `build_apply_optimizer_finalizer` leaves
-  non-trainable weights unchanged, which freezes batch-norm statistics at
-  their initial values, hence this finalizer. With `recalibration = (model_fn,
-  images)` the new model's batch-norm statistics are instead measured on the
-  server's `images` (`batch_norm_statistics`): the clients' statistics belong to their own
-  weights, which a binarized network's averaged weights do not reproduce.
-  """
-  trainable_type = weights_type.trainable
-
-  @tff.tensorflow.computation
-  def init_optimizer():
-    return server_optimizer.initialize(tuple(tff.types.type_to_tf_tensor_specs(trainable_type)))
-
-  optimizer_state_type = init_optimizer.type_signature.result
-
-  @tff.tensorflow.computation(optimizer_state_type, weights_type, weights_type)
-  def apply_update(optimizer_state, weights, update):
-    optimizer_state, trainable = server_optimizer.next(
-      optimizer_state, tuple(weights.trainable), tuple(update.trainable)
-    )
-    non_trainable = tf.nest.map_structure(tf.subtract, weights.non_trainable, update.non_trainable)
-    new_weights = ModelWeights(list(trainable), non_trainable)
-    if recalibration is not None:
-      model_fn, images = recalibration
-      new_weights = batch_norm_statistics(model_fn(), new_weights, tf.constant(images))
-    return optimizer_state, new_weights
-
-  @tff.federated_computation
-  def init_fn():
-    return tff.federated_eval(init_optimizer, tff.SERVER)
-
-  @tff.federated_computation(
-    init_fn.type_signature.result,
-    tff.FederatedType(weights_type, tff.SERVER),
-    tff.FederatedType(weights_type, tff.SERVER),
+  local: client_work_lib.LocalTrainingConfig | None = None,
+) -> algorithm.FederatedAlgorithm:
+  """The FedAvg-family algorithm `name` of `context`, with the finalizer's `server_optimizer`
+  and the clients' training `local` (default: the run's)."""
+  built = build_fedavg(
+    lambda: context.model_fn(0),
+    context.element_spec,
+    local or context.local,
+    server_optimizer=server_optimizer,
+    aggregator_factory=context.dp.aggregator_factory() if context.dp else None,
+    on_device=context.on_device,
+    recalibration_images=context.recalibration_images,
   )
-  def next_fn(state, weights, update):
-    state, new_weights = tff.federated_map(apply_update, (state, weights, update))
-    return tff.templates.MeasuredProcessOutput(
-      state, new_weights, tff.federated_value((), tff.SERVER)
-    )
+  return algorithm.FederatedAlgorithm.of(name, built, context)
 
-  return tff.learning.templates.FinalizerProcess(init_fn, next_fn)
+
+def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
+  """FedAvg: SGD on the mean update at `--server_lr` (default 1)."""
+  rate = server_learning_rate(context, LEARNING_RATE)
+  return build_family(context, "fedavg", server_optimizer_lib.build_server_optimizer(rate))
+
+
+ALGORITHM = algorithm.Algorithm(
+  "fedavg", "FedAvg (McMahan et al. 2017)", build, settings=(ServerSettings,), **FAMILY
+)
 
 
 def build_fedavg(
@@ -118,7 +86,7 @@ def build_fedavg(
   aggregator_factory: Optional[tff.aggregators.WeightedAggregationFactory] = None,
   on_device: bool = False,
   recalibration_images: np.ndarray | None = None,
-) -> federated_algorithm.BuiltProcess:
+) -> built_lib.BuiltProcess:
   """Builds FedAvg (McMahan et al. 2017), FedProx, FedAvgM or FedAdam.
 
   Args:
@@ -127,13 +95,13 @@ def build_fedavg(
     local_config: client training; `proximal_mu > 0` makes it FedProx.
     server_optimizer: the finalizer's optimizer, applied to the averaged update (FedOpt);
       None: SGD with step size 1, FedAvg's. Server momentum makes it FedAvgM
-      (`build_server_optimizer`), Adam FedAdam (`fedadam.server_optimizer`).
+      (`fedavgm`), Adam FedAdam (`fedadam`).
     aggregator_factory: a weighted `tff.aggregators` factory for the updates
       (DP, clipping, compression); the weighted mean by default.
     on_device: the clients train on their devices (`tff_ens.program.device_clients`), and their
       data are the results (`client_work.build_device_client_work`).
     recalibration_images: server images on which the new model's batch-norm statistics
-      are measured each round (`build_finalizer`); None averages the clients'.
+      are measured each round (`server_optimizer.build_finalizer`); None averages the clients'.
 
   Returns:
     The `tff.learning` process, with what a client downloads and uploads.
@@ -148,14 +116,14 @@ def build_fedavg(
   # 0) leaves the model unchanged instead of turning it into NaN.
   factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
   process = tff.learning.templates.compose_learning_process(
-    build_initial_weights_fn(model_fn),
+    server_optimizer_lib.build_initial_weights_fn(model_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
     factory.create(weights_type, tff.TensorType(np.float32)),
-    build_finalizer(
-      server_optimizer or build_server_optimizer(),
+    server_optimizer_lib.build_finalizer(
+      server_optimizer or server_optimizer_lib.build_server_optimizer(),
       weights_type,
       None if recalibration_images is None else (model_fn, recalibration_images),
     ),
   )
-  return federated_algorithm.built_from_client_work(process, client_work)
+  return built_lib.built_from_client_work(process, client_work)

@@ -22,7 +22,7 @@ non-finite updates) and finalizer are reused unchanged.
 The local iterations (SGLD, its units and schedules, which minibatch each network
 takes) are in `fedppd_local`; FedPPD+Distill is `fedppd_distill`.
 
-Where the authors' code departs from the supplement, `PosteriorConfig` has
+Where the authors' code departs from the supplement, `fedppd_local.PosteriorConfig` has
 an option; its defaults are the paper's where it states the setting and the
 code's (trainers/ClientServUpdate.py, train_femnist.py, README commands)
 where it does not:
@@ -38,86 +38,22 @@ FedPPD+Distill can distill the teachers too, as the code does
 """
 
 import collections
-import dataclasses
 from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+import tasks
 from tff_ens import settings
-from tff_ens.algorithms import fedavg
+from tff_ens.algorithms import algorithm
 from tff_ens.math import fedppd_local
 from tff_ens.settings import setting
+from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
-from tff_ens.templates import federated_algorithm
+from tff_ens.templates import server_optimizer
 
 ModelWeights = tff.learning.models.ModelWeights
-
-
-@dataclasses.dataclass(frozen=True)
-class PosteriorConfig:
-  """Hyperparameters of FedPPD's client update.
-
-  Attributes:
-    teacher_step_size: with sgld_scaling "posterior", eps of SGLD (the noise
-      variance at T = 1); with "authors", the step size on the minibatch's
-      mean loss (the code's `teach_lr`; eps = it / N).
-    temperature: T; the SGLD noise variance is eps * T. With sgld_scaling
-      "authors", relative to the authors' noise (1: theirs).
-    sgld_scaling: "posterior" (Welling & Teh, as the supplement's SGLD) or
-      "authors" (lib/sgld_optim.py); see `fedppd_local.chain_parameters`.
-    prior_precision: lambda of the teacher's N(0, 1/lambda) weight prior
-      (0: none besides teacher_weight_decay, as in the authors' code).
-    teacher_weight_decay: wd added to the gradient of the teacher's mean loss
-      as wd * w, i.e. a prior precision of N * wd (the code's 1e-4; the
-      paper gives none).
-    teacher_step_decay: the teacher's step size is multiplied by it every
-      teacher_step_decay_epochs local epochs (the code's StepLR, gamma 0.85
-      in its README commands; the paper gives no schedule; 1: none).
-    teacher_step_decay_epochs: see teacher_step_decay (the code's 3).
-    teacher_round_decay: the teacher's step size is multiplied by it every
-      round (the code's FEMNIST script, 0.99; 1: none).
-    student_lr: learning rate of the student's SGD.
-    student_round_decay: the student's learning rate is multiplied by it
-      every round (the code's FEMNIST script: 0.99, 0.995 with distillation
-      at the server; 1: none).
-    student_momentum: heavy-ball momentum of the student's SGD (0: plain).
-    student_weight_decay: the student's prior (L2) term, added to its
-      gradient as `student_weight_decay * w` (the code's 1e-4).
-    student_minibatch: what the student learns on, one of
-      `fedppd_local.STUDENT_MINIBATCHES` (`fedppd_local.minibatch_stream`): "fresh"
-      (the supplement's Algorithm 1), "same" (the teacher's minibatch) or
-      "alternate_epochs" (the authors' code).
-    input_noise_std: standard deviation of the Gaussian noise added to the
-      minibatch the teacher labels and the student learns from.
-    epochs: local epochs; the client's dataset repeats this many times, so N
-      (the number of examples of the likelihood) is its size / epochs.
-    max_update_norm: larger updates (teacher and student) are rejected
-      (`client_work.reject_bad_update`); 0: no limit.
-    seed: the run's seed, from which every client's noise is drawn.
-  """
-
-  teacher_step_size: float = setting(4e-4, above=0)
-  temperature: float = setting(1.0, at_least=0)
-  sgld_scaling: str = setting("posterior", choices=fedppd_local.SGLD_SCALINGS)
-  prior_precision: float = setting(0.0, at_least=0)
-  teacher_weight_decay: float = setting(1e-4, at_least=0)
-  teacher_step_decay: float = setting(0.85, above=0)
-  teacher_step_decay_epochs: int = setting(3, above=0)
-  teacher_round_decay: float = setting(0.99, above=0)
-  student_lr: float = setting(0.05, above=0)
-  student_round_decay: float = setting(0.99, above=0)
-  student_momentum: float = setting(0.0, at_least=0)
-  student_weight_decay: float = setting(1e-4, at_least=0)
-  student_minibatch: str = setting("fresh", choices=fedppd_local.STUDENT_MINIBATCHES)
-  input_noise_std: float = setting(0.001, at_least=0)
-  epochs: int = setting(1, above=0)
-  max_update_norm: float = setting(0.0, at_least=0)
-  seed: int = 0
-
-  def __post_init__(self):
-    settings.check(self)
 
 
 def join(teacher: ModelWeights, student: ModelWeights) -> ModelWeights:
@@ -177,7 +113,7 @@ def train_teacher_student(
   initial_weights: ModelWeights,
   dataset: tf.data.Dataset,
   round_num,
-  config: PosteriorConfig,
+  config: fedppd_local.PosteriorConfig,
 ):
   """FedPPD's client update (Bhatt et al., supplement, Algorithm 1).
 
@@ -195,7 +131,7 @@ def train_teacher_student(
     dataset: batches `(x, y)`, repeated `config.epochs` times.
     round_num: the 0-based round (seeds the noise with the client's data,
       sets the round's step sizes).
-    config: `PosteriorConfig`.
+    config: `fedppd_local.PosteriorConfig`.
 
   Returns:
     `(ClientResult(update=initial - final joined weights, update_weight=N),
@@ -339,7 +275,7 @@ def build_client_work(
   teacher_fn: Callable[[], tf.keras.Model],
   student_fn: Callable[[], tf.keras.Model],
   element_spec,
-  config: PosteriorConfig,
+  config: fedppd_local.PosteriorConfig,
   weights_type: tff.Type,
 ) -> client_work_lib.ClientWork:
   """FedPPD's client-work stage: `train_teacher_student` at every client.
@@ -370,11 +306,11 @@ def build_client_work(
   return client_work_lib.build_round_client_work(client_update, round_number, finalize)
 
 
-def built_fedppd(process, client_work, teacher_fn) -> federated_algorithm.BuiltProcess:
+def built_fedppd(process, client_work, teacher_fn) -> built_lib.BuiltProcess:
   """The `BuiltProcess` of FedPPD or FedPPD+Distill, whose model is `join(teacher, student)`:
   the model it evaluates is the student, the global PPD model."""
   sizes = count_teacher_tensors(teacher_fn)
-  return federated_algorithm.built_from_client_work(
+  return built_lib.built_from_client_work(
     process, client_work, lambda state: [split(process.get_model_weights(state), sizes)[1]]
   )
 
@@ -383,10 +319,10 @@ def build_fedppd(
   teacher_fn: Callable[[], tf.keras.Model],
   student_fn: Callable[[], tf.keras.Model],
   element_spec,
-  config: PosteriorConfig,
+  config: fedppd_local.PosteriorConfig,
   *,
   aggregator_factory: (tff.aggregators.WeightedAggregationFactory | None) = None,
-) -> federated_algorithm.BuiltProcess:
+) -> built_lib.BuiltProcess:
   """Builds FedPPD: FedAvg's stages with `build_client_work`'s client work.
 
   The server averages the clients' students and teachers (weighted by their
@@ -403,7 +339,7 @@ def build_fedppd(
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
     factory.create(weights_type, tff.TensorType(np.float32)),
-    fedavg.build_finalizer(fedavg.build_server_optimizer(), weights_type),
+    server_optimizer.build_finalizer(server_optimizer.build_server_optimizer(), weights_type),
   )
   return built_fedppd(process, client_work, teacher_fn)
 
@@ -416,3 +352,60 @@ def build_initial_weights_fn(teacher_fn, student_fn) -> tff.Computation:
     return join(ModelWeights.from_model(teacher_fn()), ModelWeights.from_model(student_fn()))
 
   return initial_weights
+
+
+@settings.group
+class Settings:
+  """FedPPD's student network."""
+
+  student_model: str = setting(
+    "",
+    "FedPPD: the student (default: the task's for --model, FEMNIST's cnn_ppd_student for cnn;"
+    " else --model).",
+  )
+
+
+def student_name(task, model: str, own: Settings) -> str:
+  """The student's architecture: `own.student_model`, else the task's for `model`."""
+  return own.student_model or getattr(task, "STUDENT_MODELS", {}).get(model, model)
+
+
+def student_fn(context: algorithm.BuildContext):
+  """Builds FedPPD's student for the run of `context`, from its own seed."""
+  name = student_name(context.task, context.model, context.group(Settings))
+  return lambda: context.build_model(name, context.seed + 7919)
+
+
+def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
+  student = student_fn(context)
+  built = build_fedppd(
+    lambda: context.model_fn(0),
+    student,
+    context.element_spec,
+    context.group(fedppd_local.PosteriorConfig),
+    aggregator_factory=context.dp.aggregator_factory() if context.dp else None,
+  )
+  return algorithm.FederatedAlgorithm.of("fedppd", built, context, evaluation_model_fn=student)
+
+
+def validate(config) -> None:
+  """The student is one of the task's models."""
+  task = tasks.get_task(config.task, config.classes)
+  name = student_name(task, config.model, settings.resolve(Settings, config))
+  if name not in task.MODEL_NAMES:
+    raise settings.SettingError(
+      "student_model",
+      config.student_model,
+      f"choose one of {', '.join(task.MODEL_NAMES)} (the models of task {config.task})",
+    )
+
+
+ALGORITHM = algorithm.Algorithm(
+  "fedppd",
+  "FedPPD (Bhatt et al. 2023): SGLD teachers, a student learns their predictive distribution "
+  "online",
+  build,
+  settings=(fedppd_local.PosteriorConfig, Settings),
+  validate=validate,
+  dp=True,
+)

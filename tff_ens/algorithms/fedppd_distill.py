@@ -5,16 +5,23 @@ students, and optionally their teachers, as FedBE does, in the driver
 (`server_step.DriverProcess`).
 """
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import settings
+from tff_ens.algorithms import algorithm
+from tff_ens.algorithms import fedbe
 from tff_ens.algorithms import fedppd
-from tff_ens.algorithms import server_distillation
+from tff_ens.math import fedppd_local
+from tff_ens.math import weight_posterior
 from tff_ens.server import server_data as server_data_lib
-from tff_ens.templates import federated_algorithm
+from tff_ens.settings import setting
+from tff_ens.templates import built as built_lib
+from tff_ens.templates import server_distillation
 from tff_ens.templates import server_step
 
 
@@ -31,10 +38,6 @@ class FedPPDDistillStep:
     self._teacher_sizes = teacher_sizes
     self._student_step = student_step
     self._teacher_step = teacher_step
-
-  @property
-  def device(self):
-    return self._student_step.device
 
   def __call__(self, global_weights, collected, round_num: int):
     updates, weights = collected
@@ -53,7 +56,9 @@ class FedPPDDistillStep:
       teacher, teacher_measurements = self._teacher_step(
         global_teacher, (teacher_updates, weights), round_num
       )
-      measurements.update((f"teacher_{k}", v) for k, v in teacher_measurements.items())
+      measurements.update(
+        (f"teacher_{k}", v) for k, v in teacher_measurements.items() if k != "server_device"
+      )
     return fedppd.join(teacher, student), measurements
 
 
@@ -61,13 +66,13 @@ def build_fedppd_distill(
   teacher_fn: Callable[[], tf.keras.Model],
   student_fn: Callable[[], tf.keras.Model],
   element_spec,
-  config: fedppd.PosteriorConfig,
+  config: fedppd_local.PosteriorConfig,
   data: server_data_lib.ServerData,
   server_config: server_distillation.ServerDistillationConfig,
   *,
   clients_per_round: int,
   teacher_server_config: (server_distillation.ServerDistillationConfig | None) = None,
-) -> federated_algorithm.BuiltProcess:
+) -> built_lib.BuiltProcess:
   """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
 
   The clients' students are distilled into the global student on the
@@ -101,3 +106,58 @@ def build_fedppd_distill(
   return fedppd.built_fedppd(
     server_step.DriverProcess(initialize_fn, collect, step), client_work, teacher_fn
   )
+
+
+@settings.group
+class Settings:
+  """What FedPPD+Distill's server distills."""
+
+  distill_fedppd_teachers: bool = setting(
+    True,
+    "FedPPD+Distill: distill the clients' teachers too, as the authors' code does (about "
+    "twice the server step); False averages them.",
+  )
+
+
+def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
+  server_config = fedbe.server_config(context)
+  teacher_config = None
+  if context.group(Settings).distill_fedppd_teachers:
+    # The teachers' step draws its own samples.
+    teacher_config = dataclasses.replace(server_config, seed=server_config.seed + 1)
+  student = fedppd.student_fn(context)
+  built = build_fedppd_distill(
+    lambda: context.model_fn(0),
+    student,
+    context.element_spec,
+    context.group(fedppd_local.PosteriorConfig),
+    context.server_data,
+    server_config,
+    clients_per_round=context.clients_per_round,
+    teacher_server_config=teacher_config,
+  )
+  return algorithm.FederatedAlgorithm.of(
+    "fedppd_distill", built, context, evaluation_model_fn=student
+  )
+
+
+def validate(config) -> None:
+  fedppd.validate(config)
+  fedbe.validate(config)
+
+
+ALGORITHM = algorithm.Algorithm(
+  "fedppd_distill",
+  "FedPPD+Distill: the clients' students distilled into the global student by FedBE's server step",
+  build,
+  settings=(
+    fedppd_local.PosteriorConfig,
+    fedppd.Settings,
+    server_distillation.Settings,
+    weight_posterior.WeightPosterior,
+    fedbe.Settings,
+    Settings,
+  ),
+  validate=validate,
+  server_data=True,
+)

@@ -37,14 +37,14 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_ens.algorithms import server_distillation
 from tff_ens.math import drop_worst
 from tff_ens.server import distillation
 from tff_ens.server import server_data as server_data_lib
 from tff_ens.server import student as student_lib
+from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
-from tff_ens.templates import federated_algorithm
 from tff_ens.templates import keyed_stages
+from tff_ens.templates import server_distillation
 from tff_ens.templates import server_step
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -114,6 +114,7 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
   weights = tf.cast(weights, tf.float32)
   received = weights > 0
   val_x, val_y = validation
+  dropping = config.drop_worst is not None and config.drop_worst.enabled
   clients, client_weights, accuracies = [], [], []
   for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
     mine = tf.where(tf.logical_and(received, tf.equal(keys, p)))[:, 0]
@@ -121,11 +122,11 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
       server_distillation.client_models(global_p, unpack(tf.gather(packed, mine), global_p))
     )
     client_weights.append(tf.gather(weights, mine))
-    if config.drop_worst:
+    if dropping:
       accuracies.append(distillation.member_accuracies(model, clients[p], val_x, val_y))
-  if config.drop_worst:  # Over the whole cohort.
+  if dropping:  # Over the whole cohort.
     kept, informative = drop_worst.drop_worst_mask(
-      config.drop_worst_rule, tf.concat(accuracies, 0), val_y, models[0].output_shape[-1]
+      config.drop_worst.rule, tf.concat(accuracies, 0), val_y, models[0].output_shape[-1]
     )
     sizes = tf.stack([tf.shape(w)[0] for w in client_weights])
     keep = [tf.cast(k, tf.float32) for k in tf.split(kept, sizes)]
@@ -169,7 +170,6 @@ class PrototypeStep:
     self.names = tuple(names)
     self.data = data
     self.config = config
-    self.device = None  # Where the last step's ops ran.
     with tf.device(config.device):
       self._models = [fn() for fn in model_fns]
       self._students = [student_lib.Student(m, config.distill) for m in self._models]
@@ -212,10 +212,10 @@ class PrototypeStep:
         distillation.assign_weights(self._models[p], start_p)
         new_prototypes.append(start_p)
       accuracies = [s.validation_accuracy(*self._validation) for s in self._students]
-    self.device = server_step.placed_device(accuracies[0])
     measurements = collections.OrderedDict(
       (f"student_validation_accuracy_{name}", a) for name, a in zip(self.names, accuracies)
     )
+    measurements["server_device"] = server_step.placed_device(accuracies[0])
     measurements.update(
       student_validation_accuracy=accuracies[0],
       dropped_clients=(
@@ -309,7 +309,7 @@ def build_heterogeneous_feddf(
   config: server_distillation.ServerDistillationConfig,
   *,
   clients_per_round: int,
-) -> federated_algorithm.BuiltProcess:
+) -> built_lib.BuiltProcess:
   """Builds FedDF over P prototypes as a `server_step.DriverProcess`.
 
   `next(state, client_data, client_indices)`: client i (its fixed index in
@@ -382,7 +382,7 @@ def build_heterogeneous_feddf(
   download = tff.StructType(
     [("model", download_type), ("learning_rate", client_type.parameter.learning_rate)]
   )
-  return federated_algorithm.BuiltProcess(
+  return built_lib.BuiltProcess(
     server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities),
     download,
     client_type.result,

@@ -331,7 +331,7 @@ class ResidentState:
     state (`(state, metrics, client states)`), the tuple of them all.
     """
     if self._worker is None:
-      self._state, *results = _state_first(self._next(self.value, *args))
+      self._state, *results = state_first(self._next(self.value, *args))
       return results[0] if len(results) == 1 else tuple(results)
     parameter = self._compiled.type_signature.parameter
     clients = {len(a) for a, t in zip(args, list(parameter)[1:]) if _is_per_client(t)}
@@ -435,10 +435,10 @@ def _resident_bytes(pid: int) -> int:
 
 def state_and_metrics(output) -> tuple[Any, Any]:
   """`(state, metrics)` of an `IterativeProcess.next` or `LearningProcess.next`."""
-  return tuple(_state_first(output)[:2])
+  return tuple(state_first(output)[:2])
 
 
-def _state_first(output) -> tuple:
+def state_first(output) -> tuple:
   """The results of a process's `next`, the state first."""
   if hasattr(output, "state"):  # tff.learning's LearningProcessOutput.
     return output.state, output.metrics

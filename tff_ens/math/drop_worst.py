@@ -6,13 +6,44 @@ rules are the authors' code's (`_get_client_weights`) and this library's (`DROP_
 The validation accuracies come from `distillation.member_accuracies`.
 """
 
+import dataclasses
+
 import tensorflow as tf
+
+from tff_ens import settings
+from tff_ens.settings import setting
 
 DROP_WORST_RULES = ("guess_or_outliers", "majority")
 # FedDF's code: a model below this many times 1/C is worse than guessing, and
 # one below mean - OUTLIER_STDS std of the others' accuracies is an outlier.
 RANDOM_GUESS_FACTOR = 1.2
 OUTLIER_STDS = 1.5
+
+
+@dataclasses.dataclass(frozen=True)
+class DropWorst:
+  """FedDF's drop-worst (the `--drop_worst*` flags).
+
+  Attributes:
+    enabled: leave out the client models that are dummy predictors on server validation.
+    rule: which are, one of DROP_WORST_RULES (`drop_worst_mask`).
+  """
+
+  enabled: bool = setting(
+    True,
+    "FedDF: leave out client models at chance level on server validation.",
+    flag="drop_worst",
+  )
+  rule: str = setting(
+    "guess_or_outliers",
+    "FedDF's drop-worst: below 1.2/C, else low outliers (mean - 1.5 std; the authors' code), "
+    "or at most the majority-class rate (majority).",
+    flag="drop_worst_rule",
+    choices=DROP_WORST_RULES,
+  )
+
+  def __post_init__(self):
+    settings.check(self)
 
 
 def chance_accuracy(y, num_classes: int):

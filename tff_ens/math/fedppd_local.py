@@ -23,7 +23,12 @@ FEMNIST, T = 0.1 kept the teacher on the initial plateau five rounds longer
 than FedAvg, T = 0.01 did not (benchmarks/RESULTS.md, FedPPD).
 """
 
+import dataclasses
+
 import tensorflow as tf
+
+from tff_ens import settings
+from tff_ens.settings import setting
 
 # What the student learns on (`minibatch_stream`).
 STUDENT_MINIBATCHES = ("fresh", "same", "alternate_epochs")
@@ -34,6 +39,118 @@ SGLD_SCALINGS = ("posterior", "authors")
 TEACHER, STUDENT, BOTH = 0, 1, 2
 # The authors' noise is that of T = AUTHORS_NOISE / N (lib/sgld_optim.py).
 AUTHORS_NOISE = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PosteriorConfig:
+  """Hyperparameters of FedPPD's client update.
+
+  Attributes:
+    teacher_step_size: with sgld_scaling "posterior", eps of SGLD (the noise
+      variance at T = 1); with "authors", the step size on the minibatch's
+      mean loss (the code's `teach_lr`; eps = it / N).
+    temperature: T; the SGLD noise variance is eps * T. With sgld_scaling
+      "authors", relative to the authors' noise (1: theirs).
+    sgld_scaling: "posterior" (Welling & Teh, as the supplement's SGLD) or
+      "authors" (lib/sgld_optim.py); see `chain_parameters`.
+    prior_precision: lambda of the teacher's N(0, 1/lambda) weight prior
+      (0: none besides teacher_weight_decay, as in the authors' code).
+    teacher_weight_decay: wd added to the gradient of the teacher's mean loss
+      as wd * w, i.e. a prior precision of N * wd (the code's 1e-4; the
+      paper gives none).
+    teacher_step_decay: the teacher's step size is multiplied by it every
+      teacher_step_decay_epochs local epochs (the code's StepLR, gamma 0.85
+      in its README commands; the paper gives no schedule; 1: none).
+    teacher_step_decay_epochs: see teacher_step_decay (the code's 3).
+    teacher_round_decay: the teacher's step size is multiplied by it every
+      round (the code's FEMNIST script, 0.99; 1: none).
+    student_lr: learning rate of the student's SGD.
+    student_round_decay: the student's learning rate is multiplied by it
+      every round (the code's FEMNIST script: 0.99, 0.995 with distillation
+      at the server; 1: none).
+    student_momentum: heavy-ball momentum of the student's SGD (0: plain).
+    student_weight_decay: the student's prior (L2) term, added to its
+      gradient as `student_weight_decay * w` (the code's 1e-4).
+    student_minibatch: what the student learns on, one of
+      `STUDENT_MINIBATCHES` (`minibatch_stream`): "fresh"
+      (the supplement's Algorithm 1), "same" (the teacher's minibatch) or
+      "alternate_epochs" (the authors' code).
+    input_noise_std: standard deviation of the Gaussian noise added to the
+      minibatch the teacher labels and the student learns from.
+    epochs: local epochs; the client's dataset repeats this many times, so N
+      (the number of examples of the likelihood) is its size / epochs.
+    max_update_norm: larger updates (teacher and student) are rejected
+      (`client_work.reject_bad_update`); 0: no limit.
+    seed: the run's seed, from which every client's noise is drawn.
+  """
+
+  teacher_step_size: float = setting(
+    0.0004,
+    "FedPPD: SGLD step size eps of the teacher (noise variance eps * --sgld_temperature; like"
+    " SGD at rate eps*N/2).",
+    flag="teacher_lr",
+    above=0,
+  )
+  temperature: float = setting(
+    1.0,
+    "FedPPD: posterior temperature T of SGLD (1: exact; the authors' code adds noise as T = "
+    "4/N would, about 0.03 for a FEMNIST writer).",
+    flag="sgld_temperature",
+    at_least=0,
+  )
+  sgld_scaling: str = setting(
+    "posterior",
+    "FedPPD: units of --teacher_lr/--sgld_temperature: posterior (eps, T; the paper) or "
+    "authors (lr on the mean loss; T=1 is their noise 2 sqrt(lr)/N).",
+    choices=SGLD_SCALINGS,
+  )
+  prior_precision: float = setting(
+    0.0,
+    "FedPPD: precision of the teacher's Gaussian weight prior beyond --teacher_weight_decay "
+    "(0: that only, as the authors' code).",
+    at_least=0,
+  )
+  teacher_weight_decay: float = setting(
+    0.0001,
+    "FedPPD: wd*w added to the teacher's mean-loss gradient (prior precision N*wd; the "
+    "authors' code, the paper gives none).",
+    at_least=0,
+  )
+  teacher_step_decay: float = setting(
+    0.85,
+    "FedPPD: teacher step size times this every --teacher_step_decay_epochs local epochs (the"
+    " authors' StepLR; 1: off).",
+    above=0,
+  )
+  teacher_step_decay_epochs: int = setting(
+    3, "FedPPD: local epochs between teacher step decays (the authors' code: 3).", above=0
+  )
+  teacher_round_decay: float = setting(
+    0.99,
+    "FedPPD: teacher step size times this each round (the authors' FEMNIST script; 1: off).",
+    above=0,
+  )
+  student_lr: float = setting(0.05, "FedPPD: student SGD learning rate.", above=0)
+  student_round_decay: float = setting(
+    0.99,
+    "FedPPD: student learning rate times this each round (the authors' code; 1: off).",
+    above=0,
+  )
+  student_momentum: float = setting(0.0, "FedPPD: student SGD momentum.", at_least=0)
+  student_weight_decay: float = setting(0.0001, "FedPPD: the student's L2 prior term.", at_least=0)
+  student_minibatch: str = setting(
+    "fresh",
+    "FedPPD: the student's minibatch: fresh after each SGLD step (the supplement's Alg. 1), "
+    "the teacher's (same), or alternate_epochs (authors).",
+    choices=STUDENT_MINIBATCHES,
+  )
+  input_noise_std: float = setting(0.001, flag=None, at_least=0)
+  epochs: int = setting(1, uses="client_epochs", above=0)
+  max_update_norm: float = setting(0.0, uses="max_update_norm", at_least=0)
+  seed: int = setting(0, uses="seed")
+
+  def __post_init__(self):
+    settings.check(self)
 
 
 def sgld_step(weights, gradients, step_size, temperature, seed):

@@ -27,14 +27,84 @@ the models along a leading dimension. Randomness is stateless: the same seed
 gives the same samples.
 """
 
+import dataclasses
+
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import settings
+from tff_ens.settings import setting
+
 ModelWeights = tff.learning.models.ModelWeights
 
+DISTRIBUTIONS = ("gaussian", "dirichlet")
 TARGETS = ("A", "S", "S+A", "A+C", "S+C", "S+A+C")
 GAUSSIANS = ("paper", "code")
 DIRICHLETS = ("paper", "code", "proportional")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPosterior:
+  """FedBE's distribution over global models and its teachers (the `--fedbe_*` flags).
+
+  Attributes:
+    distribution: "gaussian" (eq. 5) or "dirichlet" (eq. 7).
+    num_samples: M, models sampled from it.
+    targets: the teachers, one of TARGETS (A average, C clients, S samples; Table 3).
+    dirichlet_alpha: the Dirichlet's alpha (eq. 7).
+    gaussian: the Gaussian's fit, one of GAUSSIANS (`fit_gaussian_to_updates`).
+    gaussian_var_scale, gaussian_var_clamp: the "code" Gaussian's std scale and least
+      variance (`normalized_update_gaussian`).
+    dirichlet: the Dirichlet, one of DIRICHLETS (`sample_dirichlet_coefficients`).
+  """
+
+  distribution: str = setting(
+    "gaussian",
+    "FedBE: distribution over global models (eq. 5 / eq. 7).",
+    flag="fedbe_distribution",
+    choices=DISTRIBUTIONS,
+  )
+  num_samples: int = setting(10, "FedBE: M, models sampled.", flag="fedbe_samples", at_least=0)
+  targets: str = setting(
+    "S+A+C",
+    "FedBE: teachers (A average, C clients, S samples; Table 3).",
+    flag="fedbe_targets",
+    choices=TARGETS,
+  )
+  dirichlet_alpha: float = setting(1.0, "FedBE: Dirichlet alpha (eq. 7).", above=0)
+  gaussian: str = setting(
+    "paper",
+    "FedBE's Gaussian: paper (eq. 5, moments of the client models) or code (the authors' "
+    "swag.py: unit-norm updates, std x var_scale x mean norm).",
+    flag="fedbe_gaussian",
+    choices=GAUSSIANS,
+  )
+  gaussian_var_scale: float = setting(
+    0.1,
+    "FedBE, --fedbe_gaussian=code: std scale (the authors' code's 0.1; not in the paper).",
+    flag="fedbe_var_scale",
+    above=0,
+  )
+  gaussian_var_clamp: float = setting(
+    1e-05,
+    "FedBE, --fedbe_gaussian=code: least variance of the unit updates (the authors' code's 1e-5).",
+    flag="fedbe_var_clamp",
+    at_least=0,
+  )
+  dirichlet: str = setting(
+    "paper",
+    "FedBE's Dirichlet: paper (eq. 7, Dir(alpha) reweighted by |D_i|), code (the authors' "
+    "symmetric Dir(alpha)) or proportional (Dir(alpha N p)).",
+    flag="fedbe_dirichlet",
+    choices=DIRICHLETS,
+  )
+
+  def __post_init__(self):
+    settings.check(self)
+    if self.num_samples < 1 and "S" in self.targets:
+      raise settings.SettingError(
+        "num_samples", self.num_samples, f"must be >= 1 for targets {self.targets}"
+      )
 
 
 def _check_choice(name: str, value: str, allowed):

@@ -43,11 +43,32 @@ class ActiveLearningConfig:
     rounds: the run's rounds.
   """
 
-  phases: int = setting(0, at_least=0)
-  budget: int = setting(10, above=0)
-  initial_fraction: float = setting(0.1, above=0, at_most=1)
-  selection: str = setting("entropy", choices=SELECTIONS)
-  rounds: int = setting(100, above=0)
+  phases: int = setting(
+    0,
+    "Active learning: A acquisitions after A+1 equal phases of --rounds (0: off).",
+    flag="active_learning_rounds",
+    at_least=0,
+  )
+  budget: int = setting(
+    10,
+    "Active learning: inputs each client annotates per acquisition.",
+    flag="active_budget",
+    above=0,
+  )
+  initial_fraction: float = setting(
+    0.1,
+    "Active learning: labeled part of each client's data at the start.",
+    flag="active_initial_fraction",
+    above=0,
+    at_most=1,
+  )
+  selection: str = setting(
+    "entropy",
+    "Active learning: annotate the highest predictive entropy, or at random (the baseline).",
+    flag="active_selection",
+    choices=SELECTIONS,
+  )
+  rounds: int = setting(100, uses="rounds", above=0)
 
   def __post_init__(self):
     settings.check(self)

@@ -1,12 +1,13 @@
 """State that a client keeps between its rounds, stored for the simulation.
 
-FedDyn's clients each keep a model-sized state g (Acar et al., ICLR 2021,
-Algorithm 1, line 8); with Fed-ensemble, one per model. On devices it stays on
-the device. In simulation it has to outlive the round, the Python process and
-a resume, and for 105 FEMNIST writers and five LEAF CNNs it is 105 x 5 x 26 MB
+An algorithm declares what its clients keep (`algorithms.algorithm.ClientStates`): FedDyn's
+clients a model-sized state g (Acar et al., ICLR 2021, Algorithm 1, line 8), with
+Fed-ensemble one per model (the state's key); Ditto's clients their personal model. On
+devices it stays on the device. In simulation it has to outlive the round, the Python
+process and a resume, and for 105 FEMNIST writers and five LEAF CNNs it is 105 x 5 x 26 MB
 = 13.7 GB, more than this machine can keep in memory next to TFF's worker. So
 `ClientStateStore` keeps it on disk, in the run's directory: one `.npy` file
-per (client, model, round it was written), written to a temporary name and
+per (client, key, round it was written), written to a temporary name and
 renamed, so a killed run never leaves half a file.
 
 A resumed run restarts at its last checkpoint, so states written after that
@@ -16,7 +17,6 @@ no resume can need (all but the newest at or before the checkpoint).
 """
 
 import collections
-import dataclasses
 import os
 import re
 
@@ -30,27 +30,11 @@ class ClientStateError(RuntimeError):
   """A stored client state cannot be read."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ClientStateSpec:
-  """What an algorithm's clients keep between rounds.
-
-  Attributes:
-    shape, dtype: a client's state (zeros before its first round), one per model it
-      trains (`federated_algorithm.FederatedAlgorithm.client_models`).
-  """
-
-  shape: tuple[int, ...]
-  dtype: np.dtype
-
-  def zeros(self) -> np.ndarray:
-    """A client's state before its first round."""
-    return np.zeros(self.shape, self.dtype)
-
-
 class ClientStateStore:
   """The clients' states of one run, on disk under `directory`."""
 
-  def __init__(self, directory: str, spec: ClientStateSpec):
+  def __init__(self, directory: str, spec):
+    """`spec`: what a client keeps (its `shape`, `dtype` and `initial_value()`)."""
     self._dir = directory
     self._spec = spec
     os.makedirs(directory, exist_ok=True)
@@ -69,11 +53,15 @@ class ClientStateStore:
   def _path(self, client: int, model: int, round_num: int) -> str:
     return os.path.join(self._dir, f"client{client:06d}_model{model:03d}_round{round_num:07d}.npy")
 
+  def stored(self, client: int, model: int) -> bool:
+    """Whether (client, model) has a stored state (it trained in a round since the start)."""
+    return bool(self._rounds.get((client, model)))
+
   def load(self, client: int, model: int) -> np.ndarray:
-    """The newest state of (client, model); zeros if it has none yet."""
+    """The newest state of (client, model); its initial value if it has none yet."""
     rounds = self._rounds.get((client, model))
     if not rounds:
-      return self._spec.zeros()
+      return self._spec.initial_value()
     path = self._path(client, model, rounds[-1])
     try:
       stored = np.load(path)
@@ -84,7 +72,7 @@ class ClientStateStore:
         "again in a new --output_dir"
       ) from None
     spec = self._spec
-    if stored.shape != spec.shape or stored.dtype != spec.dtype:
+    if stored.shape != tuple(spec.shape) or stored.dtype != spec.dtype:
       raise ClientStateError(
         f"client state {path} holds {stored.dtype}{list(stored.shape)}, the "
         f"model needs {spec.dtype}{list(spec.shape)}: it was "

@@ -30,10 +30,11 @@ import numpy as np
 import tensorflow as tf
 
 from export import device_training
+from export import trainable
+from tff_ens.program import experiment
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICE_PYTHON = os.path.join(REPO_ROOT, "device", ".venv", "bin", "python")
-CLIENT_RUNTIMES = ("tff", "litert")
 # The run's trainable file, in its output directory.
 TRAINABLE_FILE = "trainable.tflite"
 
@@ -170,3 +171,24 @@ def result_dataset(trained: list[np.ndarray], loss: float, correct: float, num_e
       num_examples=np.float32(num_examples),
     )
   )
+
+
+def write_trainable_file(config, task, output_dir: str) -> str:
+  """The run's model as a `--format=trainable` file (`export.trainable`) with its client
+  learning rate and momentum, for `--client_runtime=litert`, in `output_dir`; its path.
+
+  Raises:
+    UsageError: the model does not convert (the message names the layer).
+  """
+  model = task.build_model(config.model, seed=config.seed, norm=config.norm)
+  try:
+    flatbuffer = trainable.convert_trainable(
+      model, learning_rate=config.client_lr, momentum=config.client_momentum
+    )
+  except ValueError as e:
+    raise experiment.UsageError(f"--client_runtime=litert: {e}") from None
+  path = os.path.join(output_dir, TRAINABLE_FILE)
+  with open(f"{path}.tmp", "wb") as f:
+    f.write(flatbuffer)
+  os.replace(f"{path}.tmp", path)
+  return path

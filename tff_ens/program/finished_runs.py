@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tff_ens import algorithms
 from tff_ens import run_files
+from tff_ens import settings
 from tff_ens.program import experiment
 
 # Flags that change where or how a run executes, not what it computes; seed
@@ -30,71 +31,23 @@ _UNSHOWN_FLAGS = (
   "resume",
   "server_device",
   "device_processes",
+  "stop_grace_seconds",
   "seed",
   "rounds",
 )
-_FEDENSEMBLE_FLAGS = (
-  "ensemble_size",
-  "assignment",
-  "member_average",
-  "local_objective",
-  "feddyn_alpha",
-  "personalization_temperature",
-)
-_DISTILLATION_FLAGS = (
-  "server_data",
-  "distill_steps",
-  "distill_batch_size",
-  "swa",
-  "fedbe_distribution",
-  "fedbe_samples",
-  "fedbe_targets",
-  "dirichlet_alpha",
-  "fedbe_gaussian",
-  "fedbe_var_scale",
-  "fedbe_var_clamp",
-  "fedbe_dirichlet",
-  "sharpen_temperature",
-  "swa_warmup_fraction",
-  "drop_worst",
-  "drop_worst_rule",
-  "prototypes",
-  "distill_patience",
-  "distill_eval_every",
-  "distill_min_improvement",
-  "distill_keep_initial",
-  "distill_clip_norm",
-)
-_FEDPPD_FLAGS = (
-  "student_model",
-  "teacher_lr",
-  "sgld_temperature",
-  "prior_precision",
-  "student_lr",
-  "student_momentum",
-  "student_weight_decay",
-  "sgld_scaling",
-  "teacher_weight_decay",
-  "teacher_step_decay",
-  "teacher_step_decay_epochs",
-  "teacher_round_decay",
-  "student_round_decay",
-  "student_minibatch",
-  "distill_fedppd_teachers",
-)
-# Flags only some algorithms read: shown for those only.
-_ALGORITHM_FLAGS = {
-  "proximal_mu": ("fedprox", "fedensemble"),
-  "server_momentum": ("fedavgm",),
-  "server_epsilon": ("fedadam",),
-  "server_lr": tuple(n for n, s in algorithms.REGISTRY.items() if s.server_learning_rate),
-  **dict.fromkeys(_FEDENSEMBLE_FLAGS, ("fedensemble",)),
-  **dict.fromkeys(_DISTILLATION_FLAGS, algorithms.SERVER_DATA_ALGORITHMS),
-  **dict.fromkeys(_FEDPPD_FLAGS, algorithms.FEDPPD_METHODS),
-}
-# Flags that define an algorithm's variant: shown even at their default.
-_VARIANT_FLAGS = {"fedensemble": ("ensemble_size", "local_objective"), "fedbe": ("fedbe_targets",)}
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(experiment.ExperimentConfig)}
+_FIELDS = {f.name: f for f in dataclasses.fields(experiment.ExperimentConfig)}
+_DEFAULTS = {name: field.default for name, field in _FIELDS.items()}
+
+
+def _reads(spec, flag: str) -> bool:
+  """Whether the algorithm `spec` reads `flag`: a flag every run has, or one of its settings
+  groups' (True for an algorithm or a flag this version does not know)."""
+  if spec is None or flag not in _FIELDS:
+    return True
+  group = settings.group_of(_FIELDS[flag])
+  return group in experiment.COMMON_GROUPS or group in spec.settings
+
+
 # What every run's summary.json holds (`config` with its algorithm).
 _SUMMARY_KEYS = ("config", "seed", "rounds", "test_accuracy")
 
@@ -134,7 +87,8 @@ class Run:
     and rounds: those that differ from their default and that its algorithm
     reads, and those naming its variant (e.g. Fed-ensemble's K)."""
     algorithm = self.config["algorithm"]
-    variant = _VARIANT_FLAGS.get(algorithm, ())
+    spec = algorithms.REGISTRY.get(algorithm)
+    variant = spec.variant_flags if spec is not None else ()
     # In the order of `ExperimentConfig`, then flags it does not know.
     order = list(_DEFAULTS) + sorted(set(self.config) - set(_DEFAULTS))
     return " ".join(
@@ -143,7 +97,7 @@ class Run:
       if k in self.config
       and k not in _UNSHOWN_FLAGS
       and k != "algorithm"
-      and algorithm in _ALGORITHM_FLAGS.get(k, (algorithm,))
+      and _reads(spec, k)
       and (k in variant or k not in _DEFAULTS or self.config[k] != _DEFAULTS[k])
     )
 

@@ -15,7 +15,6 @@ import sys
 
 import numpy as np
 
-from tff_ens import algorithms
 from tff_ens import run_files
 from tff_ens.math import ensemble_math
 from tff_ens.math import evaluation
@@ -122,9 +121,15 @@ def progress(config: experiment.ExperimentConfig, start_round: int):
     )
 
 
-def write_summary(config, data, algorithm, state, outputs, evaluator, teacher_test=None, pool=None):
+def write_summary(run, data, algorithm, state, outputs, evaluator, last, pool=None, store=None):
   """The run's summary of its final `state`: saves the model(s), `per_client_accuracy.json` and
-  `summary.json`, and returns the summary."""
+  `summary.json`, and returns the summary.
+
+  `last` is the loop's record of the last round (its teachers and their predictions); `store`
+  the clients' own states, if they keep any.
+  """
+  config = run.config
+  teacher_test = last.teacher_test
   models = algorithm.models_fn(state)
   # Each split predicted once (FEMNIST's shift split is its new clients).
   predicted = {}
@@ -143,16 +148,17 @@ def write_summary(config, data, algorithm, state, outputs, evaluator, teacher_te
       )
     )
   rows = outputs.metrics_rows()
-  if config.algorithm in algorithms.SERVER_DATA_ALGORITHMS:
-    summary.update(
-      server_distillation_summary(data, rows, summary, teacher_test, algorithm.server_device())
-    )
-  if config.dp_config() is not None:
-    summary.update(privacy_summary(config, rows, len(data.train.client_ids)))
+  if run.algorithm.server_data:
+    device = last.teachers.device if last.teachers is not None else None
+    summary.update(server_distillation_summary(data, rows, summary, teacher_test, device))
+  if run.dp is not None:
+    summary.update(privacy_summary(run, rows, len(data.train.client_ids)))
   if algorithm.prototypes_fn is not None:
     summary["prototype_test_accuracy"] = prototype_accuracies(
       algorithm.prototypes_fn(state), data.test, outputs.dir
     )
+  if store is not None and algorithm.client_states.model is not None:
+    summary.update(personalized_summary(algorithm, models, store, data, evaluator))
   summary.update(uncertainty_summary(config, data, member_probabilities, outputs.dir, teacher_test))
   new_clients = evaluator.summary(
     models, data.new_clients, prefix="new", member_probs=member_probabilities(data.new_clients)
@@ -244,16 +250,16 @@ def uncertainty_summary(config, data, member_probabilities, output_dir: str, tea
   return summary
 
 
-def privacy_summary(config, rows, num_clients: int) -> dict:
+def privacy_summary(run, rows, num_clients: int) -> dict:
   """DP keys: epsilon at delta after all rounds (None without noise), z, C.
 
   `dp_clip_norm` is the fixed clip, or the adaptive clip after the last round
   (`dp_clipping` says which).
   """
+  config, dp = run.config, run.dp
   clips = [float(r["dp_clip_norm"]) for r in rows if r.get("dp_clip_norm")]
-  dp = config.dp_config()
   noised = dp.noise_multiplier > 0
-  delta = config.dp_delta(num_clients) if noised else None
+  delta = dp.delta(num_clients) if noised else None
   return {
     "dp_epsilon": float(
       privacy.epsilons(
@@ -303,7 +309,7 @@ def test_accuracy(data, probabilities) -> float:
 
 
 def teacher_round_accuracies(data, predictions) -> dict:
-  """metrics.csv's view of a round's teachers (`FederatedAlgorithm.teacher_fn`'s
+  """metrics.csv's view of a round's teachers (`server_step.RoundTeachers.predict`'s
   `predictions` on the test split first): `teachers_test_accuracy` and, where the step
   reports it, `average_test_accuracy` of the clients' weight average."""
   row = {"teachers_test_accuracy": test_accuracy(data, predictions["probabilities"])}
@@ -323,3 +329,31 @@ def prototype_accuracies(prototypes, split, output_dir: str) -> dict[str, float]
       os.path.join(output_dir, run_files.PROTOTYPES_DIR, f"{name}.keras"), evaluator.model, weights
     )
   return accuracies
+
+
+def personalized_summary(algorithm, models, store, data, evaluator) -> dict:
+  """Each training writer's own model (`ClientStates.model`: Ditto's personal model,
+  LG-FedAvg's local layers under the global ones) on its own test examples; a writer that
+  never trained has none and is predicted by the global model. Keys: `personalized_accuracy`
+  (the mean over writers), `personalized_test_accuracy` and `personalized_test_loss` (over
+  the examples), `clients_with_own_model` and `clients_without_own_model`."""
+  index = {c: i for i, c in enumerate(data.train.client_ids)}
+  probabilities, own = {}, 0
+  for c in data.test.client_ids:
+    weights = models[0]
+    if c in index and store.stored(index[c], 0):
+      weights = algorithm.client_states.model(store.load(index[c], 0), models)
+      own += 1
+    evaluation.assign_weights(evaluator.model, weights)
+    probabilities[c] = evaluation.predict_probabilities(evaluator.model, data.test.x[c])
+  pooled = metrics.classification_summary(probabilities, data.test.y, "personalized_test")
+  writers = [c for c in probabilities if len(data.test.y[c])]
+  return {
+    "personalized_accuracy": float(
+      np.mean([metrics.accuracy(probabilities[c], data.test.y[c]) for c in writers])
+    ),
+    "personalized_test_accuracy": pooled["personalized_test_accuracy"],
+    "personalized_test_loss": pooled["personalized_test_loss"],
+    "clients_with_own_model": own,
+    "clients_without_own_model": len(data.test.client_ids) - own,
+  }

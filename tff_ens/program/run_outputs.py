@@ -18,10 +18,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from export import trainable
 from tff_ens import run_files
 from tff_ens.math import evaluation
-from tff_ens.program import device_clients
 from tff_ens.program import experiment
 
 
@@ -203,23 +201,6 @@ class RunOutputs:
   def metrics_rows(self) -> list[dict]:
     with open(os.path.join(self.dir, run_files.METRICS_FILE)) as f:
       return list(csv.DictReader(f))
-
-  def write_trainable_file(self) -> str:
-    """The run's model as a `--format=trainable` file (`export.trainable`) with its client
-    learning rate and momentum, for `--client_runtime=litert`; its path."""
-    config = self._config
-    model = config.task_module().build_model(config.model, seed=config.seed, norm=config.norm)
-    try:
-      flatbuffer = trainable.convert_trainable(
-        model, learning_rate=config.client_lr, momentum=config.client_momentum
-      )
-    except ValueError as e:
-      raise experiment.UsageError(f"--client_runtime=litert: {e}") from None
-    path = os.path.join(self.dir, device_clients.TRAINABLE_FILE)
-    with open(f"{path}.tmp", "wb") as f:
-      f.write(flatbuffer)
-    os.replace(f"{path}.tmp", path)
-    return path
 
   def close(self):
     self._loop.close()

@@ -12,8 +12,6 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tff_ens.program import experiment
-
 
 def sample_clients(num_clients: int, cohort_size: int, seed: int, round_num: int) -> np.ndarray:
   """Indices of the clients of round `round_num`: a function of the seed only."""
@@ -98,25 +96,39 @@ class RoundPlan:
 
 
 def plan_round(
-  config: experiment.ExperimentConfig, sizes: np.ndarray, speeds: np.ndarray, round_num: int
+  cohort: np.ndarray,
+  sizes: np.ndarray,
+  speeds: np.ndarray,
+  round_num: int,
+  *,
+  seed: int,
+  epochs: int,
+  batch_size: int,
+  dropout_rate: float = 0.0,
+  straggler_rate: float = 0.0,
+  aggregate_first: int = 0,
+  nan_clients: int = 0,
 ) -> RoundPlan:
-  """The round's cohort and faults: a function of (seed, round) only.
+  """The round's faults for its sampled `cohort`: a function of (seed, round) only.
 
   Args:
-    config: the run's flags.
+    cohort: the clients of the round (`sample_clients`, or the algorithm's own).
     sizes: labeled training examples of every client.
     speeds: `client_speeds` of every client.
     round_num: the round, from 1.
+    seed: the run's seed.
+    epochs, batch_size: the clients' local training (their simulated durations).
+    dropout_rate, straggler_rate: `simulate_faults`.
+    aggregate_first: FedScale's over-commitment (`first_to_finish`); 0: every client.
+    nan_clients: this many reporting clients train on NaN inputs (fault injection).
   """
-  cohort = sample_clients(len(sizes), config.clients_per_round, config.seed, round_num)
-  seeds = np.random.default_rng([config.seed, round_num, 1]).integers(2**31, size=len(cohort))
-  reports, work = simulate_faults(
-    len(cohort), config.seed, round_num, config.dropout_rate, config.straggler_rate
-  )
-  batches = np.ceil(sizes[cohort] * config.client_epochs / config.batch_size)
-  kept = first_to_finish(work * batches / speeds[cohort], reports, config.aggregate_first)
+  cohort = np.asarray(cohort)
+  seeds = np.random.default_rng([seed, round_num, 1]).integers(2**31, size=len(cohort))
+  reports, work = simulate_faults(len(cohort), seed, round_num, dropout_rate, straggler_rate)
+  batches = np.ceil(sizes[cohort] * epochs / batch_size)
+  kept = first_to_finish(work * batches / speeds[cohort], reports, aggregate_first)
   poisoned = np.zeros_like(kept)
-  poisoned[np.flatnonzero(kept)[: config.nan_clients_per_round]] = True
+  poisoned[np.flatnonzero(kept)[:nan_clients]] = True
   return RoundPlan(
     cohort=cohort, seeds=seeds, reports=kept, work=work, late=reports & ~kept, poisoned=poisoned
   )

@@ -45,19 +45,14 @@ LOSSES = ("kl", "cross_entropy")
 LR_SCHEDULES = ("constant", "cyclical", "cosine")
 # Batch size of inference (teachers, validation): no gradients, so larger.
 EVAL_BATCH_SIZE = 512
-# FedBE's SWA warm-up as a fraction of the distillation budget: the paper's
-# 250 steps of the authors' code's budget, 20 epochs of 10,000 images in
-# batches of 128 (1,580 steps); their code itself starts after 500 steps.
-FEDBE_SWA_WARMUP_FRACTION = 250 / 1_580
-# FedDF's code clips the student's gradient to this global norm.
-FEDDF_CLIP_NORM = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
 class DistillationConfig:
   """Hyperparameters of the server's distillation (`student.distill`).
 
-  Use `fedbe_config` and `feddf_config` for the papers' settings.
+  `algorithms.fedbe.distillation_config` and `algorithms.feddf.distillation_config` give the
+  papers' settings.
 
   Attributes:
     num_steps: maximum number of mini-batch steps.
@@ -135,90 +130,6 @@ class DistillationConfig:
         f"must be >= {needed} for SWA, which averages the models at the end of each "
         f"{self.cycle_steps}-step cycle after {self.swa_warmup_steps} warm-up steps",
       )
-
-
-def fedbe_config(
-  num_steps: int,
-  *,
-  swa: bool = True,
-  batch_size: int = 128,
-  swa_warmup_fraction: float = FEDBE_SWA_WARMUP_FRACTION,
-  cycle_steps: int = 25,
-  curve_every: int = 0,
-) -> DistillationConfig:
-  """FedBE's distillation (Chen and Chao, Sec. 4, "distillation with SWA").
-
-  SGD with momentum 0.9 (the authors' code, `models/Update.py`), cross-entropy
-  to the pseudo-labels, SWA with a cyclical step size from 1e-3 down to 4e-4
-  per cycle. With `swa=False` (the paper's "w/o SWA" ablation): SGD at a
-  constant 1e-3, as the authors' code without SWA.
-
-  Args:
-    num_steps: the budget.
-    swa: see above.
-    batch_size: 128 is the authors' code's (`--server_bs`).
-    swa_warmup_fraction: SWA collects models after round(fraction *
-      num_steps) steps. The default is the paper's 250 steps of the authors'
-      budget of 1,580 (FEDBE_SWA_WARMUP_FRACTION); their code's 500 steps is
-      500 / 1,580. A fraction, not steps, so that shorter budgets keep the
-      paper's proportion of warm-up and still collect models.
-    cycle_steps: the SWA cycle (the paper's and the code's 25).
-    curve_every: see `DistillationConfig` (measurement only).
-  """
-  if not 0 <= swa_warmup_fraction < 1:
-    raise settings.SettingError("swa_warmup_fraction", swa_warmup_fraction, "must be in [0, 1)")
-  swa_warmup_steps = round(swa_warmup_fraction * num_steps)
-  return DistillationConfig(
-    num_steps=num_steps,
-    batch_size=batch_size,
-    optimizer="sgd",
-    learning_rate=1e-3,
-    min_learning_rate=4e-4,
-    lr_schedule="cyclical" if swa else "constant",
-    cycle_steps=cycle_steps,
-    momentum=0.9,
-    loss="cross_entropy",
-    swa=swa,
-    swa_warmup_steps=swa_warmup_steps,
-    curve_every=curve_every,
-  )
-
-
-def feddf_config(
-  num_steps: int = 10_000,
-  *,
-  batch_size: int = 128,
-  patience: int = 1_000,
-  eval_every: int = 100,
-  min_improvement: float = 0.0,
-  keep_initial_student: bool = False,
-  clip_norm: float = FEDDF_CLIP_NORM,
-) -> DistillationConfig:
-  """FedDF's distillation (Lin et al., Sec. 4, experimental setup).
-
-  Adam with step size 1e-3 annealed by a cosine schedule, AVGLOGITS KL, early
-  stopping on server validation accuracy (at most 1e4 steps, patience 1e3:
-  the paper's). Where the paper is silent, the authors' code
-  (`noise_knowledge_transfer.py`): batch 128, validation every 100 steps,
-  the best evaluated student returned (`keep_initial_student=False`),
-  gradients clipped to norm 5. `min_improvement` > 0
-  (`DistillationConfig`) is this library's option.
-  """
-  return DistillationConfig(
-    num_steps=num_steps,
-    batch_size=batch_size,
-    optimizer="adam",
-    learning_rate=1e-3,
-    lr_schedule="cosine",
-    momentum=0.0,
-    loss="kl",
-    swa=False,
-    eval_every=eval_every,
-    patience=patience,
-    min_improvement=min_improvement,
-    keep_initial_student=keep_initial_student,
-    clip_norm=clip_norm,
-  )
 
 
 # Targets and losses ----------------------------------------------------------

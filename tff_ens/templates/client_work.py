@@ -50,14 +50,29 @@ class LocalTrainingConfig:
       rejected (`reject_bad_update`); 0 accepts every finite update.
   """
 
-  learning_rate: float = setting(0.05, above=0)
-  optimizer: str = setting("sgd", choices=OPTIMIZERS)
-  momentum: float = setting(0.0, at_least=0)
-  weight_decay: float = setting(0.0, at_least=0)
-  proximal_mu: float = setting(0.0, at_least=0)
-  lr_schedule: str = setting("constant", choices=LR_SCHEDULES)
-  total_rounds: int = setting(1, above=0)
-  max_update_norm: float = setting(0.0, at_least=0)
+  learning_rate: float = setting(0.05, "Client learning rate.", flag="client_lr", above=0)
+  optimizer: str = setting(
+    "sgd",
+    "Client optimizer: SGD (with --client_momentum) or Adam (moments restarted every round; "
+    "the recipe of binarized models).",
+    flag="client_optimizer",
+    choices=OPTIMIZERS,
+  )
+  momentum: float = setting(0.0, "Client SGD momentum.", flag="client_momentum", at_least=0)
+  weight_decay: float = setting(0.0, "Client (coupled L2) weight decay.", at_least=0)
+  proximal_mu: float = setting(0.0, flag=None, at_least=0)
+  lr_schedule: str = setting(
+    "constant",
+    "Client learning rate: constant, or x0.1 at 30% and 60% of the rounds (step).",
+    choices=LR_SCHEDULES,
+  )
+  total_rounds: int = setting(100, uses="rounds", above=0)
+  max_update_norm: float = setting(
+    0.0,
+    "Reject a client update whose trainable weights moved by a larger L2 norm (counted in "
+    "rejected_updates); 0: no limit. NaN/Inf updates are always rejected.",
+    at_least=0,
+  )
 
   def __post_init__(self):
     settings.check(self)
@@ -133,6 +148,7 @@ def train_locally(
   learning_rate,
   config: LocalTrainingConfig,
   linear_term=None,
+  proximal_center=None,
 ):
   """Runs local SGD on `dataset` from `initial_weights` (FedAvg's ClientUpdate).
 
@@ -148,6 +164,8 @@ def train_locally(
     config: the `LocalTrainingConfig`.
     linear_term: FedDyn's g, one tensor per trainable weight
       (`local_objective_gradient`); None: no linear term.
+    proximal_center: the trainable weights the proximal term pulls towards (Ditto's global
+      model); None: `initial_weights`' (FedProx's).
 
   Returns:
     `(ClientResult(update=initial - final ModelWeights, update_weight=number
@@ -166,6 +184,7 @@ def train_locally(
   )
 
   linear = linear_term if linear_term is not None else [None] * len(trainable)
+  center = proximal_center if proximal_center is not None else initial_weights.trainable
 
   def step(carry, batch):
     opt_state, loss_sum, correct, count = carry
@@ -178,7 +197,7 @@ def train_locally(
     grads = tape.gradient(mean_loss, trainable)
     grads = [
       local_objective_gradient(g, w, w0, config, linear_term)
-      for g, w, w0, linear_term in zip(grads, trainable, initial_weights.trainable, linear)
+      for g, w, w0, linear_term in zip(grads, trainable, center, linear)
     ]
     opt_state, new_weights = optimizer.next(opt_state, tuple(trainable), tuple(grads))
     for v, t in zip(trainable, new_weights):

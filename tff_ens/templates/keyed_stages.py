@@ -2,7 +2,8 @@
 
 Fed-ensemble's K members (each client trains member P[i, t mod K]) and FedDF's P model
 prototypes (client i runs prototype i mod P) are both K models at the server and one key per
-client. The stages they share:
+client. The stages they share (`composition.compose(..., keyed=True)` makes one process of
+them):
 
 * `build_keyed_distributor`: each client computes its key from its index in the population
   and the distributor's state, and downloads only that model (`tff.federated_select`);
@@ -10,10 +11,7 @@ client. The stages they share:
   k is averaged over the clients that trained it; with DP (`privacy.DPConfig`, a fixed clip),
   each update is clipped on its client and every slot sum is noised at the server;
 * `add_to_slot`, the one place a structure is added into one of K slots (also used by
-  `server_step`'s collect aggregator);
-* `compose`: the four stages as one `tff.templates.IterativeProcess` whose `next` passes the
-  cohort's client indices (and, with stateful clients, their states) through, with one
-  state slot and one metrics entry per stage, as `tff.learning.templates` composes them.
+  `server_step`'s collect aggregator).
 """
 
 import collections
@@ -222,97 +220,3 @@ def build_slot_aggregator(
     )
 
   return tff.templates.AggregationProcess(initialize, next_fn)
-
-
-def compose(
-  initial_models: tff.Computation,
-  distributor: tff.templates.MeasuredProcess,
-  client_work,
-  aggregator: tff.templates.AggregationProcess,
-  finalizer: tff.templates.MeasuredProcess,
-  *,
-  client_state_type: tff.Type | None = None,
-) -> tff.templates.IterativeProcess:
-  """The keyed stages as one process, as `tff.learning.templates.compose_learning_process`
-  composes FedAvg's, with the cohort's client indices passed to the distributor.
-
-  State: `OrderedDict(model, distributor, client_work, aggregator, finalizer)`; metrics:
-  one entry per stage. `next(state, client_data, client_indices) -> (state, metrics)`; with
-  `client_state_type` (clients that keep a state, e.g. FedDyn's), `next(state, client_data,
-  client_indices, client_states) -> (state, metrics, new client states)`.
-
-  Args:
-    initial_models: TFF computation `() -> the K models`.
-    distributor: `build_keyed_distributor`'s.
-    client_work: `initialize` and `next(state, downloads, client data[, client states])
-      -> MeasuredProcessOutput` whose result's `update` and `update_weight` are the
-      clients' (with client states, `next` returns `(state, result, new client states,
-      measurements)`).
-    aggregator: `build_slot_aggregator`'s.
-    finalizer: `next(state, models, slots) -> MeasuredProcessOutput(state, new models, ...)`.
-    client_state_type: the clients' own state, or None.
-  """
-
-  @tff.federated_computation
-  def init_fn():
-    return tff.federated_zip(
-      collections.OrderedDict(
-        model=tff.federated_eval(initial_models, tff.SERVER),
-        distributor=distributor.initialize(),
-        client_work=client_work.initialize(),
-        aggregator=aggregator.initialize(),
-        finalizer=finalizer.initialize(),
-      )
-    )
-
-  state_type = init_fn.type_signature.result
-  data_type = client_work.next.type_signature.parameter[2]
-  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
-
-  def round_fn(state, client_data, client_indices, client_states=None):
-    sent = distributor.next(state.distributor, state.model, client_indices)
-    downloads, keys = sent.result
-    if client_states is None:
-      work = client_work.next(state.client_work, downloads, client_data)
-      work_state, result, work_metrics = work.state, work.result, work.measurements
-    else:
-      work_state, result, new_client_states, work_metrics = client_work.next(
-        state.client_work, downloads, client_data, client_states
-      )
-    slots = aggregator.next(state.aggregator, result.update, result.update_weight, keys)
-    finalized = finalizer.next(state.finalizer, state.model, slots.result)
-    new_state = tff.federated_zip(
-      collections.OrderedDict(
-        model=finalized.result,
-        distributor=sent.state,
-        client_work=work_state,
-        aggregator=slots.state,
-        finalizer=finalized.state,
-      )
-    )
-    metrics = tff.federated_zip(
-      collections.OrderedDict(
-        distributor=sent.measurements,
-        client_work=work_metrics,
-        aggregator=slots.measurements,
-        finalizer=finalized.measurements,
-      )
-    )
-    if client_states is None:
-      return new_state, metrics
-    return new_state, metrics, new_client_states
-
-  if client_state_type is None:
-
-    @tff.federated_computation(state_type, data_type, indices_type)
-    def next_fn(state, client_data, client_indices):
-      return round_fn(state, client_data, client_indices)
-  else:
-
-    @tff.federated_computation(
-      state_type, data_type, indices_type, tff.FederatedType(client_state_type, tff.CLIENTS)
-    )
-    def next_fn(state, client_data, client_indices, client_states):
-      return round_fn(state, client_data, client_indices, client_states)
-
-  return tff.templates.IterativeProcess(init_fn, next_fn)

@@ -37,7 +37,7 @@ _CLIPPED_COUNT_STDDEV_PER_CLIENT = 0.05
 
 @dataclasses.dataclass(frozen=True)
 class DPConfig:
-  """DP-FedAvg's aggregation.
+  """DP-FedAvg's aggregation and accounting (the `--dp_*` flags).
 
   Attributes:
     noise_multiplier: z, the noise standard deviation over the clip norm; 0
@@ -45,12 +45,36 @@ class DPConfig:
     clip_norm: C, the fixed L2 clip of each client's update; 0 adapts it
       (TFF's `gaussian_adaptive`: starts at 0.1, geometric steps of rate 0.2
       towards the median update norm), which needs z > 0.
+    target_delta: delta of the reported epsilon; 0: `default_target_delta`.
     clients_per_round: m, the sampled cohort; the noised sum is divided by m.
   """
 
-  noise_multiplier: float = setting(at_least=0)
-  clip_norm: float = setting(at_least=0)
-  clients_per_round: int = setting(above=0)
+  noise_multiplier: float = setting(
+    0.0,
+    "DP-FedAvg: Gaussian noise z times the clip norm on the sum of clipped client updates (0:"
+    " no noise).",
+    flag="dp_noise_multiplier",
+    at_least=0,
+  )
+  clip_norm: float = setting(
+    0.0,
+    "DP-FedAvg: clip each client's update to this L2 norm; 0 with --dp_noise_multiplier > 0: "
+    "adaptive clip (to the median norm).",
+    flag="dp_clip_norm",
+    at_least=0,
+  )
+  target_delta: float = setting(
+    0.0,
+    "DP-FedAvg: delta of the reported epsilon (0: 1/N^1.1 for N training clients).",
+    flag="dp_target_delta",
+    at_least=0,
+    below=1,
+  )
+  clients_per_round: int = setting(10, uses="clients_per_round", above=0)
+
+  def delta(self, num_clients: int) -> float:
+    """`target_delta`, or `default_target_delta` of `num_clients` clients."""
+    return self.target_delta or default_target_delta(num_clients)
 
   def __post_init__(self):
     settings.check(self)

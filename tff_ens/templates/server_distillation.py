@@ -40,23 +40,52 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import settings
-from tff_ens.algorithms import fedavg
-from tff_ens.math import drop_worst
+from tff_ens.math import drop_worst as drop_worst_lib
 from tff_ens.math import weight_posterior
 from tff_ens.server import distillation
 from tff_ens.server import server_data as server_data_lib
 from tff_ens.server import student as student_lib
 from tff_ens.settings import setting
+from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
-from tff_ens.templates import federated_algorithm
+from tff_ens.templates import server_optimizer
 from tff_ens.templates import server_step
 
 ModelWeights = tff.learning.models.ModelWeights
 
 METHODS = ("fedbe", "feddf", "vdistill")
-DISTRIBUTIONS = ("gaussian", "dirichlet")
 # The temperature of each method's targets when `sharpen_temperature` is None.
 DEFAULT_SHARPEN_TEMPERATURE = {"fedbe": 1.0, "vdistill": 0.5}
+
+
+@settings.group
+class Settings:
+  """What every server-distillation algorithm's step takes: its budget and device."""
+
+  distill_steps: int = setting(
+    200, "Server distillation steps per round (FedDF: at most).", above=0
+  )
+  distill_batch_size: int = setting(64, "Server distillation batch.", above=0)
+  distill_curve_every: int = setting(
+    25,
+    "FedBE/v-Distillation/FedPPD+Distill: measure the distilling student on server validation"
+    " every N steps, for distillation_curves.json only (0: never; FedDF's curve is its "
+    "early-stopping evaluations).",
+    at_least=0,
+  )
+  sharpen_temperature: float | None = setting(
+    None,
+    "FedBE/v-Distillation: targets sharpened to p^(1/T)/sum p^(1/T); 1 keeps them. Unset: the"
+    " papers' (FedBE 1, v-Distillation 0.5); authors' code 0.5.",
+    above=0,
+  )
+  server_device: str = setting(
+    "auto",
+    "Device of the server step (FedBE/FedDF/FedPPD+Distill distillation, run in this "
+    "process's TensorFlow): auto (GPU if TensorFlow sees one), cpu, gpu or e.g. /GPU:1. "
+    "summary.json's server_device says where its ops ran. Client training stays on the CPU: "
+    "TFF 0.87's worker uses no GPU.",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,57 +95,47 @@ class ServerDistillationConfig:
   Attributes:
     method: one of METHODS.
     distill: the student's training (`distillation.DistillationConfig`).
-    distribution: FedBE's distribution over global models, "gaussian" or
-      "dirichlet".
-    num_samples: M, models sampled from it (FedBE).
-    targets: FedBE's teachers, one of `weight_posterior.TARGETS`.
-    dirichlet_alpha: the Dirichlet's alpha (FedBE, eq. 7).
-    gaussian: FedBE's Gaussian fit, one of `weight_posterior.GAUSSIANS`
-      ("paper": eq. 5; "code": the authors' normalized, scaled one with
-      `gaussian_var_scale` and `gaussian_var_clamp`).
-    dirichlet: FedBE's Dirichlet, one of `weight_posterior.DIRICHLETS`.
+    posterior: FedBE's distribution over global models and its teachers
+      (`weight_posterior.WeightPosterior`; fedbe only).
     sharpen_temperature: T > 0 of the targets of fedbe and vdistill, the
       ensemble's mean probabilities sharpened to p^(1/T) / sum p^(1/T)
       (`distillation.sharpen`; 1 keeps them; unused by feddf). None: the
       papers' (DEFAULT_SHARPEN_TEMPERATURE), 1 for fedbe (Chen and Chao,
       Sec. 4: the mean probabilities) and 0.5 for vdistill (Sec. 5); the
       authors' code sharpens both with 0.5.
-    drop_worst: leave the worst clients out (FedDF).
-    drop_worst_rule: which are the worst, one of
-      `drop_worst.DROP_WORST_RULES` (`drop_worst.drop_worst_mask`):
-      "guess_or_outliers" (the authors' code; the paper names no
-      threshold) or "majority" (at most the majority-class rate).
+    drop_worst: FedDF's drop-worst (`drop_worst.DropWorst`), or None to keep every client.
     device: where the server computation runs (`distillation.choose_device`).
     seed: seeds the samples and the distillation's shuffles (with the round).
   """
 
   method: str = setting(choices=METHODS)
   distill: distillation.DistillationConfig
-  distribution: str = setting("gaussian", choices=DISTRIBUTIONS)
-  num_samples: int = setting(10, at_least=0)
-  targets: str = setting("S+A+C", choices=weight_posterior.TARGETS)
-  dirichlet_alpha: float = setting(1.0, above=0)
-  gaussian: str = setting("paper", choices=weight_posterior.GAUSSIANS)
-  gaussian_var_scale: float = setting(0.1, above=0)
-  gaussian_var_clamp: float = setting(1e-5, at_least=0)
-  dirichlet: str = setting("paper", choices=weight_posterior.DIRICHLETS)
+  posterior: weight_posterior.WeightPosterior = weight_posterior.WeightPosterior()
   sharpen_temperature: Optional[float] = setting(None, above=0)
-  # Before the `drop_worst` field, which hides the module in this class body.
-  drop_worst_rule: str = setting("guess_or_outliers", choices=drop_worst.DROP_WORST_RULES)
-  drop_worst: bool = False
+  drop_worst: drop_worst_lib.DropWorst | None = None
   device: str = "/CPU:0"
   seed: int = 0
 
   def __post_init__(self):
     settings.check(self)
-    if self.num_samples < 1 and "S" in self.targets:
-      raise settings.SettingError(
-        "num_samples", self.num_samples, f"must be >= 1 for targets {self.targets}"
-      )
     if self.method == "feddf" and not self.distill.eval_every:
       raise ValueError(
         "feddf stops early on validation data: its distill config needs eval_every > 0"
       )
+
+  @classmethod
+  def of(
+    cls, method: str, shared: Settings, distill: distillation.DistillationConfig, **fields
+  ) -> "ServerDistillationConfig":
+    """The config of `method` with the `shared` settings' targets and device and `fields`
+    (the seed, FedBE's posterior, FedDF's drop-worst)."""
+    return cls(
+      method=method,
+      distill=distill,
+      sharpen_temperature=shared.sharpen_temperature,
+      device=distillation.choose_device(shared.server_device),
+      **fields,
+    )
 
 
 def client_models(global_weights, updates):
@@ -154,38 +173,43 @@ def teachers(
   received = weights > 0
   keep = received
   informative = tf.constant(True)
-  if config.drop_worst:
+  if config.drop_worst is not None and config.drop_worst.enabled:
     val_x, val_y = validation
     accuracies = distillation.member_accuracies(model, clients, val_x, val_y)
-    keep, informative = drop_worst.drop_worst_mask(
-      config.drop_worst_rule, accuracies, val_y, model.output_shape[-1], members=received
+    keep, informative = drop_worst_lib.drop_worst_mask(
+      config.drop_worst.rule, accuracies, val_y, model.output_shape[-1], members=received
     )
   weights = weights * tf.cast(keep, tf.float32)
   num_dropped = tf.reduce_sum(tf.cast(received, tf.int32)) - tf.reduce_sum(tf.cast(keep, tf.int32))
   average = weighted_average(clients, weights)
   if config.method != "fedbe":  # FedDF, v-Distillation: the clients.
     return (clients, tf.cast(weights > 0, tf.float32), average, num_dropped, informative)
+  posterior = config.posterior
   samples = None
-  if "S" in config.targets:
-    if config.distribution == "gaussian":
+  if "S" in posterior.targets:
+    if posterior.distribution == "gaussian":
       # Fitted to the updates (better conditioned than the models, and the
       # variance is the same); the mean model is then w - mean update.
       mean_update, variance = weight_posterior.fit_gaussian_to_updates(
-        updates, weights, config.gaussian, config.gaussian_var_scale, config.gaussian_var_clamp
+        updates,
+        weights,
+        posterior.gaussian,
+        posterior.gaussian_var_scale,
+        posterior.gaussian_var_clamp,
       )
       mean = tf.nest.map_structure(tf.subtract, global_weights, mean_update)
-      samples = weight_posterior.sample_gaussian(mean, variance, config.num_samples, seed)
+      samples = weight_posterior.sample_gaussian(mean, variance, posterior.num_samples, seed)
     else:
       coefficients = weight_posterior.sample_dirichlet_coefficients(
-        weights, config.dirichlet_alpha, config.num_samples, seed, config.dirichlet
+        weights, posterior.dirichlet_alpha, posterior.num_samples, seed, posterior.dirichlet
       )
       samples = weight_posterior.combine_models(clients, coefficients)
   stack = weight_posterior.teacher_stack(
-    config.targets, average, clients if "C" in config.targets else None, samples
+    posterior.targets, average, clients if "C" in posterior.targets else None, samples
   )
   return (
     stack,
-    weight_posterior.teacher_weights(config.targets, weights, config.num_samples),
+    weight_posterior.teacher_weights(posterior.targets, weights, posterior.num_samples),
     average,
     num_dropped,
     informative,
@@ -235,7 +259,6 @@ class DistillationStep:
   ):
     self.config = config
     self.data = data
-    self.device = None  # Where the last step's ops ran (`server_step.placed_device`).
     with tf.device(config.device):
       self._model = model_fn()
       self._student = student_lib.Student(self._model, config.distill)
@@ -272,8 +295,8 @@ class DistillationStep:
         )
       distillation.assign_weights(self._model, new_weights)
       student_accuracy = self._student.validation_accuracy(*self._validation)
-    self.device = server_step.placed_device(student_accuracy)
     return new_weights, collections.OrderedDict(
+      server_device=server_step.placed_device(student_accuracy),
       student_validation_accuracy=student_accuracy,
       average_validation_accuracy=average_accuracy,
       teachers_validation_accuracy=teachers_accuracy,
@@ -347,9 +370,9 @@ def build_server_distillation(
   config: ServerDistillationConfig,
   *,
   clients_per_round: int,
-) -> federated_algorithm.BuiltProcess:
+) -> built_lib.BuiltProcess:
   """Builds FedBE, FedDF or v-Distillation (`config.method`) as a
-  `server_step.DriverProcess`, whose `last_round_teachers` are the last round's teachers.
+  `server_step.DriverProcess`, whose rounds give their teachers.
 
   Args:
     model_fn: no-arg function building the (global and client) model.
@@ -362,11 +385,11 @@ def build_server_distillation(
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = client_work_lib.build_client_work(model_fn, element_spec, local_config)
   initialize_fn, collect = server_step.build_collect(
-    fedavg.build_initial_weights_fn(model_fn),
+    server_optimizer.build_initial_weights_fn(model_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
     server_step.build_collect_aggregator(weights_type, clients_per_round),
   )
   step = DistillationStep(model_fn, data, config)
   process = server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities)
-  return federated_algorithm.built_from_client_work(process, client_work)
+  return built_lib.built_from_client_work(process, client_work)

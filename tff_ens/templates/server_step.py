@@ -12,14 +12,16 @@ moved out of TFF:
 * `step`, the finalizer: Python over `tf.function`s in this process, on `/GPU:0` when
   TensorFlow sees one (`distillation.choose_device`), its data streamed by `tf.data`.
 
-`initialize` and `next(state, *client_args) -> (state, metrics)` keep the shape of a TFF
-process; the state is a structure of arrays (`model`, the TFF stages' states, `round`), so a
-checkpoint of it is complete: the step carries nothing else across rounds, and its randomness
-is a function of (seed, round).
+`initialize` and `next(state, *client_args) -> (state, metrics, teachers)` keep the shape of
+a TFF process; the state is a structure of arrays (`model`, the TFF stages' states, `round`),
+so a checkpoint of it is complete: the step carries nothing else across rounds, and its
+randomness is a function of (seed, round). The round's teachers (`RoundTeachers`) are an
+output of the round, which the loop keeps for evaluation until the next one.
 """
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -28,11 +30,27 @@ import tensorflow_federated as tff
 
 from tff_ens.templates import keyed_stages
 
-# `step(model, collected, round) -> (model, measurements)`, run in the driver.
+# `step(model, collected, round) -> (model, measurements)`, run in the driver; the
+# measurements' `server_device` is where its ops ran.
 ServerStep = Callable[[Any, Any, int], tuple[Any, dict]]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundTeachers:
+  """The teachers a round's server step distilled from, kept by the loop after the round
+  (`ensemble_test_accuracy`, the teachers' uncertainty) without training a client again.
+
+  Attributes:
+    predict: `images -> OrderedDict(probabilities, mean_entropy, ...)`, what they predict.
+    device: where the server step's ops ran ("/CPU:0", "/GPU:0"), read from TensorFlow's
+      placement.
+  """
+
+  predict: Callable[[np.ndarray], dict] | None
+  device: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class DriverProcess:
   """TFF's distributor, client work and aggregator, then a server step in the driver.
 
@@ -50,21 +68,23 @@ class DriverProcess:
   step: ServerStep
   teachers: Callable[..., dict] | None = None
 
-  def __post_init__(self):
-    self._last_round = None  # (model, collected, round) of the last `next`.
-
   def initialize(self) -> collections.OrderedDict:
     state = collections.OrderedDict(self.initialize_fn())
     state["round"] = np.int32(0)
     return state
 
-  def next(self, state, *client_args) -> tuple[collections.OrderedDict, dict]:
-    """One round: `collect` through the TFF context, then `step` here."""
+  def next(self, state, *client_args) -> tuple[collections.OrderedDict, dict, RoundTeachers]:
+    """One round: `collect` through the TFF context, then `step` here; returns the new
+    state, the metrics and the round's teachers."""
     round_num = int(state["round"])
     stages = collections.OrderedDict((k, v) for k, v in state.items() if k != "round")
     stage_states, collected, measurements = self.collect(stages, *client_args)
     model, step_measurements = self.step(state["model"], collected, round_num)
-    self._last_round = (state["model"], collected, round_num)
+    step_measurements = collections.OrderedDict(step_measurements)
+    device = step_measurements.pop("server_device", None)
+    teachers = None
+    if self.teachers is not None:
+      teachers = functools.partial(self.teachers, state["model"], collected, round_num)
     # The step's model in the state's own containers, so checkpoints and the
     # next round see one structure.
     model = tf.nest.pack_sequence_as(state["model"], tf.nest.flatten(model))
@@ -75,16 +95,10 @@ class DriverProcess:
     metrics["finalizer"] = collections.OrderedDict(
       (k, np.asarray(v)) for k, v in step_measurements.items()
     )
-    return new_state, metrics
+    return new_state, metrics, RoundTeachers(teachers, device)
 
   def get_model_weights(self, state):
     return state["model"]
-
-  def last_round_teachers(self, images: np.ndarray) -> dict:
-    """What the teachers of the last `next` predict on `images` (no client trains again)."""
-    if self.teachers is None or self._last_round is None:
-      raise ValueError("no round with teachers has run")
-    return self.teachers(*self._last_round, images)
 
 
 def to_numpy(structure):

@@ -62,6 +62,8 @@ THIRD_PARTY = {
   # Its protos: the protobuf they need must be one TF 2.14 imports too.
   "tensorflow_metadata.proto.v0.schema_pb2": ("tensorflow-metadata", "1.16."),
   "matplotlib.pyplot": ("matplotlib", "3.11."),
+  # What `uv run tensorboard` imports: it needs pkg_resources, gone from setuptools 82.
+  "tensorboard.default": ("tensorboard", "2.14."),
 }
 
 _IMPORT_ALL = textwrap.dedent("""

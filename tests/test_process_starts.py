@@ -117,9 +117,13 @@ def test_starts_beside_live_and_closed_channels_run_no_fork_handlers(start, tmp_
   with runtime.execution_context():
     assert worker_processes.sum_of_doubles([1, 2]) == 6  # The context's channel is live.
     beside_live = _handlers_run_by(start_fn)
-  # The context has closed its executors and stopped its worker.
+    (worker,) = worker_processes.descendants()
+    worker.kill()  # The channel's server is gone; the channel is still open.
+    assert worker_processes.wait_gone(worker.pid, timeout_s=10)
+    beside_dead = _handlers_run_by(start_fn)
+  # The context has closed its executors.
   beside_closed = _handlers_run_by(start_fn)
-  assert beside_live == beside_closed == NO_HANDLERS
+  assert beside_live == beside_dead == beside_closed == NO_HANDLERS
 
 
 def _stress(rounds: int, serve_every: int, computations_on_workers: bool) -> float:

@@ -251,6 +251,9 @@ def test_worker_cli_serves_and_stops_on_sigterm(worker_clis):
   assert worker_processes.is_gone(worker.pid)
 
 
+# Sets up worker_clis: two `python -m tff_ens.worker` importing TensorFlow at once, 140 s on a
+# loaded machine (tests/watchdog.py).
+@pytest.mark.timeout_seconds(600)
 def test_worker_cli_on_a_busy_port_fails_with_one_line(worker_clis):
   cli, port = worker_clis["busy"]
   _, stderr = cli.communicate(timeout=180)

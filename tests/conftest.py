@@ -12,6 +12,9 @@ Test modules that manage TFF contexts and workers themselves (they call
 the worker processes it starts) run with no shared context: it is closed
 before such a module and entered again, lazily, for the next module that
 needs it. The context is thread-local; pytest runs tests in the main thread.
+
+Every test runs under the watchdog of `tests/watchdog.py`: one that hangs, even blocked
+in C, ends the run with its name and every thread's stack.
 """
 
 import contextlib
@@ -20,6 +23,8 @@ import inspect
 import pytest
 
 from tff_ens.execution import runtime
+
+pytest_plugins = ["tests.watchdog"]
 
 
 class _SharedContext:

@@ -434,6 +434,8 @@ def test_exported_uncertainty_detects_ood_as_keras_does(k, tmp_path):
   assert report["reference_ood_auroc_entropy"] == 0.6
 
 
+# Three command lines, each importing TensorFlow: 127 s on a loaded machine (tests/watchdog.py).
+@pytest.mark.timeout_seconds(600)
 def test_export_and_evaluate_commands(single_run, tmp_path):
   output = tmp_path / "float.tflite"
   result = _run_module(

@@ -54,7 +54,7 @@ def test_worker_binary_path_is_the_one_in_the_tff_wheel():
 
 
 def test_local_context_runs_computations_and_stops_its_worker():
-  with worker_processes.deadline(120), runtime.execution_context():
+  with runtime.execution_context():
     assert worker_processes.sum_of_doubles([1, 2, 3]) == 12
     assert worker_processes.double(21) == 42
     # Ours is the only worker: TFF's default context did not start one.
@@ -74,7 +74,7 @@ def test_changing_cohort_sizes_reuse_one_worker_correctly():
   # Each new cohort size closes the previous executor on the worker
   # (benchmarks/worker_memory.py measures the memory that frees); values of
   # later calls are still right, also back at an earlier size.
-  with worker_processes.deadline(120), runtime.execution_context():
+  with runtime.execution_context():
     for n in (2, 3, 2, 5, 3):
       assert worker_processes.sum_of_doubles(list(range(n))) == n * (n - 1)
     (worker,) = worker_processes.descendants()
@@ -90,7 +90,7 @@ def test_previous_context_is_restored():
 
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
 def test_exception_in_block_stops_worker(error):
-  with worker_processes.deadline(120), pytest.raises(error):
+  with pytest.raises(error):
     with runtime.execution_context(max_concurrent_computation_calls=1):
       assert worker_processes.sum_of_doubles([4, 5]) == 18
       (worker,) = worker_processes.descendants()
@@ -99,7 +99,7 @@ def test_exception_in_block_stops_worker(error):
 
 
 def test_computation_fails_instead_of_hanging_when_worker_dies():
-  with worker_processes.deadline(60), runtime.execution_context():
+  with runtime.execution_context():
     assert worker_processes.sum_of_doubles([1]) == 2
     (worker,) = worker_processes.descendants()
     worker.kill()
@@ -164,8 +164,7 @@ def _child_in_block(body: str):
       text=True,
     )
     try:
-      with worker_processes.deadline(180):
-        line = child.stdout.readline()
+      line = child.stdout.readline()
       if not line:
         child_stderr.seek(0)
         pytest.fail(f"child failed: {child_stderr.read()[-3000:]!r}")
@@ -187,8 +186,7 @@ def test_worker_dies_when_its_parent_is_sigkilled():
     assert worker_processes.wait_gone(worker_pid, timeout_s=5)
     # Nothing else holds the child's stdout pipe open (the worker did not
     # inherit it), so reading it ends.
-    with worker_processes.deadline(5):
-      child.stdout.read()
+    worker_processes.read_to_end(child.stdout, timeout_s=5)
 
 
 @pytest.mark.slow
@@ -207,9 +205,8 @@ def test_sigint_during_a_computation_stops_the_worker():
   with _child_in_block(body) as (child, worker_pid):
     time.sleep(1)  # Let the computation start.
     child.send_signal(signal.SIGINT)
-    with worker_processes.deadline(30):
-      assert child.stdout.read() == "interrupted\nworker gone\n"
-      child.wait()
+    assert worker_processes.read_to_end(child.stdout, 30) == "interrupted\nworker gone\n"
+    child.wait(timeout=30)
     assert child.returncode != 0
     assert worker_processes.is_gone(worker_pid)
 
@@ -217,10 +214,10 @@ def test_sigint_during_a_computation_stops_the_worker():
 def test_two_workers_split_clients_and_agree_with_local(two_workers):
   addresses, processes = two_workers
   clients = list(range(1, 7))
-  with worker_processes.deadline(120), runtime.execution_context():
+  with runtime.execution_context():
     local = _busy_sum_of_doubles(clients)
   assert local == 42
-  with worker_processes.deadline(120), runtime.execution_context(workers=addresses):
+  with runtime.execution_context(workers=addresses):
     assert _busy_sum_of_doubles(clients) == local  # Warm-up (compilation).
     workers = [psutil.Process(p.pid) for p in processes]
     cpu_before = [sum(w.cpu_times()[:2]) for w in workers]
@@ -235,10 +232,10 @@ def test_two_workers_split_clients_and_agree_with_local(two_workers):
 
 def test_two_workers_refuse_clients_placed_results(two_workers):
   addresses, _ = two_workers
-  with worker_processes.deadline(60), runtime.execution_context(workers=addresses):
+  with runtime.execution_context(workers=addresses):
     with pytest.raises(ValueError, match="CLIENTS-placed"):
       _doubles_at_clients([1, 2, 3])
-  with worker_processes.deadline(60), runtime.execution_context(workers=addresses[:1]):
+  with runtime.execution_context(workers=addresses[:1]):
     assert _doubles_at_clients([1, 2, 3]) == [2, 4, 6]
 
 
@@ -277,11 +274,11 @@ def test_two_workers_run_a_tff_learning_round_like_local(two_workers):
   data = [client_data(i) for i in range(5)]
   # `get_model_weights` is a computation too: outside a block it would run in
   # TFF's default context, which starts a worker of its own.
-  with worker_processes.deadline(300), runtime.execution_context():
+  with runtime.execution_context():
     state = process.initialize()
     local = process.next(state, data)
     local_weights = process.get_model_weights(local.state).trainable
-  with worker_processes.deadline(300), runtime.execution_context(workers=addresses):
+  with runtime.execution_context(workers=addresses):
     merged = process.next(state, data)
     merged_weights = process.get_model_weights(merged.state).trainable
   tf.nest.map_structure(
@@ -299,10 +296,9 @@ def test_two_workers_run_a_tff_learning_round_like_local(two_workers):
 def test_unreachable_worker_gives_one_line_error_quickly():
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   start = time.monotonic()
-  with worker_processes.deadline(60):
-    with pytest.raises(RuntimeError) as error:
-      with runtime.execution_context(workers=[address]):
-        pytest.fail("entered the block without a worker")
+  with pytest.raises(RuntimeError) as error:
+    with runtime.execution_context(workers=[address]):
+      pytest.fail("entered the block without a worker")
   assert time.monotonic() - start < 30
   message = str(error.value)
   assert address in message
@@ -355,9 +351,9 @@ def test_resident_state_matches_state_through_python(several_workers, two_worker
   # is read between rounds, as the CLI does for checkpoints.
   cohorts = [[1, 2], [3, 4, 5], [6, 7, 8], [1, 2], [9]]
   addresses = two_workers[0] if several_workers else ()
-  with worker_processes.deadline(120), runtime.execution_context():
+  with runtime.execution_context():
     expected_state, expected_totals = _plain_rounds(cohorts)
-  with worker_processes.deadline(120), runtime.execution_context(workers=addresses):
+  with runtime.execution_context(workers=addresses):
     held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER)
     totals, read = [], []
     for i, xs in enumerate(cohorts):
@@ -374,7 +370,7 @@ def test_resident_state_matches_state_through_python(several_workers, two_worker
 
 
 def test_resident_state_with_a_dead_worker_gives_one_line_error():
-  with worker_processes.deadline(60), runtime.execution_context():
+  with runtime.execution_context():
     held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER)
     assert held.next([1, 2])["total"] == 6
     (worker,) = worker_processes.descendants()
@@ -407,7 +403,7 @@ def _big_next(big, xs):
 
 def _held_run(max_growth_bytes, rounds):
   """(worker's RSS after each held round, final state, the cut's period)."""
-  with worker_processes.deadline(120), runtime.execution_context():
+  with runtime.execution_context():
     (worker,) = worker_processes.descendants()
     held = runtime.ResidentState(
       _big_next, np.zeros(_BIG, np.float32), max_growth_bytes=max_growth_bytes

@@ -40,6 +40,8 @@ def fedavg_run(tmp_path_factory):
   return config, training.run_experiment(config)
 
 
+# Sets up fedavg_run, a run of QUICK: 104 s on a loaded machine (tests/watchdog.py).
+@pytest.mark.timeout_seconds(600)
 def test_fedavg_learns_and_writes_outputs(fedavg_run):
   config, summary = fedavg_run
   rows = read_metrics(config.output_dir)

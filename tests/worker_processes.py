@@ -2,11 +2,11 @@
 
 Test modules that start TFF workers import `no_stray_workers` (autouse: no
 worker before the module's tests, none left after), `two_workers`, and the
-small computations below to run on them.
+small computations below to run on them. A test that hangs is ended by the
+watchdog (tests/watchdog.py).
 """
 
-import contextlib
-import signal
+import threading
 import time
 
 import numpy as np
@@ -70,21 +70,19 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
   return True
 
 
-@contextlib.contextmanager
-def deadline(seconds: int):
-  """Fails the test (instead of hanging) if the block takes too long."""
+def read_to_end(pipe, timeout_s: float):
+  """All of `pipe` up to its end; TimeoutError if it does not end within `timeout_s`.
 
-  def on_alarm(signum, frame):
-    del signum, frame
-    raise TimeoutError(f"no result within {seconds} s")
-
-  previous = signal.signal(signal.SIGALRM, on_alarm)
-  signal.alarm(seconds)
-  try:
-    yield
-  finally:
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+  (A test that merely might hang needs no timeout: the watchdog, tests/watchdog.py,
+  ends a hung test.)
+  """
+  result = []
+  reader = threading.Thread(target=lambda: result.append(pipe.read()), daemon=True)
+  reader.start()
+  reader.join(timeout_s)
+  if not result:
+    raise TimeoutError(f"the pipe did not end within {timeout_s:g} s")
+  return result[0]
 
 
 @pytest.fixture(scope="module", autouse=True)

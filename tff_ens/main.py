@@ -21,6 +21,11 @@ from absl import logging
 from tff_ens.execution import cpp_log
 
 cpp_log.quiet_unless_verbose(sys.argv)
+# Before gRPC is imported: with fork support on (its core's default), gRPC registers
+# pthread_atfork handlers, and a fork() of a process holding channels can wait forever in
+# them. This process starts its own with vfork() (tff_ens/execution/worker_process.py), which runs
+# none; this covers a fork() by other code.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 # TensorFlow must be imported before absl parses flags: Keras 2.14 imported
 # inside `main` builds broken Sequential models ("Output tensors of a

@@ -16,6 +16,9 @@ import socket
 import sys
 import time
 
+# Before gRPC is imported: as in tff_ens/main.py, no gRPC fork handlers.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 from absl import app
 from absl import flags
 import grpc

@@ -5,13 +5,20 @@ the caller's pipes and with `PR_SET_PDEATHSIG=SIGKILL`, so it dies with the thre
 started it even if Python is killed; `stop_worker` stops it; `wait_until_serving` waits
 for a started or running worker's gRPC service. `runtime.execution_context` and
 `python -m tff_ens.worker` use them.
+
+Workers start without a `preexec_fn`, so that CPython starts them with vfork() and exec,
+which run no fork handlers: the callers hold live gRPC channels (TFF's contexts), and
+gRPC's pthread_atfork pre-fork handler, which any fork() runs, can wait forever for
+gRPC's threads (it hung the test suite inside `subprocess.Popen`). What a `preexec_fn`
+did in the child (the parent-death signal, SIGINT and SIGTERM) a small Python started
+in its place does before it execs the worker (`_EXEC_WITH_PARENT_DEATH_SIGNAL`).
 """
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Optional
 
@@ -24,8 +31,6 @@ _START_TIMEOUT_S = 60.0
 _CONNECT_TIMEOUT_S = 10.0
 # Grace period between SIGINT and SIGKILL when stopping a worker.
 STOP_GRACE_S = 5.0
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class WorkerError(RuntimeError):
@@ -40,25 +45,48 @@ def worker_binary_path() -> str:
   return path
 
 
-def _die_with_parent(parent_pid: int):
-  """A `preexec_fn` making the child get SIGKILL when its parent dies."""
+# Run by a Python of its own in the process that becomes the worker (`start_worker`);
+# argv: the parent's pid, then the worker's argv. PR_SET_PDEATHSIG is kept across execve
+# (the worker binary is not set-user-ID), so the worker gets SIGKILL when the thread that
+# started this process exits. Ignored signals stay ignored across exec, and a parent
+# started in the background by a shell ignores SIGINT, which `stop_worker` needs. A
+# SIGTERM to the whole process group (systemd, `kill -- -PGID`) is for the driver, which
+# finishes its round, checkpoints and then stops the worker: the worker must not die
+# under the round in flight. Python ignores SIGPIPE and SIGXFSZ, which the worker must
+# not inherit (`Popen`'s restore_signals does the same for its own child).
+_EXEC_WITH_PARENT_DEATH_SIGNAL = """
+import ctypes, os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+  sys.exit("prctl(PR_SET_PDEATHSIG): " + os.strerror(ctypes.get_errno()))
+# The parent may have died before prctl(): then no signal will ever come.
+if os.getppid() != int(sys.argv[1]):
+  os.kill(os.getpid(), signal.SIGKILL)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
-  def preexec() -> None:
-    # Ignored signals stay ignored across exec, and a parent started in the
-    # background by a shell ignores SIGINT: `stop_worker` needs it.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    # A SIGTERM to the whole process group (systemd, `kill -- -PGID`) is for
-    # the driver, which finishes its round, checkpoints and then stops the
-    # worker; the worker must not die under the round in flight.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-      raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    # The parent may have died between fork() and prctl(): then no signal
-    # will ever come.
-    if os.getppid() != parent_pid:
-      os.kill(os.getpid(), signal.SIGKILL)
 
-  return preexec
+def _with_parent_death_signal(args: list[str]) -> list[str]:
+  """The command that runs `args` after `_EXEC_WITH_PARENT_DEATH_SIGNAL`.
+
+  `-I -S`: the standard library only, no PYTHON* variables, user or site packages.
+  """
+  if not sys.executable:
+    raise WorkerError("cannot start a TFF worker: sys.executable is unknown")
+  return [
+    sys.executable,
+    "-I",
+    "-S",
+    "-c",
+    _EXEC_WITH_PARENT_DEATH_SIGNAL,
+    str(os.getpid()),
+    *args,
+  ]
 
 
 # glibc's MALLOC_ARENA_MAX for the worker (see `start_worker`).
@@ -75,8 +103,8 @@ def start_worker(
 
   The worker's stdout/stderr go to `log_path` (appended) or to /dev/null, never
   to the caller's pipes. It is killed when the calling *thread* exits
-  (Linux `PR_SET_PDEATHSIG` follows the thread that forked), so call this from
-  a thread that outlives the worker, e.g. the main thread. Stop it with
+  (Linux `PR_SET_PDEATHSIG` follows the thread that started the process), so call
+  this from a thread that outlives the worker, e.g. the main thread. Stop it with
   `stop_worker`. This does not wait until the worker serves; the first
   `execution_context(workers=...)` that uses it does.
 
@@ -106,14 +134,15 @@ def start_worker(
       output = subprocess.DEVNULL
     else:
       output = stack.enter_context(open(log_path, "ab"))
+    # No preexec_fn, user, group or extra_groups: CPython then starts the process with
+    # vfork() (Modules/_posixsubprocess.c), which runs no fork handlers (module docstring).
     return subprocess.Popen(
-      args,
+      _with_parent_death_signal(args),
       stdin=subprocess.DEVNULL,
       stdout=output,
       stderr=output,
       close_fds=True,
       env=env,
-      preexec_fn=_die_with_parent(os.getpid()),
     )
 
 
@@ -153,7 +182,7 @@ def wait_until_serving(
   while True:
     if process is not None and process.poll() is not None:
       raise WorkerError(
-        f"TFF worker {process.args[0]} for {address} exited with code {process.returncode}."
+        f"TFF worker {worker_binary_path()} for {address} exited with code {process.returncode}."
       )
     if stub.is_ready:
       return

@@ -1,10 +1,11 @@
 """Tasks: a dataset and its models, knowing nothing of federated algorithms.
 
 A task (a module, or for CIFAR a `cifar.CifarTask`) exposes NUM_CLASSES,
-INPUT_SHAPE, INPUT_DESCRIPTION, CLASS_LABELS, MODEL_NAMES, BINARY_MODEL_NAMES,
-TRAIN_AUGMENTATION, DEFAULT_PARTITION, SERVER_EXAMPLES, load_data and
-build_model:
+INPUT_SHAPE, INPUT_DTYPE, INPUT_DESCRIPTION, CLASS_LABELS, MODEL_NAMES,
+BINARY_MODEL_NAMES, TRAIN_AUGMENTATION, DEFAULT_PARTITION, SERVER_EXAMPLES,
+load_data and build_model:
 
+  INPUT_DTYPE: the NumPy dtype of a model's input (np.float32 for images).
   INPUT_DESCRIPTION: what a model's input is, for an exported file's metadata:
     `value_range` [low, high], `background` (the blank pixel's value, or None) and
     `preprocessing` (how raw images become inputs, in words).

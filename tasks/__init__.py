@@ -1,13 +1,17 @@
 """Tasks: a dataset and its models, knowing nothing of federated algorithms.
 
 A task (a module, or for CIFAR a `cifar.CifarTask`) exposes NUM_CLASSES,
-INPUT_SHAPE, INPUT_DESCRIPTION, CLASS_LABELS, MODEL_NAMES, BINARY_MODEL_NAMES,
-TRAIN_AUGMENTATION, DEFAULT_PARTITION, SERVER_EXAMPLES, load_data and
-build_model:
+INPUT_SHAPE, INPUT_DTYPE, INPUT_DESCRIPTION, CLASS_LABELS, MODEL_NAMES,
+BINARY_MODEL_NAMES, TRAIN_AUGMENTATION, DEFAULT_PARTITION, SERVER_EXAMPLES,
+load_data and build_model:
 
+  INPUT_DTYPE: the NumPy dtype of a model's input: np.float32 for images,
+    np.int32 for Shakespeare's character ids (whose stored samples are uint8:
+    cast them to INPUT_DTYPE when feeding the model).
   INPUT_DESCRIPTION: what a model's input is, for an exported file's metadata:
     `value_range` [low, high], `background` (the blank pixel's value, or None) and
-    `preprocessing` (how raw images become inputs, in words).
+    `preprocessing` (how raw inputs become the model's, in words); Shakespeare's
+    adds its `vocabulary`.
 
   load_data(data_dir=None, *, partition=None, seed=0) -> a
     `data.FederatedData`, whose `server` field holds the server's examples
@@ -32,12 +36,13 @@ from tasks import partition  # noqa: F401  # pylint: disable=unused-import
 
 # Task name -> (module, attribute or None for the module itself). The modules
 # build Keras models, so they are imported on first use: `tasks.data`,
-# `tasks.partition` and `tasks.leaf` run without TensorFlow (the device
-# environment, device/).
+# `tasks.partition`, `tasks.leaf` and `tasks.plays` run without TensorFlow (the
+# device environment, device/).
 TASKS = {
   "femnist": ("femnist", None),
   "cifar10": ("cifar", "CIFAR10"),
   "cifar100": ("cifar", "CIFAR100"),
+  "shakespeare": ("shakespeare", None),
 }
 
 # The error every task raises for missing or malformed data.
@@ -50,8 +55,9 @@ CLASSES = ("all", "digits")
 
 
 def __getattr__(name: str):
-  """`tasks.femnist`, `tasks.cifar`: the task modules, imported on first use."""
-  if name in ("femnist", "cifar"):
+  """`tasks.femnist`, `tasks.cifar`, `tasks.shakespeare`: the task modules, imported on
+  first use."""
+  if name in ("femnist", "cifar", "shakespeare"):
     return importlib.import_module(f"tasks.{name}")
   raise AttributeError(f"module 'tasks' has no attribute {name!r}")
 

@@ -64,6 +64,8 @@ from tasks import partition as partition_lib
 from tasks import resnet
 
 INPUT_SHAPE = (32, 32, 3)
+# The model's input: float32 images (standardized).
+INPUT_DTYPE = np.float32
 MODEL_NAMES = ("cnn", "resnet8", "resnet20", "resnet32", "resnet8_binary")
 # The models with 1-bit layers (larq), which export as `lce` and `binary`.
 BINARY_MODEL_NAMES = ("resnet8_binary",)
@@ -526,13 +528,14 @@ def _build_convnet(num_classes: int, seed: int) -> tf.keras.Model:
 class CifarTask:
   """CIFAR-10 or CIFAR-100, with the interface of a task module.
 
-  See tasks/__init__.py: NUM_CLASSES, INPUT_SHAPE, CLASS_LABELS, MODEL_NAMES,
+  See tasks/__init__.py: NUM_CLASSES, INPUT_SHAPE, INPUT_DTYPE, CLASS_LABELS, MODEL_NAMES,
   BINARY_MODEL_NAMES, TRAIN_AUGMENTATION, DEFAULT_PARTITION, SERVER_EXAMPLES,
   DataError, load_data, build_model.
   `shift_dataset` names the tfds dataset of its `shift` set, or is None.
   """
 
   INPUT_SHAPE = INPUT_SHAPE
+  INPUT_DTYPE = INPUT_DTYPE
   MODEL_NAMES = MODEL_NAMES
   BINARY_MODEL_NAMES = BINARY_MODEL_NAMES
   DataError = DataError

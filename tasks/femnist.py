@@ -41,6 +41,8 @@ from tasks.leaf import load_leaf
 
 NUM_CLASSES = leaf.NUM_CLASSES
 INPUT_SHAPE = leaf.INPUT_SHAPE
+# The model's input: float32 images.
+INPUT_DTYPE = np.float32
 CLASS_LABELS = leaf.CLASS_LABELS
 # What a model's input is, for an exported file's metadata (`export.convert.describe`).
 INPUT_DESCRIPTION = {
@@ -286,6 +288,7 @@ class _Digits:
   NUM_CLASSES = leaf.NUM_DIGITS
   CLASS_LABELS = CLASS_LABELS[:10]
   INPUT_SHAPE = INPUT_SHAPE
+  INPUT_DTYPE = INPUT_DTYPE
   INPUT_DESCRIPTION = INPUT_DESCRIPTION
   MODEL_NAMES = MODEL_NAMES
   STUDENT_MODELS = STUDENT_MODELS

@@ -1,0 +1,196 @@
+"""Shakespeare: next-character prediction, one client per speaking role of a play.
+
+Citations:
+  Caldas, Duddu, Wu, Li, Konecny, McMahan, Smith and Talwalkar, "LEAF: A Benchmark for
+  Federated Settings", arXiv:1812.01097, 2018 (the clients, samples, vocabulary and split,
+  and the model: models/shakespeare/stacked_lstm.py).
+  McMahan, Moore, Ramage, Hampson and Aguera y Arcas, "Communication-Efficient Learning of
+  Deep Networks from Decentralized Data", AISTATS 2017, Sec. 3 (the task and its two-layer
+  LSTM).
+
+Load: `tasks.plays` (NumPy only) reads Project Gutenberg's plays from `data_dir` and makes
+each (play, role) with `min_role_characters` of speech a client (`load_data`). Preprocess: a
+sample is the character ids of the 80 characters before a character of the role's text
+(uint8 [n, 80], LEAF's vocabulary, left-padded with spaces) and that character's id (int32
+label in 0..80); the model reads the ids as int32 (INPUT_DTYPE). `encode` and
+`context_ids` turn any text into ids, `decode` back.
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from tasks import data as data_lib
+from tasks import partition as partition_lib
+from tasks import plays
+from tasks import resnet
+from tasks.data import DataError
+from tasks.data import FederatedData
+from tasks.plays import context_ids  # noqa: F401  # pylint: disable=unused-import
+from tasks.plays import decode  # noqa: F401  # pylint: disable=unused-import
+from tasks.plays import encode  # noqa: F401  # pylint: disable=unused-import
+from tff_ens import settings
+from tff_ens.settings import setting
+
+VOCABULARY = plays.VOCABULARY
+OOV_ID = plays.OOV_ID
+# The classes are the vocabulary's characters and the out-of-vocabulary id.
+NUM_CLASSES = plays.NUM_IDS
+CLASS_LABELS = (*VOCABULARY, "<oov>")
+INPUT_SHAPE = (plays.SEQUENCE_LENGTH,)
+# The model's input: character ids (the stored samples are uint8, which fits 0..80).
+INPUT_DTYPE = np.int32
+# What a model's input is, for an exported file's metadata (`export.convert.describe`).
+INPUT_DESCRIPTION = {
+  "value_range": [0, OOV_ID],
+  "background": None,
+  "vocabulary": VOCABULARY,
+  "out_of_vocabulary_id": OOV_ID,
+  "padding_id": plays.PAD_ID,
+  "preprocessing": (
+    "the 80 characters before the one to predict, as int32 ids [batch, 80]: a character's "
+    f"position in `vocabulary` (LEAF's {len(VOCABULARY)} characters), {OOV_ID} for any "
+    f"other; fewer than 80 characters are left-padded with spaces (id {plays.PAD_ID}); the "
+    "output's class k is the next character's id"
+  ),
+}
+MODEL_NAMES = ("lstm",)
+BINARY_MODEL_NAMES = ()
+# The clients are the roles unless --partition=iid pools their samples (see `load_data`).
+DEFAULT_PARTITION = None
+PARTITIONS = ("iid",)
+# A pooled split sets nothing aside for the server: its text is the held-out roles'
+# (`new_clients`), as with the roles.
+SERVER_EXAMPLES = (0, 0)
+# No augmentation of training examples (see tasks/__init__.py).
+TRAIN_AUGMENTATION = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShakespeareConfig:
+  """Which roles are clients and how many samples are evaluated (flags of the same names).
+
+  Attributes:
+    min_role_characters: roles with fewer characters of speech are left out. 1,000 keeps
+      631 of the 1,379 roles and 95% of the text, and gives every client 800+ training
+      and 120+ test samples (LEAF's split leaves 660 of its 1,129 roles a test sample).
+    held_out_role_fraction: the share of those roles (seeded) that trains nowhere: new
+      clients, and the server's unlabeled and validation text.
+    eval_samples_per_role: test samples kept per client, and samples per held-out role
+      (a seeded subsample; 0 keeps all): the 2-layer LSTM evaluates ~150 samples/s on 2
+      CPU cores, so all 0.7M test samples would take ~75 min.
+  """
+
+  min_role_characters: int = setting(
+    1_000, "Shakespeare: roles with fewer characters of speech are left out.", at_least=1
+  )
+  held_out_role_fraction: float = setting(
+    0.1,
+    "Shakespeare: share of the roles held out of training (seeded): new clients and the "
+    "server's text.",
+    at_least=0,
+    below=1,
+  )
+  eval_samples_per_role: int = setting(
+    100,
+    "Shakespeare: test samples per client and samples per held-out role kept (a seeded "
+    "subsample; 0 keeps all).",
+    at_least=0,
+  )
+
+  def __post_init__(self):
+    settings.check(self)
+
+
+def load_data(
+  data_dir: str | None = None,
+  *,
+  partition: partition_lib.PartitionConfig | None = None,
+  seed: int = 0,
+  config: ShakespeareConfig | None = None,
+) -> FederatedData:
+  """Loads Gutenberg's plays from `data_dir`: clients by role (partition None) or iid.
+
+  With `partition` None every (play, role) with `config.min_role_characters` of speech is
+  a client, except a seeded `config.held_out_role_fraction` of them, held out as
+  `new_clients` (`plays.load_roles`). With `partition.partition == "iid"` the training
+  roles' training samples are pooled and split uniformly at random over
+  `partition.num_clients` clients, seeded (`data.split_pool`, which also sets aside the
+  server's examples if the partition asks for any); their test samples are split like the
+  clients' labels, so `test_accuracy` is measured on the same samples as with the roles.
+
+  Raises DataError (one line) if `data_dir` is None or its texts are missing or malformed,
+  or for another partition than iid.
+  """
+  if data_dir is None:
+    raise DataError(
+      "no Shakespeare texts: pass --data_dir=DIR, a directory of Project Gutenberg's plays "
+      f"(<work>{plays.PLAY_SUFFIX}), e.g. --data_dir=../shared/data/shakespeare"
+    )
+  if partition is not None and partition.partition not in PARTITIONS:
+    raise DataError(
+      f"--partition={partition.partition} splits by label, and Shakespeare's labels are "
+      "next characters: use --partition=iid, or leave it unset for the roles"
+    )
+  config = config or ShakespeareConfig()
+  data = plays.load_roles(
+    data_dir,
+    min_characters=config.min_role_characters,
+    held_out_fraction=config.held_out_role_fraction,
+    eval_samples=config.eval_samples_per_role,
+    seed=seed,
+  )
+  if partition is None:
+    return data
+  train, test, server = data_lib.split_pool(
+    data.train.concatenated(),
+    data.test.concatenated(),
+    partition,
+    seed,
+    where=data.source,
+    num_classes=NUM_CLASSES,
+  )
+  return dataclasses.replace(
+    data, train=train, test=test, server=server, source=f"{data.source} (iid split)"
+  )
+
+
+def _build_lstm(seed: int) -> tf.keras.Model:
+  """LEAF's Shakespeare model (models/shakespeare/stacked_lstm.py; McMahan et al. 2017):
+  an 8-dimensional embedding of the ids, two LSTM layers of 256 units, logits of the
+  next character from the last step. Keras' LSTM with its default activations and
+  unroll=False converts to TFLite's fused UNIDIRECTIONAL_SEQUENCE_LSTM (for a fixed
+  batch size: convert the inference function of one sample, as `export.convert` does)."""
+  seeds = resnet.seed_stream(seed)
+  glorot = lambda: tf.keras.initializers.GlorotUniform(seed=next(seeds))
+  orthogonal = lambda: tf.keras.initializers.Orthogonal(seed=next(seeds))
+  layers = tf.keras.layers
+  return tf.keras.Sequential(
+    [
+      tf.keras.Input(shape=INPUT_SHAPE, dtype=tf.int32),
+      layers.Embedding(NUM_CLASSES, 8, embeddings_initializer=glorot()),
+      layers.LSTM(
+        256, return_sequences=True, kernel_initializer=glorot(), recurrent_initializer=orthogonal()
+      ),
+      layers.LSTM(256, kernel_initializer=glorot(), recurrent_initializer=orthogonal()),
+      layers.Dense(NUM_CLASSES, kernel_initializer=glorot()),
+    ],
+    name="shakespeare_lstm",
+  )
+
+
+def build_model(name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Model:
+  """An un-compiled model from int32 ids [batch, 80] to NUM_CLASSES logits (no softmax).
+
+  Args:
+    name: one of MODEL_NAMES: "lstm" (LEAF's; it has no normalization layers, so only
+      norm="batch", the default, is accepted).
+    seed: the weights are a deterministic function of it.
+    norm: unused but for that check (the task interface's argument).
+  """
+  if name not in MODEL_NAMES:
+    raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")
+  if norm != "batch":
+    raise ValueError(f"model {name!r} has no normalization layers: leave norm at 'batch'")
+  return _build_lstm(seed)

@@ -27,6 +27,10 @@ load_data and build_model:
   TRAIN_AUGMENTATION: None, or `(x, y, seed) -> (x, y)` applied to each
     training example of a client (`seed`: int64 [2]); never to evaluation or
     server data.
+
+A task with settings of its own declares them as a settings group, `SETTINGS`
+(`tff_ens.settings.group`; their flags apply to that task only; `TASK_SETTINGS` finds it
+without TensorFlow), and takes them as `load_data(..., config=SETTINGS(...))`.
 """
 
 import importlib
@@ -44,6 +48,18 @@ TASKS = {
   "cifar100": ("cifar", "CIFAR100"),
   "shakespeare": ("shakespeare", None),
 }
+
+# Task name -> (module, attribute) of its settings group, in a module without TensorFlow.
+TASK_SETTINGS = {"shakespeare": ("plays", "ShakespeareConfig")}
+
+
+def task_settings(name: str):
+  """The settings group of task `name` (`TASK_SETTINGS`), or None."""
+  if name not in TASK_SETTINGS:
+    return None
+  module, attribute = TASK_SETTINGS[name]
+  return getattr(importlib.import_module(f"tasks.{module}"), attribute)
+
 
 # The error every task raises for missing or malformed data.
 DataError = data.DataError

@@ -30,8 +30,6 @@ from tasks.data import FederatedData
 from tasks.plays import context_ids  # noqa: F401  # pylint: disable=unused-import
 from tasks.plays import decode  # noqa: F401  # pylint: disable=unused-import
 from tasks.plays import encode  # noqa: F401  # pylint: disable=unused-import
-from tff_ens import settings
-from tff_ens.settings import setting
 
 VOCABULARY = plays.VOCABULARY
 OOV_ID = plays.OOV_ID
@@ -67,40 +65,8 @@ SERVER_EXAMPLES = (0, 0)
 TRAIN_AUGMENTATION = None
 
 
-@dataclasses.dataclass(frozen=True)
-class ShakespeareConfig:
-  """Which roles are clients and how many samples are evaluated (flags of the same names).
-
-  Attributes:
-    min_role_characters: roles with fewer characters of speech are left out. 1,000 keeps
-      631 of the 1,379 roles and 95% of the text, and gives every client 800+ training
-      and 120+ test samples (LEAF's split leaves 660 of its 1,129 roles a test sample).
-    held_out_role_fraction: the share of those roles (seeded) that trains nowhere: new
-      clients, and the server's unlabeled and validation text.
-    eval_samples_per_role: test samples kept per client, and samples per held-out role
-      (a seeded subsample; 0 keeps all): the 2-layer LSTM evaluates ~150 samples/s on 2
-      CPU cores, so all 0.7M test samples would take ~75 min.
-  """
-
-  min_role_characters: int = setting(
-    1_000, "Shakespeare: roles with fewer characters of speech are left out.", at_least=1
-  )
-  held_out_role_fraction: float = setting(
-    0.1,
-    "Shakespeare: share of the roles held out of training (seeded): new clients and the "
-    "server's text.",
-    at_least=0,
-    below=1,
-  )
-  eval_samples_per_role: int = setting(
-    100,
-    "Shakespeare: test samples per client and samples per held-out role kept (a seeded "
-    "subsample; 0 keeps all).",
-    at_least=0,
-  )
-
-  def __post_init__(self):
-    settings.check(self)
+# The task's own settings (tasks/__init__.py).
+SETTINGS = plays.ShakespeareConfig
 
 
 def load_data(
@@ -108,7 +74,7 @@ def load_data(
   *,
   partition: partition_lib.PartitionConfig | None = None,
   seed: int = 0,
-  config: ShakespeareConfig | None = None,
+  config: plays.ShakespeareConfig | None = None,
 ) -> FederatedData:
   """Loads Gutenberg's plays from `data_dir`: clients by role (partition None) or iid.
 
@@ -133,7 +99,7 @@ def load_data(
       f"--partition={partition.partition} splits by label, and Shakespeare's labels are "
       "next characters: use --partition=iid, or leave it unset for the roles"
     )
-  config = config or ShakespeareConfig()
+  config = config or plays.ShakespeareConfig()
   data = plays.load_roles(
     data_dir,
     min_characters=config.min_role_characters,

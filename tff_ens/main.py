@@ -51,10 +51,13 @@ def usage() -> str:
   algorithms that read it."""
   fields = {f.name: f for f in dataclasses.fields(experiment.ExperimentConfig)}
   lines = [__doc__.strip(), ""]
-  groups = experiment.COMMON_GROUPS + algorithms.SETTINGS_GROUPS
+  tasks_of = {group: name for name, group in experiment.TASK_GROUPS.items()}
+  groups = experiment.COMMON_GROUPS + tuple(tasks_of) + algorithms.SETTINGS_GROUPS
   for group in groups:
     if group in experiment.COMMON_GROUPS:
       title = "every run" if group is experiment.COMMON_GROUPS[0] else "every run, cont."
+    elif group in tasks_of:
+      title = f"--task={tasks_of[group]}"
     else:
       readers = [n for n, s in algorithms.REGISTRY.items() if group in s.settings]
       title = "--algorithm=" + ", ".join(readers)

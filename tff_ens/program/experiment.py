@@ -119,8 +119,13 @@ class _Run:
     return addresses
 
 
+# Each task's own settings group, if it has one (tasks/__init__.py).
+TASK_GROUPS = {name: tasks.task_settings(name) for name in tasks.TASK_SETTINGS}
 ExperimentConfig = settings.compose(
-  "ExperimentConfig", COMMON_GROUPS + algorithms.SETTINGS_GROUPS, module=__name__, bases=(_Run,)
+  "ExperimentConfig",
+  COMMON_GROUPS + tuple(TASK_GROUPS.values()) + algorithms.SETTINGS_GROUPS,
+  module=__name__,
+  bases=(_Run,),
 )
 ExperimentConfig.__doc__ = """Everything that defines a run (written to `config.json`): one
 field per flag of every settings group (`COMMON_GROUPS` and the algorithms')."""
@@ -139,6 +144,7 @@ class Run:
     dp: DP-FedAvg's aggregation, None without `--dp_*`.
     active: active learning (`enabled` or not).
     groups: the algorithm's settings groups, by type.
+    task_config: the task's own settings (`tasks.task_settings`), or None.
     workers: the `--workers` addresses (empty: a local worker).
   """
 
@@ -150,6 +156,7 @@ class Run:
   dp: privacy.DPConfig | None
   active: active_learning.ActiveLearningConfig
   groups: dict[type, Any]
+  task_config: Any
   workers: list[str]
 
 
@@ -183,6 +190,9 @@ def resolve(config) -> Run:
       dp=dp,
       active=settings.resolve(active_learning.ActiveLearningConfig, config),
       groups={group: settings.resolve(group, config) for group in spec.settings},
+      task_config=(
+        settings.resolve(TASK_GROUPS[config.task], config) if config.task in TASK_GROUPS else None
+      ),
       workers=config.worker_addresses(),
     )
     _check_capabilities(config, spec)
@@ -201,13 +211,22 @@ def resolve(config) -> Run:
 def _check_capabilities(config, spec: algorithm_lib.Algorithm) -> None:
   """The flags the algorithm does not read, and the common options it cannot take (DP,
   devices, batch-norm recalibration), as a `SettingError` naming the flag."""
+  read = (
+    COMMON_GROUPS
+    + spec.settings
+    + ((TASK_GROUPS[config.task],) if config.task in TASK_GROUPS else ())
+  )
   unread = {
     field.name: settings.group_of(field)
     for field in dataclasses.fields(config)
-    if settings.group_of(field) not in COMMON_GROUPS + spec.settings
-    and getattr(config, field.name) != field.default
+    if settings.group_of(field) not in read and getattr(config, field.name) != field.default
   }
   for name, group in unread.items():
+    if group in TASK_GROUPS.values():
+      task = next(n for n, g in TASK_GROUPS.items() if g is group)
+      raise settings.SettingError(
+        name, getattr(config, name), f"it is task {task}'s setting, not {config.task}'s: drop it"
+      )
     readers = [n for n, s in algorithms.REGISTRY.items() if group in s.settings]
     raise settings.SettingError(
       name,

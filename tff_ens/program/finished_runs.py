@@ -45,7 +45,7 @@ def _reads(spec, flag: str) -> bool:
   if spec is None or flag not in _FIELDS:
     return True
   group = settings.group_of(_FIELDS[flag])
-  return group in experiment.COMMON_GROUPS or group in spec.settings
+  return group in experiment.COMMON_GROUPS + tuple(experiment.TASK_GROUPS.values()) + spec.settings
 
 
 # What every run's summary.json holds (`config` with its algorithm).

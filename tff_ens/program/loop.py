@@ -140,6 +140,7 @@ def _round(run, data, algorithm, held, store, devices, train_split, speeds, last
     straggler_rate=config.straggler_rate,
     aggregate_first=config.aggregate_first,
     nan_clients=config.nan_clients_per_round,
+    max_steps=config.client_steps,
   )
   if devices is not None:
     reports, datasets = _train_on_devices(
@@ -147,7 +148,7 @@ def _round(run, data, algorithm, held, store, devices, train_split, speeds, last
     )
   else:
     reports = plan.reports
-    datasets = _client_datasets(config, train_split, plan, run.task.TRAIN_AUGMENTATION)
+    datasets = _client_datasets(config, train_split, plan, run.task)
   row = {
     "clients_used": float(len(datasets)),
     "stragglers": float(np.sum(reports & (plan.work < 1.0))),
@@ -200,19 +201,21 @@ def _client_state_store(algorithm, output_dir: str, start_round: int):
   return store
 
 
-def _client_datasets(config, train, plan, augmentation) -> list:
-  """The reporting clients' local datasets of the round (`simulation.client_dataset`)."""
+def _client_datasets(config, train, plan, task) -> list:
+  """The reporting clients' local datasets of the round (`simulation.client_dataset`), their
+  inputs as the task's models take them (`INPUT_DTYPE`)."""
   reports = plan.reports
   return [
     simulation.client_dataset(
-      train.x[train.client_ids[i]],
+      np.asarray(train.x[train.client_ids[i]], task.INPUT_DTYPE),
       train.y[train.client_ids[i]],
       epochs=config.client_epochs,
       batch_size=config.batch_size,
       seed=int(s),
-      augmentation=augmentation,
+      augmentation=task.TRAIN_AUGMENTATION,
       work=w,
       poisoned=p,
+      max_steps=config.client_steps,
     )
     for i, s, w, p in zip(
       plan.cohort[reports], plan.seeds[reports], plan.work[reports], plan.poisoned[reports]
@@ -304,6 +307,7 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
           batch_size=config.batch_size,
           seed=int(plan.seeds[k]),
           work=float(plan.work[k]),
+          max_steps=config.client_steps,
         ),
         "batch_size": config.batch_size,
         "model": model,

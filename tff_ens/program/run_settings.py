@@ -51,6 +51,12 @@ class RunSettings:
   clients_per_round: int = setting(10, "Clients sampled per round.", above=0)
   client_epochs: int = setting(1, "Local epochs per round.", above=0)
   batch_size: int = setting(20, "Local batch size.", above=0)
+  client_steps: int = setting(
+    0,
+    "At most this many local steps (batches) a round, of --client_epochs epochs (0: all of "
+    "them); for clients with much data, such as Shakespeare's.",
+    at_least=0,
+  )
 
   # The server's data and evaluation.
   recalibrate_batch_norm: int = setting(

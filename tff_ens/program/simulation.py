@@ -108,6 +108,7 @@ def plan_round(
   straggler_rate: float = 0.0,
   aggregate_first: int = 0,
   nan_clients: int = 0,
+  max_steps: int = 0,
 ) -> RoundPlan:
   """The round's faults for its sampled `cohort`: a function of (seed, round) only.
 
@@ -121,11 +122,14 @@ def plan_round(
     dropout_rate, straggler_rate: `simulate_faults`.
     aggregate_first: FedScale's over-commitment (`first_to_finish`); 0: every client.
     nan_clients: this many reporting clients train on NaN inputs (fault injection).
+    max_steps: the clients' local steps are at most this many (0: no limit).
   """
   cohort = np.asarray(cohort)
   seeds = np.random.default_rng([seed, round_num, 1]).integers(2**31, size=len(cohort))
   reports, work = simulate_faults(len(cohort), seed, round_num, dropout_rate, straggler_rate)
   batches = np.ceil(sizes[cohort] * epochs / batch_size)
+  if max_steps:
+    batches = np.minimum(batches, max_steps)
   kept = first_to_finish(work * batches / speeds[cohort], reports, aggregate_first)
   poisoned = np.zeros_like(kept)
   poisoned[np.flatnonzero(kept)[:nan_clients]] = True
@@ -144,6 +148,7 @@ def client_dataset(
   augmentation=None,
   work: float = 1.0,
   poisoned: bool = False,
+  max_steps: int = 0,
 ) -> tf.data.Dataset:
   """One client's local training data: shuffled (seeded), repeated, batched.
 
@@ -151,7 +156,8 @@ def client_dataset(
   the i-th example of the stream gets the stateless seed (seed, i). A
   straggler (`work` < 1) stops after that fraction of its batches (at least
   one). A `poisoned` client (fault injection) has NaN inputs, so its local
-  training ends in NaN weights, as a broken device's would.
+  training ends in NaN weights, as a broken device's would. With `max_steps` > 0 it
+  stops after that many batches (before a straggler's share of them).
   """
   if poisoned:
     x = np.full_like(x, np.nan)
@@ -165,25 +171,41 @@ def client_dataset(
       lambda i, example: augmentation(*example, tf.stack([tf.constant(seed, tf.int64), i]))
     )
   dataset = dataset.batch(batch_size)
+  batches = math.ceil(len(x) * epochs / batch_size)
+  if max_steps and max_steps < batches:
+    batches = max_steps
+    dataset = dataset.take(batches)
   if work < 1.0:
-    batches = math.ceil(len(x) * epochs / batch_size)
     dataset = dataset.take(max(1, math.ceil(work * batches)))
   return dataset
 
 
 def client_order(
-  num_examples: int, *, epochs: int, batch_size: int, seed: int, work: float = 1.0
+  num_examples: int,
+  *,
+  epochs: int,
+  batch_size: int,
+  seed: int,
+  work: float = 1.0,
+  max_steps: int = 0,
 ) -> np.ndarray:
   """The indices of a client's examples in the order `client_dataset` trains on them."""
   indices = np.arange(num_examples, dtype=np.int32)
   batches = client_dataset(
-    indices, indices, epochs=epochs, batch_size=batch_size, seed=seed, work=work
+    indices,
+    indices,
+    epochs=epochs,
+    batch_size=batch_size,
+    seed=seed,
+    work=work,
+    max_steps=max_steps,
   )
   return np.concatenate([y for _, y in batches.as_numpy_iterator()] or [indices[:0]])
 
 
 def batch_element_spec(task) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+  """The `tf.TensorSpec`s of one batch `(x, y)` of the task's clients."""
   return (
-    tf.TensorSpec((None,) + tuple(task.INPUT_SHAPE), tf.float32),
+    tf.TensorSpec((None,) + tuple(task.INPUT_SHAPE), tf.as_dtype(task.INPUT_DTYPE)),
     tf.TensorSpec((None,), tf.int32),
   )

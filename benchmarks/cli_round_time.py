@@ -1,4 +1,4 @@
-r"""Median round time of CLI runs: Fed-ensemble against FedAvg (issue 3).
+r"""Median round time of CLI runs: Fed-ensemble against FedAvg.
 
   uv run python benchmarks/cli_round_time.py [--rounds=40] [--passes=2] \
       [--variants=fedavg,fedensemble:1,fedensemble:5]
@@ -27,7 +27,7 @@ from absl import flags
 
 import report
 
-SECTION = "## Fed-ensemble round time in the CLI (issue 3)"
+SECTION = "## Fed-ensemble round time in the CLI"
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 40, "Rounds of each run.")

@@ -1,4 +1,4 @@
-r"""Time of one local SGD step of the LEAF CNN: Keras against the trainable TFLite file (issue 25).
+r"""Time of one local SGD step of the LEAF CNN: Keras against the trainable TFLite file.
 
   uv run python benchmarks/device_train_step.py [--batch_size=64] [--repeats=15]
 
@@ -8,7 +8,7 @@ threads), and the `--format=trainable` file (`export.trainable`) through
 `export.device_training.DeviceTrainer` in tflite-runtime here and in LiteRT in the device
 environment (no TensorFlow; skipped if it is not installed), one and two interpreter threads.
 Each variant's median over `--repeats` steps after 3 untimed ones. Writes the section
-"## On-device training step (issue 25)" of `--results`.
+"## On-device training step" of `--results`.
 """
 
 import json
@@ -29,9 +29,9 @@ from tasks import femnist
 
 # Replaces the default TFF context that importing TFF (through tasks) installs, whose
 # clean-up at interpreter exit fails.
-from tff_ens.execution import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens.execution import runtime  # noqa: F401
 
-SECTION = "## On-device training step (issue 25)"
+SECTION = "## On-device training step"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_PYTHON = os.path.join(REPO_ROOT, "device", ".venv", "bin", "python")
 LEARNING_RATE = 0.05

@@ -177,7 +177,7 @@ def main(argv):
     f"{FLAGS.steps} steps per run, soft targets of two CNNs; best of "
     f"{FLAGS.repeats} timed runs after one untimed run, variants taking "
     "turns, all on the device TensorFlow chooses (the CPU here). `distill` "
-    "runs in the driver as the server step runs it (issue 20: a `tf.data` "
+    "runs in the driver as the server step runs it (a `tf.data` "
     "pipeline, one compiled step) with FedBE's config (SGD momentum 0.9, "
     "cyclical step size, SWA every 25 steps) or FedDF's (Adam, cosine, "
     "validation on 500 images every 100 steps); each is compared with Keras "

@@ -1,4 +1,4 @@
-r"""Round time and worker memory of Fed-ensemble against FedAvg (issue 3).
+r"""Round time and worker memory of Fed-ensemble against FedAvg.
 
   uv run python benchmarks/ensemble_round.py [--rounds=5] [--passes=2] \
       [--sizes=1,5] [--feddyn_sizes=5]
@@ -32,7 +32,7 @@ the models on the worker: `federated_select` of one of K LEAF CNNs per client
 and, to tell the select's cost per call from its cost per byte, the same
 select of only the chosen model's first tensor (the LEAF CNN's first
 convolution, 800 weights).
-Writes the section "## Fed-ensemble round time (issue 3)" of `--results`.
+Writes the section "## Fed-ensemble round time" of `--results`.
 """
 
 import functools
@@ -54,7 +54,7 @@ from tff_ens.execution import runtime
 from tff_ens.program import simulation
 from tff_ens.templates import client_work
 
-SECTION = "## Fed-ensemble round time (issue 3)"
+SECTION = "## Fed-ensemble round time"
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 5, "Timed rounds per variant and pass.")

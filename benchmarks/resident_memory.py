@@ -1,4 +1,4 @@
-r"""Worker memory with the state held on the worker between rounds (issue 7).
+r"""Worker memory with the state held on the worker between rounds.
 
   uv run python benchmarks/resident_memory.py [--rounds=16] \
       [--algorithms=fedensemble,vdistill] [--distill_steps=20]
@@ -13,7 +13,7 @@ memory budget); and held as the CLI holds it (`ResidentState`'s default
 budget, after which the state is uploaded again every N rounds). It prints
 the worker's resident memory after rounds 1, 5, 10 and the last, its peak,
 and the median seconds of a round. Writes the section "## State on the
-worker and worker memory (issue 7)" of `--results`.
+worker and worker memory" of `--results`.
 """
 
 import statistics
@@ -32,7 +32,7 @@ from tff_ens.program import experiment
 from tff_ens.program import simulation
 from tff_ens.server import server_data as server_data_lib
 
-SECTION = "## State on the worker and worker memory (issue 7)"
+SECTION = "## State on the worker and worker memory"
 PLACES = (
   ("python", "through Python every round"),
   ("uncut", "held on the worker, no cut"),

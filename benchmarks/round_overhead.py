@@ -1,4 +1,4 @@
-r"""Wall time of one FedAvg round through TFF against plain Keras (issue 2).
+r"""Wall time of one FedAvg round through TFF against plain Keras.
 
   uv run python benchmarks/round_overhead.py [--rounds=5] \
       [--data_dir=../shared/data/femnist]
@@ -31,7 +31,7 @@ the same work, the largest weight difference to Keras after the first round
 (all start from the same weights and see the same unshuffled batches).
 
 The table, the machine and the command are written to the section
-"## Round overhead (issue 2)" of `--results` (other sections are kept).
+"## Round overhead" of `--results` (other sections are kept).
 """
 
 import os
@@ -62,7 +62,7 @@ from tff_ens.execution import runtime
 from tff_ens.program import simulation
 from tff_ens.templates import client_work
 
-SECTION = "## Round overhead (issue 2)"
+SECTION = "## Round overhead"
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 5, "Timed rounds per variant (median over).")

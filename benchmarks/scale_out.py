@@ -1,4 +1,4 @@
-r"""Rounds per minute of FedAvg on a local worker and on two workers (issue 7).
+r"""Rounds per minute of FedAvg on a local worker and on two workers.
 
   uv run python benchmarks/scale_out.py [--rounds=2] [--cohorts=20,100]
 
@@ -19,7 +19,7 @@ Both setups share this machine's cores and train at most
 each of the two workers half): without a limit, a worker training 100 LEAF CNN
 clients at once grew past 10 GiB and was killed for memory. The setups take
 turns (`time_setups`) and train the same rounds, so their final models are
-compared. Writes the section "## Scale-out on TFF workers (issue 7)" of
+compared. Writes the section "## Scale-out on TFF workers" of
 `--results`.
 """
 
@@ -41,7 +41,7 @@ from tff_ens.execution import worker_process
 from tff_ens.program import simulation
 from tff_ens.templates import client_work
 
-SECTION = "## Scale-out on TFF workers (issue 7)"
+SECTION = "## Scale-out on TFF workers"
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 2, "Timed rounds per setup and cohort size.")

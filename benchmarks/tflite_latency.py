@@ -48,7 +48,7 @@ flags.DEFINE_list("binary_runs", [], "Binarized ResNet-8 runs (--model=resnet8_b
 flags.DEFINE_string("ensemble_run", None, "A Fed-ensemble run (--algorithm=fedensemble).")
 flags.DEFINE_string("work_dir", "/tmp/tflite_latency", "Where the .tflite files go.")
 flags.DEFINE_integer("latency_repeats", 100, "Timed single-image calls per file.")
-flags.DEFINE_string("section", "## TFLite export (issue 5)", "The RESULTS.md section written.")
+flags.DEFINE_string("section", "## TFLite export", "The RESULTS.md section written.")
 
 FLAGS = flags.FLAGS
 

@@ -9,7 +9,7 @@ cycling through `--cohorts` and prints the worker's resident memory after
 each round, once with `runtime.execution_context` as the CLI uses it (one
 executor, closed when the cohort size changes) and once with TFF's stock
 `ResourceManagingExecutorFactory` (an executor kept per cohort size).
-Writes the section "## Worker memory with changing cohort sizes (issue 7)" of
+Writes the section "## Worker memory with changing cohort sizes" of
 `--results`.
 """
 
@@ -31,7 +31,7 @@ from tff_ens.execution import worker_process
 from tff_ens.program import simulation
 from tff_ens.templates import client_work
 
-SECTION = "## Worker memory with changing cohort sizes (issue 7)"
+SECTION = "## Worker memory with changing cohort sizes"
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 12, "Rounds per variant.")
@@ -53,9 +53,9 @@ def measure(data, factory: str) -> list[int | str]:
 
   Rounds after the worker died (e.g. out of memory) read "worker died".
   """
-  stock = runtime._LatestExecutorFactory  # pylint: disable=protected-access
+  stock = runtime._LatestExecutorFactory
   if factory == "tff":
-    runtime._LatestExecutorFactory = tff.framework.ResourceManagingExecutorFactory  # pylint: disable=protected-access
+    runtime._LatestExecutorFactory = tff.framework.ResourceManagingExecutorFactory
   try:
     with runtime.execution_context():
       algorithm = algorithms.build_algorithm(
@@ -86,7 +86,7 @@ def measure(data, factory: str) -> list[int | str]:
         print(f"{factory}: round {round_num + 1} cohort {n} worker {rss[-1]} MiB", flush=True)
       return rss
   finally:
-    runtime._LatestExecutorFactory = stock  # pylint: disable=protected-access
+    runtime._LatestExecutorFactory = stock
 
 
 def main(argv):

@@ -48,7 +48,6 @@ def lce_interpreter() -> type:
   if importlib.util.find_spec("tensorflow") is None and "larq_compute_engine" not in sys.modules:
     spec = importlib.util.find_spec("larq_compute_engine")
     sys.modules["larq_compute_engine"] = importlib.util.module_from_spec(spec)
-  # pylint: disable-next=import-outside-toplevel
   from larq_compute_engine.tflite.python import interpreter
 
   return interpreter.Interpreter

@@ -10,7 +10,7 @@ import tasks
 
 # Replaces the default TFF context that importing TFF (through tasks) installs, whose
 # clean-up at interpreter exit fails once tensorflow-datasets is imported too.
-from tff_ens.execution import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens.execution import runtime  # noqa: F401
 from tff_ens.math import ensemble_math
 from tff_ens.math import evaluation
 from tff_ens.math import metrics

@@ -35,7 +35,7 @@ class Run:
 
   @property
   def task(self):
-    import tasks  # pylint: disable=import-outside-toplevel
+    import tasks
 
     return tasks.get_task(self.config.get("task", "femnist"), self.config.get("classes", "all"))
 
@@ -45,9 +45,9 @@ class Run:
 
   def load_models(self) -> list:
     """The Keras model(s), un-compiled (larq's layers are registered by importing tasks)."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf
 
-    import tasks  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+    import tasks  # noqa: F401
 
     return [tf.keras.models.load_model(p, compile=False) for p in self.model_paths]
 

@@ -36,7 +36,7 @@ without TensorFlow), and takes them as `load_data(..., config=SETTINGS(...))`.
 import importlib
 
 from tasks import data
-from tasks import partition  # noqa: F401  # pylint: disable=unused-import
+from tasks import partition  # noqa: F401
 
 # Task name -> (module, attribute or None for the module itself). The modules
 # build Keras models, so they are imported on first use: `tasks.data`,

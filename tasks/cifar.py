@@ -313,7 +313,7 @@ def _unpickle(path: str, archive: Archive) -> dict[str, object]:
     raise DataError(
       f"{path}: asks to load {e}, which a CIFAR batch never holds (not read, for safety); {fix}"
     ) from None
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     raise DataError(
       f"{path}: not a CIFAR pickle ({type(e).__name__}: "
       f"{' '.join(str(e).split())}); the file may be truncated: "
@@ -461,7 +461,7 @@ def read_tfds(name: str, data_dir: str, split: str) -> tuple[np.ndarray, np.ndar
   try:
     builder = tfds.builder(name, data_dir=data_dir)
     batches = list(tfds.as_numpy(builder.as_dataset(split=split).batch(_TFDS_BATCH_SIZE)))
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     raise DataError(
       f"{where}: cannot read its {split} split ("
       f"{type(e).__name__}: {' '.join(str(e).split())}); "
@@ -553,8 +553,8 @@ class CifarTask:
     shift_dataset: str | None = None,
   ):
     self.name = name
-    self.NUM_CLASSES = len(class_labels)  # pylint: disable=invalid-name
-    self.CLASS_LABELS = class_labels  # pylint: disable=invalid-name
+    self.NUM_CLASSES = len(class_labels)
+    self.CLASS_LABELS = class_labels
     self.archive = archive
     self.shift_dataset = shift_dataset
 
@@ -614,7 +614,7 @@ class CifarTask:
       return "archive", tf.keras.utils.get_file(
         archive.directory, origin=archive.url, untar=True, file_hash=archive.sha256, cache_dir=cache
       )
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise DataError(
         f"no {self.name} data found: pass --data_dir=DIR (the directory "
         f"where {archive.tarball} was extracted, or a tfds data directory "

@@ -62,7 +62,7 @@ class ClientArrays:
     data in one TF graph, which must stay under 2 GB. (TFF is imported here, so that the
     rest of this module and `tasks.leaf` run where TensorFlow is not installed.)
     """
-    import tensorflow_federated as tff  # pylint: disable=import-outside-toplevel
+    import tensorflow_federated as tff
 
     if not self.client_ids:
       raise ValueError("no clients: a TFF ClientData needs at least one")

@@ -120,7 +120,7 @@ def load_tff(cache_dir: str | None = None) -> FederatedData:
   try:
     # Downloads (if needed) and checks the database's tables.
     tff.simulation.datasets.emnist.load_data(only_digits=False, cache_dir=cache_dir)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     if not cached and os.path.exists(database):  # Else a partial download would pass for cached.
       os.remove(database)
     if cached:

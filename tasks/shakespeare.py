@@ -27,9 +27,9 @@ from tasks import plays
 from tasks import resnet
 from tasks.data import DataError
 from tasks.data import FederatedData
-from tasks.plays import context_ids  # noqa: F401  # pylint: disable=unused-import
-from tasks.plays import decode  # noqa: F401  # pylint: disable=unused-import
-from tasks.plays import encode  # noqa: F401  # pylint: disable=unused-import
+from tasks.plays import context_ids  # noqa: F401
+from tasks.plays import decode  # noqa: F401
+from tasks.plays import encode  # noqa: F401
 
 VOCABULARY = plays.VOCABULARY
 OOV_ID = plays.OOV_ID

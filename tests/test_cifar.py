@@ -291,7 +291,9 @@ def test_partition_is_disjoint_complete_and_seeded(scheme):
 
 
 def test_iid_sizes_differ_by_at_most_one():
-  parts = partition.partition(LABELS, partition.PartitionConfig(num_clients=7), seed=0)
+  parts = partition.partition(
+    LABELS, partition.PartitionConfig(partition="iid", num_clients=7), seed=0
+  )
   assert {len(p) for p in parts} == {142, 143}
 
 
@@ -456,7 +458,7 @@ def test_data_too_small_for_the_split(cifar10_dir, change, message):
     (
       dict(task="femnist", num_clients=3),
       experiment.UsageError,
-      "--num_clients applies to a pooled split, and femnist's clients are its writers",
+      "--num_clients=3: applies to a pooled split, and the task's clients are its own",
     ),
   ],
 )

@@ -1,4 +1,4 @@
-"""Clients that train on devices (`--client_runtime=litert`, issue 25): the client-work stage
+"""Clients that train on devices (`--client_runtime=litert`): the client-work stage
 on device results, one client's update against TFF's own client in the same data order, the
 device processes (a killed one is a dropout), the CLI run and its bad inputs."""
 
@@ -118,7 +118,7 @@ def test_fed_ensemble_on_device_averages_each_members_device_results():
   clients = [0, 1, 2, 3, 4]
   with runtime.execution_context():
     state = algorithm.process.initialize()
-  assigned = algorithm.client_models(clients, state["distributor"])
+  assigned = algorithm.assigned_models(clients, state["distributor"])
   assert assigned == [
     int(member_updates.assigned_model(7, c, 0, 3, "permutation")) for c in clients
   ]

@@ -773,7 +773,7 @@ def test_choose_device_without_gpu():
 
 def test_the_students_fused_adam_is_tffs_adam():
   # The student applies Adam with TF's fused kernel; FedDF's student used TFF's functional
-  # `build_adam` before, and the numbers must not change (issue 20).
+  # `build_adam` before, and the numbers must not change.
   config = Config(
     num_steps=4,
     batch_size=4,

@@ -1,4 +1,4 @@
-"""Tests of the TFLite export (issue 5): conversions run in tflite-runtime, the ensemble's
+"""Tests of the TFLite export: conversions run in tflite-runtime, the ensemble's
 signatures against the NumPy personalization math, the metadata, and the bad-input errors.
 
 Models are small so that conversions take seconds; the end-to-end commands run on the

@@ -513,7 +513,7 @@ def test_feddyn_client_state_stays_on_the_client():
     sum(int(np.prod(v.shape)) for v in member_model(0).trainable_variables),
   )
   key_state = {"round": np.int32(2), "seed": np.int64(0)}  # The distributor's state.
-  assert feddyn.client_models([0, 1, 3], key_state) == [assign(0, c, 2, 3) for c in (0, 1, 3)]
+  assert feddyn.assigned_models([0, 1, 3], key_state) == [assign(0, c, 2, 3) for c in (0, 1, 3)]
   # A client keeps one g per member: the member it trains is its state's key.
   assert feddyn.client_states.keys_of([0, 1, 3], key_state) == [
     assign(0, c, 2, 3) for c in (0, 1, 3)

@@ -490,9 +490,11 @@ def test_load_tff_with_corrupt_cache(tmp_path):
 
 
 def test_split_flags_need_a_split_for_femnist():
-  with pytest.raises(experiment.UsageError, match="--num_clients applies to a pooled split"):
+  with pytest.raises(experiment.UsageError, match="--num_clients=5: applies to a pooled split"):
     experiment.ExperimentConfig(task="femnist", num_clients=5).validate()
   config = experiment.ExperimentConfig(task="femnist", partition="dirichlet")
-  assert config.partition_config().server_unlabeled_examples == femnist.SERVER_EXAMPLES[0]
-  assert experiment.ExperimentConfig(task="femnist").partition_config() is None
-  assert experiment.ExperimentConfig(task="cifar10").partition_config().partition == "iid"
+  split = experiment.resolve(config).partition
+  assert split.server_unlabeled_examples == femnist.SERVER_EXAMPLES[0]
+  assert experiment.resolve(experiment.ExperimentConfig(task="femnist")).partition is None
+  cifar = experiment.resolve(experiment.ExperimentConfig(task="cifar10"))
+  assert cifar.partition.partition == "iid"

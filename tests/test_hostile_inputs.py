@@ -1,4 +1,4 @@
-"""Hostile and broken inputs (issue 7): each is a one-line error, nothing lost.
+"""Hostile and broken inputs: each is a one-line error, nothing lost.
 
 A real run (FedAvg, LEAF CNN, one round) is written first, on a small LEAF
 directory of real FEMNIST writers. Then its data, its output directory or its

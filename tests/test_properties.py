@@ -103,7 +103,7 @@ def test_partition_is_a_seeded_split_into_non_empty_parts(case, seed):
 def test_iid_sizes_differ_by_at_most_one(n, num_clients, seed):
   assume(num_clients <= n)
   parts = partition.partition(
-    np.zeros(n, np.int64), partition.PartitionConfig(num_clients=num_clients), seed
+    np.zeros(n, np.int64), partition.PartitionConfig(partition="iid", num_clients=num_clients), seed
   )
   sizes = [len(p) for p in parts]
   assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n

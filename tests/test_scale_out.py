@@ -60,7 +60,7 @@ def _cpu_seconds(process) -> float:
 
 @pytest.mark.parametrize("name", ["fedavg", "fedensemble", "fedbe"])
 def test_two_workers_round_equals_local_round(name, two_workers):
-  # FedBE: the clients train on the workers, the server step runs here (issue 20).
+  # FedBE: the clients train on the workers, the server step runs here.
   addresses, processes = two_workers
   algorithm = algorithms.build_algorithm(
     name,

@@ -1,4 +1,4 @@
-"""The server step in the driver (tff_ens/templates/server_step.py, issue 20): hand-checked on a
+"""The server step in the driver (tff_ens/templates/server_step.py): hand-checked on a
 tiny model, streamed from a file, and bounded in memory for a 300,000-image set."""
 
 import os

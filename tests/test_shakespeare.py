@@ -422,7 +422,7 @@ def test_tflite_fused_lstm():
     experimental_op_resolver_type=tf.lite.experimental.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
   )
   interpreter.allocate_tensors()
-  ops = {op["op_name"] for op in interpreter._get_ops_details()}  # pylint: disable=protected-access
+  ops = {op["op_name"] for op in interpreter._get_ops_details()}
   assert ops == {"GATHER", "UNIDIRECTIONAL_SEQUENCE_LSTM", "STRIDED_SLICE", "FULLY_CONNECTED"}
   (given,), (output,) = interpreter.get_input_details(), interpreter.get_output_details()
   assert given["dtype"] == np.int32

@@ -139,7 +139,7 @@ def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
       output_dir=str(tmp_path),
     )
   )
-  from tasks import femnist  # pylint: disable=g-import-not-at-top
+  from tasks import femnist
 
   data = femnist.DIGITS.load_data(DATA_DIR)
   assert sum(summary["reliability"]["count"]) == data.test.num_examples()
@@ -154,7 +154,7 @@ def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
 @pytest.mark.parametrize("algorithm", ["fedbe", "feddf"])
 def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path):
   # A small unlabeled set (test-only writers' images) keeps the server fast.
-  from tasks import femnist  # pylint: disable=g-import-not-at-top
+  from tasks import femnist
 
   unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:96]
   np.savez(tmp_path / "server.npz", x=unlabeled)
@@ -208,7 +208,7 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
 
 @pytest.mark.slow
 def test_feddf_over_two_prototypes_reports_each(tmp_path):
-  from tasks import femnist  # pylint: disable=g-import-not-at-top
+  from tasks import femnist
 
   unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:64]
   np.savez(tmp_path / "server.npz", x=unlabeled)
@@ -242,7 +242,7 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
   [
     (
       dict(algorithm="fedavg", prototypes="cnn,resnet8"),
-      "--prototypes=cnn,resnet8: model prototypes are FedDF's, not fedavg's",
+      "--prototypes=cnn,resnet8: --algorithm=fedavg does not read it",
     ),
     (dict(algorithm="feddf", prototypes="cnn"), "two or more different"),
     (dict(algorithm="feddf", prototypes="cnn,vgg"), "unknown model vgg"),
@@ -261,7 +261,7 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
     (dict(lr_schedule="cosine"), "unknown --lr_schedule=cosine"),
     (
       dict(local_objective="feddyn"),
-      "--local_objective=feddyn: FedDyn's objective is built for fedensemble, not fedavg",
+      "--local_objective=feddyn: --algorithm=fedavg does not read it",
     ),
     (
       dict(algorithm="fedensemble", local_objective="feddyn", feddyn_alpha=0.0),
@@ -282,7 +282,7 @@ def test_bad_flags_raise_one_line_errors(change, message, tmp_path):
   assert "\n" not in str(error.value)
 
 
-def test_a_config_saved_before_issue_24_keeps_what_its_run_did():
+def test_a_config_saved_before_the_defaults_changed_keeps_what_its_run_did():
   # Written before --member_average and the pooled FEMNIST split existed.
   old = dataclasses.asdict(experiment.ExperimentConfig(algorithm="fedensemble"))
   for name in ("member_average", "drop_worst_rule", "student_minibatch"):
@@ -292,7 +292,7 @@ def test_a_config_saved_before_issue_24_keeps_what_its_run_did():
   assert saved["member_average"] == "examples"
   assert saved["drop_worst_rule"] == "majority"
   assert saved["partition"] is None and saved["server_unlabeled_examples"] is None
-  assert experiment.ExperimentConfig(**saved).partition_config() is None
+  assert experiment.resolve(experiment.ExperimentConfig(**saved)).partition is None
   assert experiment.saved_config(dataclasses.asdict(QUICK)) == dataclasses.asdict(QUICK)
 
 
@@ -491,8 +491,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
 @pytest.mark.slow
 def test_fedbe_sigkilled_then_resumed_ends_where_an_uninterrupted_run_does(tmp_path):
   # The server step runs in the driver between TFF calls; its state (the model and
-  # the round that seeds it) is all in the checkpoint (issue 20).
-  from tasks import femnist  # pylint: disable=g-import-not-at-top
+  # the round that seeds it) is all in the checkpoint.
+  from tasks import femnist
 
   np.save(tmp_path / "server.npy", femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:96])
   config = dataclasses.replace(

@@ -28,7 +28,6 @@ from tff_ens.execution import cpp_log
 
 cpp_log.quiet_unless_verbose(sys.argv)  # Before TensorFlow's import (see tff_ens/main.py).
 
-# pylint: disable=g-import-not-at-top
 from matplotlib import figure
 from matplotlib import ticker
 from matplotlib.backends import backend_agg

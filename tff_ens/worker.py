@@ -26,7 +26,7 @@ import portpicker
 
 # Installs tff_ens.execution.runtime's default context in place of TFF's, whose teardown at exit
 # prints an AttributeError.
-from tff_ens.execution import runtime  # noqa: F401  # pylint: disable=unused-import
+from tff_ens.execution import runtime  # noqa: F401
 from tff_ens.execution import worker_process
 
 FLAGS = flags.FLAGS

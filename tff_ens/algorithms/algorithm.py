@@ -177,7 +177,7 @@ class FederatedAlgorithm:
       data (`next`'s client indices): its index in the population (Fed-ensemble's
       permutation rows, FedDF's prototypes) or its slot in the sampled cohort (a random
       walk's walker); None: `next` takes none.
-    client_models: `(cohort, key state) -> [k]`, the model of `models_fn` each client trains
+    assigned_models: `(cohort, key state) -> [k]`, the model of `models_fn` each client trains
       in the round whose distributor state is the key state (which the distributor reports
       as its measurements for the next round; Fed-ensemble's `assigned_model`); None: every
       client trains the first.
@@ -196,7 +196,7 @@ class FederatedAlgorithm:
   models_fn: Callable[[Any], list[ModelWeights]]
   evaluation_model_fn: Callable[[], tf.keras.Model]
   client_keys: Callable[[np.ndarray, np.ndarray], Sequence[int]] | None = None
-  client_models: Callable[[Sequence[int], Any], list[int]] | None = None
+  assigned_models: Callable[[Sequence[int], Any], list[int]] | None = None
   client_states: ClientStates | None = None
   cohort_fn: Callable[[int, int, int], np.ndarray] | None = None
   prototypes_fn: (

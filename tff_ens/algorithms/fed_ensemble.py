@@ -323,7 +323,7 @@ def _build_finalizer(members_type, slots_type, weights_type, feddyn_alpha: float
   return tff.templates.MeasuredProcess(initialize_feddyn, next_feddyn)
 
 
-def client_models(key_state, clients, ensemble_size: int, assignment: str) -> list[int]:
+def assigned_models(key_state, clients, ensemble_size: int, assignment: str) -> list[int]:
   """The member each of `clients` trains in the round whose distributor state is
   `key_state` (`assigned_model`, as the distributor computes it)."""
   return [
@@ -351,7 +351,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     num_clients=context.num_clients,
     on_device=context.on_device,
   )
-  members = lambda clients, key_state: client_models(key_state, clients, k, options.assignment)
+  members = lambda clients, key_state: assigned_models(key_state, clients, k, options.assignment)
   states = None
   if built.client_state_type is not None:
     states = algorithm.ClientStates.of(built.client_state_type, keys=members)
@@ -360,7 +360,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     built,
     context,
     client_keys=lambda clients, slots: clients,
-    client_models=members,
+    assigned_models=members,
     client_states=states,
   )
 
@@ -383,7 +383,9 @@ def validate(config) -> None:
     )
   if config.dp_noise_multiplier and not config.dp_clip_norm:
     raise settings.SettingError(
-      "dp_clip_norm", 0.0, "--algorithm=fedensemble clips with a fixed norm only: set it > 0"
+      "dp_clip_norm",
+      0.0,
+      "--algorithm=fedensemble clips with a fixed norm only: set --dp_clip_norm > 0",
     )
 
 

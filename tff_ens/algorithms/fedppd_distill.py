@@ -50,7 +50,7 @@ class FedPPDDistillStep:
       teacher = global_teacher
       if np.any(np.asarray(weights) > 0):
         teacher = server_distillation.weighted_average(
-          server_distillation.client_models(global_teacher, teacher_updates), weights
+          server_distillation.models_of_clients(global_teacher, teacher_updates), weights
         )
     else:
       teacher, teacher_measurements = self._teacher_step(

@@ -82,10 +82,6 @@ def unpack(vector, like):
   )
 
 
-def _gather(stacked, indices):
-  return tf.nest.map_structure(lambda t: tf.gather(t, indices), stacked)
-
-
 def mean_logits_across(predictions: Sequence[dict], counts):
   """AVGLOGITS over the teachers of all prototypes.
 
@@ -119,7 +115,7 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
   for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
     mine = tf.where(tf.logical_and(received, tf.equal(keys, p)))[:, 0]
     clients.append(
-      server_distillation.client_models(global_p, unpack(tf.gather(packed, mine), global_p))
+      server_distillation.models_of_clients(global_p, unpack(tf.gather(packed, mine), global_p))
     )
     client_weights.append(tf.gather(weights, mine))
     if dropping:

@@ -57,7 +57,7 @@ def train(
   dp_epsilons = _dp_epsilons(run, num_clients)
   speeds = simulation.client_speeds(num_clients, config.seed)
   store = _client_state_store(algorithm, outputs.dir, start_round)
-  keyed = algorithm.client_models is not None or (
+  keyed = algorithm.assigned_models is not None or (
     algorithm.client_states is not None and algorithm.client_states.keys is not None
   )
   last = _Round(key_state=state["distributor"] if keyed else None)
@@ -290,8 +290,8 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
   clients = np.flatnonzero(plan.reports)
   names = [train.client_ids[plan.cohort[k]] for k in clients]
   assigned = (
-    algorithm.client_models(plan.cohort[clients], key_state)
-    if algorithm.client_models is not None
+    algorithm.assigned_models(plan.cohort[clients], key_state)
+    if algorithm.assigned_models is not None
     else [0] * len(clients)
   )
   requests = []

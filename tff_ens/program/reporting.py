@@ -93,7 +93,7 @@ EVALUATION_KEYS = ("test_accuracy", "test_loss", "ece", "per_client_accuracy")
 def progress(config: experiment.ExperimentConfig, start_round: int):
   """A tqdm bar on a terminal; plain log lines otherwise."""
   if sys.stderr.isatty():
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm import tqdm
 
     bar = tqdm(total=config.rounds, initial=start_round, unit="round", dynamic_ncols=True)
     last = {}  # The latest value of each shown metric.

@@ -9,7 +9,7 @@ the step sizes (`learning_rate_at`: SWA's cyclical schedule, cosine), SWA
 pipeline streams the images and targets (`server_data.training_batches`;
 arrays or `server_data.ImageFile`s) into one compiled step with stateless
 shuffles, TFF's SGD with momentum or TF's fused Adam (`Student._apply_adam`).
-It runs in the driver (issue 20: TFF 0.87's worker uses no GPU).
+It runs in the driver (TFF 0.87's worker uses no GPU).
 """
 
 import collections
@@ -123,7 +123,7 @@ def recompute_batch_norm(model: tf.keras.Model, x, batch_size: int) -> None:
     v.assign(s / float(count))
 
 
-# Adam's constants: TFF's `build_adam` defaults, the student's Adam before issue 20.
+# Adam's constants: TFF's `build_adam` defaults, the student's Adam before the fused kernel.
 ADAM_BETA_1 = 0.9
 ADAM_BETA_2 = 0.999
 ADAM_EPSILON = 1e-7
@@ -193,7 +193,7 @@ class Student:
     size, tested; within 1e-8 after 120 cosine-scheduled steps, where graph rewrites order
     TFF's step-size arithmetic differently), by TF's fused ApplyAdam kernel: one pass over
     each variable where TFF's functional form makes about ten, which halved the student's
-    speed (issue 20)."""
+    speed."""
     t = tf.cast(step + 1, tf.float32)
     beta_1, beta_2 = tf.constant(ADAM_BETA_1), tf.constant(ADAM_BETA_2)
     for v, (m, u), g in zip(self._weights.trainable, self._adam_moments, gradients):

@@ -73,7 +73,7 @@ def build_keyed_distributor(
   computes `client_key(state, index)` (int32 [1]), downloads `select_model(models, key)` with
   `tff.federated_select` and turns it into its download with `to_download(selected, key)`.
   Its measurements are its new state, the key state of the next round, so that a caller can
-  know a client's key before that round (`federated_algorithm.FederatedAlgorithm.client_models`).
+  know a client's key before that round (`algorithms.algorithm.FederatedAlgorithm.assigned_models`).
 
   Args:
     models_type: the K models' type (a tuple of K structures).

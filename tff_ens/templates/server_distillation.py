@@ -87,6 +87,9 @@ class Settings:
     "TFF 0.87's worker uses no GPU.",
   )
 
+  def __post_init__(self):
+    distillation.choose_device(self.server_device)  # A one-line ValueError for a bad one.
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerDistillationConfig:
@@ -138,7 +141,7 @@ class ServerDistillationConfig:
     )
 
 
-def client_models(global_weights, updates):
+def models_of_clients(global_weights, updates):
   """The clients' models w_i = w - update_i, stacked like `updates`."""
   return tf.nest.map_structure(lambda w, u: w[None] - u, global_weights, updates)
 
@@ -168,7 +171,7 @@ def teachers(
   all received clients (a FedAvg step), as in the first rounds of training.
   """
   updates, weights = collected
-  clients = client_models(global_weights, updates)
+  clients = models_of_clients(global_weights, updates)
   weights = tf.cast(weights, tf.float32)
   received = weights > 0
   keep = received

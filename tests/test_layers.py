@@ -1,0 +1,89 @@
+"""The packages import along their layers (docs/layout.md): no package imports one above it,
+so `tff_ens`'s layers, `tasks` and `export` form no import cycle."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Each package and the first-party packages it may import (besides itself).
+FOUNDATIONS = ("tff_ens",)
+ALLOWED = {
+  "tff_ens": (),
+  "tasks": FOUNDATIONS,
+  "tff_ens.math": FOUNDATIONS,
+  "tff_ens.server": (*FOUNDATIONS, "tasks", "tff_ens.math"),
+  "tff_ens.execution": FOUNDATIONS,
+  "export": (*FOUNDATIONS, "tasks", "tff_ens.math", "tff_ens.execution"),
+  "tff_ens.templates": (*FOUNDATIONS, "tff_ens.math", "tff_ens.server", "tff_ens.execution"),
+  "tff_ens.algorithms": (
+    *FOUNDATIONS,
+    "tasks",
+    "tff_ens.math",
+    "tff_ens.server",
+    "tff_ens.execution",
+    "tff_ens.templates",
+  ),
+  "tff_ens.program": (
+    *FOUNDATIONS,
+    "tasks",
+    "export",
+    "tff_ens.math",
+    "tff_ens.server",
+    "tff_ens.execution",
+    "tff_ens.templates",
+    "tff_ens.algorithms",
+  ),
+}
+# The command lines sit above every layer.
+ENTRY_POINTS = ("tff_ens/main.py", "tff_ens/worker.py", "tff_ens/compare.py")
+
+
+def _package_of(module: str) -> str | None:
+  """The layer of a first-party module name, or None for a third-party one."""
+  parts = module.split(".")
+  if parts[0] in ("tasks", "export"):
+    return parts[0]
+  if parts[0] != "tff_ens":
+    return None
+  if len(parts) > 1 and (ROOT / "tff_ens" / parts[1] / "__init__.py").exists():
+    return f"tff_ens.{parts[1]}"
+  return "tff_ens"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names.add(node.module)
+      # `from tff_ens import math` imports the package `tff_ens.math`.
+      names.update(f"{node.module}.{alias.name}" for alias in node.names)
+  return names
+
+
+def _modules():
+  for package in ALLOWED:
+    directory = ROOT / package.replace(".", "/")
+    for path in sorted(directory.glob("*.py")):
+      if str(path.relative_to(ROOT)) not in ENTRY_POINTS:
+        yield package, path
+
+
+def test_every_package_has_a_layer():
+  packages = {"tasks", "export", "tff_ens"}
+  packages |= {f"tff_ens.{p.parent.name}" for p in ROOT.glob("tff_ens/*/__init__.py")}
+  assert packages == set(ALLOWED)
+
+
+@pytest.mark.parametrize("package,path", list(_modules()), ids=lambda v: str(v)[-40:])
+def test_a_module_imports_only_its_layer_and_those_below(package, path):
+  above = {
+    f"{name} ({_package_of(name)})"
+    for name in _imports(path)
+    if _package_of(name) not in (None, package, *ALLOWED[package])
+  }
+  assert not above, f"{path.relative_to(ROOT)} imports {sorted(above)}"

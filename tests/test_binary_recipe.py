@@ -67,8 +67,8 @@ def test_the_recipe_trains_a_valid_config():
     ({"recalibrate_batch_norm": -1}, r"--recalibrate_batch_norm must be >= 0"),
     (
       {"recalibrate_batch_norm": 5, "algorithm": "fedbe"},
-      r"--recalibrate_batch_norm=5: batch-norm recalibration is the server step of fedavg, "
-      r"fedprox, fedavgm, fedadam, not of fedbe",
+      r"--recalibrate_batch_norm=5: batch-norm recalibration is a step of FedAvg's finalizer, "
+      r"which fedbe does not have: use one of fedavg, fedprox, fedavgm, fedadam",
     ),
     (
       {"client_optimizer": "adam", "client_momentum": 0.9},

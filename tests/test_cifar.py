@@ -552,35 +552,36 @@ def test_client_dataset_augments_training_examples_only_when_asked():
 
 
 def _quick(data_dir, output_dir, **changes):
-  return dataclasses.replace(
-    experiment.ExperimentConfig(
-      task="cifar10",
-      data_dir=str(data_dir),
-      num_clients=4,
-      server_unlabeled_examples=32,
-      server_validation_examples=16,
-      step_minor_examples=1,
-      rounds=2,
-      clients_per_round=2,
-      batch_size=16,
-      client_lr=0.02,
-      eval_every=1,
-      checkpoint_every=2,
-      distill_steps=25,
-      distill_batch_size=16,
-      distill_eval_every=5,
-      distill_patience=10,
-      fedbe_samples=2,
-      ensemble_size=2,
-      seed=1,
-      output_dir=str(output_dir),
-    ),
+  """A small run of `changes["algorithm"]` (default fedavg), with the flags it reads."""
+  flags = dict(
+    task="cifar10",
+    data_dir=str(data_dir),
+    num_clients=4,
+    server_unlabeled_examples=32,
+    server_validation_examples=16,
+    step_minor_examples=1,
+    rounds=2,
+    clients_per_round=2,
+    batch_size=16,
+    client_lr=0.02,
+    eval_every=1,
+    checkpoint_every=2,
+    distill_steps=25,
+    distill_batch_size=16,
+    distill_eval_every=5,
+    distill_patience=10,
+    fedbe_samples=2,
+    ensemble_size=2,
+    seed=1,
+    output_dir=str(output_dir),
     **changes,
   )
+  read = experiment.flags_read(flags.get("algorithm", "fedavg"), "cifar10")
+  return experiment.ExperimentConfig(**{k: v for k, v in flags.items() if k in read})
 
 
 # Each algorithm on another partition, so that every partition trains.
-SMOKE_PARTITIONS = dict(zip(algorithms.ALGORITHMS, partition.PARTITIONS * 3))
+SMOKE_PARTITIONS = dict(zip(algorithms.ALGORITHMS, partition.PARTITIONS * 4))
 
 
 # The server-distillation runs take 15-25 s each: run with `-m slow`.

@@ -104,9 +104,18 @@ def test_round_plan_poisons_and_drops_only_reporting_clients():
   )
   sizes = np.arange(20, 220, 10)
   speeds = simulation.client_speeds(len(sizes), config.seed)
+  faults = dict(
+    seed=config.seed,
+    epochs=config.client_epochs,
+    batch_size=config.batch_size,
+    dropout_rate=config.dropout_rate,
+    aggregate_first=config.aggregate_first,
+    nan_clients=config.nan_clients_per_round,
+  )
   for round_num in range(1, 30):
-    plan = simulation.plan_round(config, sizes, speeds, round_num)
-    again = simulation.plan_round(config, sizes, speeds, round_num)
+    cohort = simulation.sample_clients(len(sizes), 8, config.seed, round_num)
+    plan = simulation.plan_round(cohort, sizes, speeds, round_num, **faults)
+    again = simulation.plan_round(cohort, sizes, speeds, round_num, **faults)
     np.testing.assert_array_equal(plan.reports, again.reports)
     assert plan.reports.sum() <= 4
     assert not (plan.late & plan.reports).any()

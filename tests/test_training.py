@@ -578,3 +578,34 @@ def _metrics_or_empty(output_dir):
     return read_metrics(output_dir)
   except FileNotFoundError:
     return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second", ["signal", "grace"])
+def test_a_second_signal_or_the_grace_period_stops_a_round_in_its_server_step(second, tmp_path):
+  # v-Distillation with a long server step: the stop comes in round 2, in the student's
+  # distillation; round 1 is checkpointed and the run resumes from it.
+  config = dataclasses.replace(
+    QUICK,
+    algorithm="vdistill",
+    rounds=2,
+    checkpoint_every=1,
+    distill_steps=100_000,
+    distill_batch_size=8,
+    stop_grace_seconds=2.0 if second == "grace" else 0.0,
+  )
+  output_dir = tmp_path / "stopped"
+  process, _ = _start_and_await(config, output_dir, lambda: len(_metrics_or_empty(output_dir)) >= 1)
+  time.sleep(20)  # Round 2's clients are done; its server step distills for minutes.
+  os.killpg(process.pid, signal.SIGTERM)
+  if second == "signal":
+    time.sleep(1)
+    os.killpg(process.pid, signal.SIGTERM)
+  _, stderr = process.communicate(timeout=60)
+  assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+  last = stderr.strip().splitlines()[-1]
+  assert last.startswith("stopped by SIGTERM in round 2: The run's last checkpoint is round 1")
+  assert os.listdir(output_dir / run_files.CHECKPOINT_DIR) == ["round_1"]
+  assert len(read_metrics(output_dir)) == 1  # Round 1's row, whole.
+  assert not (output_dir / run_files.SUMMARY_FILE).exists()
+  # --resume runs round 2 again from round 1's checkpoint (test_sigkill_then_resume...).

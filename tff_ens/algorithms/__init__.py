@@ -61,8 +61,6 @@ def build(name: str, context: algorithm.BuildContext) -> algorithm.FederatedAlgo
   if name not in REGISTRY:
     raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
   spec = REGISTRY[name]
-  if spec.server_data and context.server_data is None:
-    raise ValueError(f"{name} needs the server's data (context.server_data)")
   for capability, given in (
     ("dp", context.dp is not None),
     ("recalibrates", context.recalibration_images is not None),
@@ -72,6 +70,8 @@ def build(name: str, context: algorithm.BuildContext) -> algorithm.FederatedAlgo
       raise ValueError(
         f"{name} does not take {capability}: use one of {', '.join(having(capability))}"
       )
+  if spec.server_data and context.server_data is None:
+    raise ValueError(f"{name} needs the server's data (context.server_data)")
   return spec.build(context)
 
 

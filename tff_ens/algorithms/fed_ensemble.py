@@ -377,9 +377,11 @@ def validate(config) -> None:
     )
   if config.local_objective != "sgd" and config.client_runtime != "tff":
     raise settings.SettingError(
-      "local_objective",
-      config.local_objective,
-      "the device file trains with plain SGD(M): use --local_objective=sgd or --client_runtime=tff",
+      "client_runtime",
+      config.client_runtime,
+      "the device file trains with plain SGD(M) on all its examples, so "
+      f"--local_objective={config.local_objective} is not supported there: use "
+      "--local_objective=sgd or --client_runtime=tff",
     )
   if config.dp_noise_multiplier and not config.dp_clip_norm:
     raise settings.SettingError(

@@ -160,6 +160,15 @@ class Run:
   workers: list[str]
 
 
+def flags_read(algorithm: str, task: str) -> set[str]:
+  """The flags a run of `algorithm` on `task` reads: every run's, the task's own and the
+  algorithm's settings groups'."""
+  groups = COMMON_GROUPS + algorithms.REGISTRY[algorithm].settings
+  if task in TASK_GROUPS:
+    groups += (TASK_GROUPS[task],)
+  return {flag for group in groups for flag in settings.flags_of(group)}
+
+
 def resolve(config) -> Run:
   """The `Run` of `config`; UsageError, naming the flag and the fix, for a setting the run
   cannot take: a value its declaration or its library config refuses, a flag its

@@ -16,7 +16,6 @@ import tensorflow as tf
 
 from tff_ens import algorithms
 from tff_ens import run_files
-from tff_ens import settings
 from tff_ens.program import experiment
 
 # Flags that change where or how a run executes, not what it computes; seed
@@ -37,15 +36,6 @@ _UNSHOWN_FLAGS = (
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(experiment.ExperimentConfig)}
 _DEFAULTS = {name: field.default for name, field in _FIELDS.items()}
-
-
-def _reads(spec, flag: str) -> bool:
-  """Whether the algorithm `spec` reads `flag`: a flag every run has, or one of its settings
-  groups' (True for an algorithm or a flag this version does not know)."""
-  if spec is None or flag not in _FIELDS:
-    return True
-  group = settings.group_of(_FIELDS[flag])
-  return group in experiment.COMMON_GROUPS + tuple(experiment.TASK_GROUPS.values()) + spec.settings
 
 
 # What every run's summary.json holds (`config` with its algorithm).
@@ -89,6 +79,8 @@ class Run:
     algorithm = self.config["algorithm"]
     spec = algorithms.REGISTRY.get(algorithm)
     variant = spec.variant_flags if spec is not None else ()
+    # A flag this version does not know, or of an algorithm it does not know, is shown.
+    read = experiment.flags_read(algorithm, self.config.get("task")) if spec else set(_FIELDS)
     # In the order of `ExperimentConfig`, then flags it does not know.
     order = list(_DEFAULTS) + sorted(set(self.config) - set(_DEFAULTS))
     return " ".join(
@@ -97,7 +89,7 @@ class Run:
       if k in self.config
       and k not in _UNSHOWN_FLAGS
       and k != "algorithm"
-      and _reads(spec, k)
+      and (k in read or k not in _FIELDS)
       and (k in variant or k not in _DEFAULTS or self.config[k] != _DEFAULTS[k])
     )
 

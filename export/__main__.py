@@ -2,11 +2,13 @@ r"""Command line: export a trained run to a TFLite file.
 
   python -m export --run_dir=RUN \
       --format=float|dynamic|int8|qat|lce|binary|trainable|ensemble \
-      [--quantization=float|dynamic|int8] --output=FILE.tflite
+      [--quantization=float|dynamic|int8] [--client=WRITER] --output=FILE.tflite
 
 RUN is a `python -m tff_ens.main` output directory; `ensemble` needs a Fed-ensemble run
 (`--quantization` quantizes its members), `lce` and `binary` a run of a binarized model,
-`trainable` a run of a model `export.trainable` supports (the LEAF CNN).
+`trainable` a run of a model `export.trainable` supports (the LEAF CNN). `--client` exports
+a client's own model (Ditto's personal model, LG-FedAvg's local layers under the global ones)
+instead of the global one.
 `int8`, `qat` and the int8 ensemble read the run's training writers (`--data_dir`, default
 the run's). See `export.convert`.
 """
@@ -54,6 +56,12 @@ def define_flags():
   )
   flags.DEFINE_string("output", None, "The .tflite file to write (required).")
   flags.DEFINE_string(
+    "client",
+    None,
+    "Export this client's own model (a Ditto or LG-FedAvg run's, e.g. a FEMNIST writer id) "
+    "instead of the global one.",
+  )
+  flags.DEFINE_string(
     "data_dir",
     None,
     "The run's task data (FEMNIST: a LEAF directory; CIFAR: the archive's directory) for int8 "
@@ -91,7 +99,11 @@ def main(argv):
     if options.representative_examples <= 0 or options.qat_steps <= 0:
       raise ExportError("--representative_examples and --qat_steps must be positive")
     flatbuffer = convert.export_run(
-      runs.load_run(FLAGS.run_dir), FLAGS.format, FLAGS.data_dir, options, FLAGS.quantization
+      runs.load_run(FLAGS.run_dir, FLAGS.client),
+      FLAGS.format,
+      FLAGS.data_dir,
+      options,
+      FLAGS.quantization,
     )
     try:
       with open(FLAGS.output, "wb") as f:

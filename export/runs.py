@@ -62,8 +62,12 @@ def _read_json(path: str) -> dict:
     ) from None
 
 
-def load_run(run_dir: str) -> Run:
-  """Reads `run_dir`; ExportError (one line) if it is not a finished `tff_ens.main` run."""
+def load_run(run_dir: str, client: str | None = None) -> Run:
+  """Reads `run_dir`; ExportError (one line) if it is not a finished `tff_ens.main` run.
+
+  With `client`, its model is that client's own (`clients/<client>.keras`: Ditto's personal
+  model, LG-FedAvg's local layers under the global ones).
+  """
   if not os.path.isdir(run_dir):
     raise ExportError(
       f"--run_dir={run_dir} is not a directory: pass the --output_dir of a "
@@ -85,4 +89,22 @@ def load_run(run_dir: str) -> Run:
     )
   config = _read_json(os.path.join(run_dir, run_files.CONFIG_FILE))
   summary = _read_json(os.path.join(run_dir, run_files.SUMMARY_FILE))
+  if client is not None:
+    clients_dir = os.path.join(run_dir, run_files.CLIENTS_DIR)
+    path = os.path.join(clients_dir, f"{client}.keras")
+    if not os.path.isfile(path):
+      known = (
+        sorted(n[: -len(".keras")] for n in os.listdir(clients_dir))
+        if os.path.isdir(clients_dir)
+        else []
+      )
+      raise ExportError(
+        f"--client={client}: {run_dir} keeps no model of its own for it "
+        + (
+          f"(it has {len(known)}, e.g. {', '.join(known[:3])})"
+          if known
+          else f"({config.get('algorithm')} keeps none: Ditto and LG-FedAvg runs do)"
+        )
+      )
+    return Run(run_dir, config, summary, (path,))
   return Run(run_dir, config, summary, tuple(members) if members else (single,))

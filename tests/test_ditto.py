@@ -12,6 +12,11 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from export import ExportError
+from export import convert
+from export import on_device
+from export import runs
+import tasks
 from tests.femnist_runs import QUICK
 from tff_ens import algorithms
 from tff_ens import run_files
@@ -145,3 +150,14 @@ def test_a_run_evaluates_each_writer_with_its_own_model_and_resumes(tmp_path):
   assert again["test_accuracy"] == summary["test_accuracy"]
   with open(tmp_path / "run" / run_files.SUMMARY_FILE) as f:
     assert json.load(f)["clients_with_own_model"] == summary["clients_with_own_model"]
+  # A writer's personal model exports for its phone, and runs there as in Keras.
+  writers = sorted(os.listdir(tmp_path / "run" / run_files.CLIENTS_DIR))
+  assert len(writers) == summary["clients_with_own_model"]
+  writer = writers[0][: -len(".keras")]
+  run = runs.load_run(str(tmp_path / "run"), client=writer)
+  (personal,) = run.load_models()
+  exported = on_device.load_bytes(convert.export_run(run, "float"))
+  x = tasks.femnist.load_data(QUICK.data_dir).test.x[writer][:4]
+  np.testing.assert_allclose(exported.logits(x), personal(x, training=False), atol=1e-4)
+  with pytest.raises(ExportError, match="--client=nobody: .* keeps no model of its own"):
+    runs.load_run(str(tmp_path / "run"), client="nobody")

@@ -103,6 +103,9 @@ def test_one_round_distills_every_prototype_from_all_clients():
   assert finalizer["student_validation_accuracy"] == finalizer["student_validation_accuracy_dense"]
   assert finalizer["dropped_clients"] == 0
   assert finalizer["distill_steps"] >= 2
+  # What the first prototype's student competes with, measured as FedDF's single-model step.
+  assert 0.0 <= finalizer["average_validation_accuracy"] <= 1.0
+  assert 0.0 <= finalizer["teachers_validation_accuracy"] <= 1.0
   for before, after in zip(state["model"], new_state["model"]):
     assert any(
       not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before))

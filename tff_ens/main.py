@@ -11,7 +11,6 @@ read it (`--helpfull`: absl's list).
 import dataclasses
 import logging as std_logging
 import os
-import signal
 import sys
 
 from absl import app
@@ -116,7 +115,7 @@ def main(argv):
     return 1
   except experiment.Stopped as e:
     print(str(e), file=sys.stderr)
-    return 128 + signal.SIGTERM
+    return 128 + e.signum
   print(
     f"test_accuracy={summary['test_accuracy']:.4f} "
     f"summary={os.path.join(config.output_dir, run_files.SUMMARY_FILE)}"

@@ -25,6 +25,9 @@ MODEL_FILE = "model.keras"
 MEMBERS_DIR = "members"
 # FedDF's prototypes: `prototypes/<name>.keras`.
 PROTOTYPES_DIR = "prototypes"
+# Each client's own model where an algorithm keeps one (Ditto's personal model, LG-FedAvg's
+# local layers under the global ones): `clients/<client id>.keras`.
+CLIENTS_DIR = "clients"
 
 
 # Ensemble member k's file in MEMBERS_DIR (`member_file`), and its pattern.

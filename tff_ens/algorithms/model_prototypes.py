@@ -189,11 +189,14 @@ class PrototypeStep:
       distilled = any_received and bool(informative)
       targets = self._targets(clients, keep) if distilled else None
       new_prototypes, steps, examples, curves = [], 0, 0, {}
+      average_accuracy = teachers_accuracy = tf.constant(-1.0)
       for p, global_p in enumerate(global_prototypes):
         kept = client_weights[p] * keep[p]
         start_p = global_p
         if any_received and float(tf.reduce_sum(kept)) > 0:
           start_p = server_distillation.weighted_average(clients[p], kept)
+        if p == 0 and any_received:
+          average_accuracy, teachers_accuracy = self._validation_baselines(start_p, clients, keep)
         if distilled:
           start_p, stats = self._students[p].distill(
             start_p,
@@ -214,6 +217,8 @@ class PrototypeStep:
     measurements["server_device"] = server_step.placed_device(accuracies[0])
     measurements.update(
       student_validation_accuracy=accuracies[0],
+      average_validation_accuracy=average_accuracy,
+      teachers_validation_accuracy=teachers_accuracy,
       dropped_clients=(
         int(tf.reduce_sum(tf.cast(received, tf.int32)))
         - int(tf.add_n([tf.reduce_sum(k) for k in keep]))
@@ -225,6 +230,21 @@ class PrototypeStep:
     )
     measurements.update(curves)
     return tuple(new_prototypes), measurements
+
+  def _validation_baselines(self, average, clients, keep):
+    """What the first prototype's student competes with, on the server's validation data
+    (as `DistillationStep.validation_baselines`): the accuracy of its clients' weight average
+    (its start) and of the teachers' AVGLOGITS over every prototype's kept clients."""
+    x, y = self._validation
+    distillation.assign_weights(self._models[0], average)
+    average_accuracy = self._students[0].validation_accuracy(x, y)
+    logits = [
+      mean_logits_across(predictions, counts)
+      for _, predictions, counts in _teacher_batches(
+        self._models, clients, keep, self.data.validation_x
+      )
+    ]
+    return average_accuracy, distillation.accuracy(tf.concat(logits, 0), y)
 
   def _targets(self, clients, keep):
     """AVGLOGITS of every kept client model on the unlabeled images."""

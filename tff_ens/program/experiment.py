@@ -89,7 +89,11 @@ class UsageError(ValueError):
 
 
 class Stopped(Exception):
-  """The run stopped on a signal after checkpointing its last round."""
+  """The run stopped on a signal (`signum`); its last round is checkpointed."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.signum = signum
 
 
 class _Run:

@@ -76,7 +76,7 @@ def train(
         )
       except stopping.StopNow as e:
         raise experiment.Stopped(
-          f"stopped by {e} in round {round_num}: {outputs.resume_hint()}"
+          f"stopped by {e} in round {round_num}: {outputs.resume_hint()}", e.signum
         ) from None
       if dp_epsilons is not None:
         row["dp_epsilon"] = float(dp_epsilons[round_num - 1])
@@ -109,7 +109,8 @@ def train(
       if stop and not is_last:
         raise experiment.Stopped(
           f"stopped by {stopper.signal_name} after round {round_num}, which is checkpointed in "
-          f"{outputs.dir}: continue with --resume"
+          f"{outputs.dir}: continue with --resume",
+          stopper.signum,
         )
   return reporting.write_summary(
     run, data, algorithm, held.value, outputs, evaluator, last, pool, store

@@ -158,7 +158,7 @@ def write_summary(run, data, algorithm, state, outputs, evaluator, last, pool=No
       algorithm.prototypes_fn(state), data.test, outputs.dir
     )
   if store is not None and algorithm.client_states.model is not None:
-    summary.update(personalized_summary(algorithm, models, store, data, evaluator))
+    summary.update(personalized_summary(algorithm, models, store, data, evaluator, outputs.dir))
   summary.update(uncertainty_summary(config, data, member_probabilities, outputs.dir, teacher_test))
   new_clients = evaluator.summary(
     models, data.new_clients, prefix="new", member_probs=member_probabilities(data.new_clients)
@@ -331,19 +331,23 @@ def prototype_accuracies(prototypes, split, output_dir: str) -> dict[str, float]
   return accuracies
 
 
-def personalized_summary(algorithm, models, store, data, evaluator) -> dict:
+def personalized_summary(algorithm, models, store, data, evaluator, output_dir: str) -> dict:
   """Each training writer's own model (`ClientStates.model`: Ditto's personal model,
-  LG-FedAvg's local layers under the global ones) on its own test examples; a writer that
-  never trained has none and is predicted by the global model. Keys: `personalized_accuracy`
+  LG-FedAvg's local layers under the global ones) on its own test examples, saved as
+  `clients/<writer>.keras` (for `python -m export --client=WRITER`); a writer that never
+  trained has none and is predicted by the global model. Keys: `personalized_accuracy`
   (the mean over writers), `personalized_test_accuracy` and `personalized_test_loss` (over
   the examples), `clients_with_own_model` and `clients_without_own_model`."""
   index = {c: i for i, c in enumerate(data.train.client_ids)}
+  directory = os.path.join(output_dir, run_files.CLIENTS_DIR)
+  os.makedirs(directory, exist_ok=True)
   probabilities, own = {}, 0
   for c in data.test.client_ids:
     weights = models[0]
     if c in index and store.stored(index[c], 0):
       weights = algorithm.client_states.model(store.load(index[c], 0), models)
       own += 1
+      run_outputs.save_model(os.path.join(directory, f"{c}.keras"), evaluator.model, weights)
     evaluation.assign_weights(evaluator.model, weights)
     probabilities[c] = evaluation.predict_probabilities(evaluator.model, data.test.x[c])
   pooled = metrics.classification_summary(probabilities, data.test.y, "personalized_test")

@@ -93,7 +93,8 @@ def test_define_flags_makes_one_flag_of_each_type():
 
 def test_every_flag_is_declared_once_with_help_by_a_settings_group():
   fields = dataclasses.fields(experiment.ExperimentConfig)
-  groups = experiment.COMMON_GROUPS + algorithms.SETTINGS_GROUPS
+  groups = experiment.COMMON_GROUPS + tuple(experiment.TASK_GROUPS.values())
+  groups += algorithms.SETTINGS_GROUPS
   assert [f.name for f in fields] == [flag for g in groups for flag in settings.flags_of(g)]
   for field in fields:
     assert settings.declared(field).help, field.name

@@ -295,7 +295,7 @@ def test_iid_partition(subset_dir, subset):
   config = partition_lib.PartitionConfig(
     partition="iid", num_clients=10, server_unlabeled_examples=0, server_validation_examples=0
   )
-  everything = shakespeare.ShakespeareConfig(eval_samples_per_role=0)  # As `subset`.
+  everything = plays.ShakespeareConfig(eval_samples_per_role=0)  # As `subset`.
   data = shakespeare.load_data(str(subset_dir), partition=config, seed=0, config=everything)
   sizes = [data.train.num_examples(c) for c in data.train.client_ids]
   assert len(sizes) == 10 and max(sizes) - min(sizes) <= 1
@@ -321,7 +321,7 @@ def test_task_interface():
   for name in ("femnist", "cifar10"):
     assert tasks.get_task(name).INPUT_DTYPE == np.float32
   with pytest.raises(settings.SettingError, match="held_out_role_fraction"):
-    shakespeare.ShakespeareConfig(held_out_role_fraction=1.0)
+    plays.ShakespeareConfig(held_out_role_fraction=1.0)
 
 
 # Bad input: one line naming the file or directory and the fix.
@@ -373,7 +373,7 @@ def test_unreadable_play(tmp_path):
 
 
 def test_too_few_roles_and_other_partitions(subset_dir):
-  config = shakespeare.ShakespeareConfig(min_role_characters=10**6)
+  config = plays.ShakespeareConfig(min_role_characters=10**6)
   message = _error(lambda: shakespeare.load_data(str(subset_dir), config=config))
   assert "0 role(s) have 1000000 characters" in message and "--min_role_characters" in message
   dirichlet = partition_lib.PartitionConfig(partition="dirichlet")

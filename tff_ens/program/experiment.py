@@ -56,14 +56,15 @@ def saved_config(saved: dict) -> dict:
   """A run's saved config.json as this version's flags.
 
   A flag the run predates takes the value that reproduces what it did: the older behaviour
-  for the flags of `_CHANGED_DEFAULTS`, else the default. Before them FEMNIST's writers were
-  written as the iid partition with CIFAR's server sizes, which now mean a pooled split:
-  they become unset. Before FedAdam every run wrote `server_lr`, FedAvg's 1 by default:
-  there it becomes unset (the algorithm's own).
+  for the flags of `_CHANGED_DEFAULTS` its algorithm reads, else the default. Before them
+  FEMNIST's writers were written as the iid partition with CIFAR's server sizes, which now
+  mean a pooled split: they become unset. Before FedAdam every run wrote `server_lr`,
+  FedAvg's 1 by default: there it becomes unset (the algorithm's own).
   """
   upgraded = dict(saved)
   if "member_average" not in saved:
-    upgraded = {**_CHANGED_DEFAULTS, **saved}
+    read = flags_read(saved["algorithm"], saved.get("task", "femnist"))
+    upgraded = {**{k: v for k, v in _CHANGED_DEFAULTS.items() if k in read}, **saved}
     if upgraded.get("task", "femnist") == "femnist":
       for name in ("partition", "server_unlabeled_examples", "server_validation_examples"):
         upgraded[name] = None

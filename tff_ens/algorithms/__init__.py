@@ -9,7 +9,6 @@ import dataclasses
 
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
-from tff_ens.algorithms import ditto
 from tff_ens.algorithms import fed_ensemble
 from tff_ens.algorithms import fedadam
 from tff_ens.algorithms import fedavg
@@ -34,7 +33,6 @@ REGISTRY = {
     vdistill.ALGORITHM,
     fedppd.ALGORITHM,
     fedppd_distill.ALGORITHM,
-    ditto.ALGORITHM,
   )
 }
 ALGORITHMS = tuple(REGISTRY)

@@ -9,6 +9,7 @@ import dataclasses
 
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
+from tff_ens.algorithms import ditto
 from tff_ens.algorithms import fed_ensemble
 from tff_ens.algorithms import fedadam
 from tff_ens.algorithms import fedavg
@@ -33,6 +34,7 @@ REGISTRY = {
     vdistill.ALGORITHM,
     fedppd.ALGORITHM,
     fedppd_distill.ALGORITHM,
+    ditto.ALGORITHM,
   )
 }
 ALGORITHMS = tuple(REGISTRY)

@@ -19,6 +19,7 @@ from tff_ens.algorithms import feddf
 from tff_ens.algorithms import fedppd
 from tff_ens.algorithms import fedppd_distill
 from tff_ens.algorithms import fedprox
+from tff_ens.algorithms import lg_fedavg
 from tff_ens.algorithms import vdistill
 
 REGISTRY = {
@@ -35,6 +36,7 @@ REGISTRY = {
     fedppd.ALGORITHM,
     fedppd_distill.ALGORITHM,
     ditto.ALGORITHM,
+    lg_fedavg.ALGORITHM,
   )
 }
 ALGORITHMS = tuple(REGISTRY)

@@ -20,6 +20,7 @@ from tff_ens.algorithms import fedppd
 from tff_ens.algorithms import fedppd_distill
 from tff_ens.algorithms import fedprox
 from tff_ens.algorithms import lg_fedavg
+from tff_ens.algorithms import random_walk
 from tff_ens.algorithms import vdistill
 
 REGISTRY = {
@@ -37,6 +38,7 @@ REGISTRY = {
     fedppd_distill.ALGORITHM,
     ditto.ALGORITHM,
     lg_fedavg.ALGORITHM,
+    random_walk.ALGORITHM,
   )
 }
 ALGORITHMS = tuple(REGISTRY)

@@ -1,4 +1,5 @@
-"""The algorithms the CLI can run: one module each, registered in one line of `REGISTRY`.
+"""The algorithms the CLI can run: one module each, imported and registered in one line of
+`REGISTRY`.
 
 An algorithm module declares its settings, its builder and its rules in one
 `algorithm.Algorithm` (`ALGORITHM`); see `algorithm` and docs/library.md, "Adding an

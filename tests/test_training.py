@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
 from tff_ens import run_files
+from tff_ens.algorithms import algorithm as algorithm_lib
+from tff_ens.program import client_states
 from tff_ens.program import experiment
 from tff_ens.program import run_outputs
 from tff_ens.program import simulation
@@ -328,6 +331,35 @@ def test_output_dir_of_another_run_is_refused_and_kept(fedavg_run):
   with pytest.raises(experiment.UsageError, match="pass --resume"):
     training.run_experiment(config)
   assert pathlib.Path(metrics_path).read_bytes() == before
+
+
+def test_a_moved_run_directory_resumes(fedavg_run, tmp_path):
+  config, _ = fedavg_run
+  moved = tmp_path / "moved"  # Its config; its checkpoints are another test's.
+  moved.mkdir()
+  shutil.copy(os.path.join(config.output_dir, run_files.CONFIG_FILE), moved)
+  outputs = run_outputs.RunOutputs(
+    dataclasses.replace(config, output_dir=str(moved), resume=True), None
+  )
+  outputs.close()
+  assert json.loads((moved / run_files.CONFIG_FILE).read_text())["output_dir"] == str(moved)
+
+
+def test_client_states_outlive_the_older_checkpoint(tmp_path):
+  # A resume from the older of the two checkpoints kept (the newer deleted as unreadable)
+  # finds the client states of its round.
+  outputs = run_outputs.RunOutputs(dataclasses.replace(QUICK, output_dir=str(tmp_path)), None)
+  spec = algorithm_lib.ClientStates(shape=(2,), dtype=np.dtype(np.float32))
+  store = client_states.ClientStateStore(str(tmp_path / client_states.DIRECTORY), spec)
+  for round_num in (1, 2, 3, 4):
+    store.save(round_num, 0, 0, np.full((2,), round_num, np.float32))
+    if round_num % 2 == 0:
+      outputs.save_checkpoint(round_num, {"w": np.zeros((2,), np.float32)})
+      store.prune(outputs.oldest_checkpoint())
+  assert outputs.oldest_checkpoint() == 2
+  outputs.close()
+  store.rewind(2)
+  assert store.load(0, 0)[0] == 2.0
 
 
 def test_run_from_before_a_new_flag_resumes_at_its_default(tmp_path):

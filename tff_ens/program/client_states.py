@@ -13,7 +13,8 @@ renamed, so a killed run never leaves half a file.
 A resumed run restarts at its last checkpoint, so states written after that
 round are stale: `rewind` deletes them and the versions written at or before
 the checkpoint take over. `prune`, after each checkpoint, deletes the versions
-no resume can need (all but the newest at or before the checkpoint).
+no resume can need: all but the newest at or before the oldest checkpoint kept (a resume
+starts there when the newest checkpoint is unreadable and deleted).
 """
 
 import collections

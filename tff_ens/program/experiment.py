@@ -76,6 +76,7 @@ def saved_config(saved: dict) -> dict:
 # Keys that may differ between an interrupted run and its `--resume`: how
 # the run executes and what it only measures, not what it computes.
 RESUME_FREE_KEYS = (
+  "output_dir",  # A run's directory moved elsewhere resumes there.
   "resume",
   "max_concurrent_clients",
   "workers",

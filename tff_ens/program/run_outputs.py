@@ -147,6 +147,11 @@ class RunOutputs:
     """
     return self._resumed
 
+  def oldest_checkpoint(self) -> int:
+    """The round of the oldest checkpoint kept: the earliest a `--resume` can start from
+    (after the newest is deleted as unreadable)."""
+    return self._loop.run_until_complete(self._checkpoints.get_versions())[0]
+
   def resume_hint(self) -> str:
     """Where a stopped run continues from: its last checkpoint, if any."""
     versions = self._loop.run_until_complete(self._checkpoints.get_versions())

@@ -9,19 +9,12 @@ Citations:
   Lin, Kong, Stich and Jaggi, "Ensemble Distillation for Robust Model Fusion
   in Federated Learning", NeurIPS 2020, Sec. 4 (Dirichlet splits, ResNet-8).
 
-Load: `load_archive` reads the python version of the dataset as its page
-distributes it, the extracted `cifar-10-python.tar.gz` (cifar-10-batches-py/:
-data_batch_1..5, test_batch, batches.meta) or `cifar-100-python.tar.gz`
-(cifar-100-python/: train, test, meta): pickled dicts whose b"data" is uint8
-[n, 3072], each row an image's 1024 red, 1024 green and 1024 blue values,
-row by row, and whose b"labels" (CIFAR-100: b"fine_labels") are the labels.
-`read_tfds` reads the same images from tensorflow-datasets (`cifar10`,
-`cifar100`) where `tfds build` has prepared them, never downloading; sorted by
-their `id` they are the archive's, in its order. `CifarTask.find_data` says
-which is read: in the given directory (`--data_dir`, else $TFF_ENS_DATA_DIR)
-tfds' dataset, else the archive; with none given, tfds' dataset in its default
-data directory ($TFDS_DATA_DIR, else ~/tensorflow_datasets), else the archive
-in Keras' cache (~/.keras/datasets, where Keras downloads it given network).
+Load (`tasks.cifar_files`): the python archives as the dataset's page distributes them,
+or tfds' prepared `cifar10`/`cifar100`, never downloading. `CifarTask.find_data` says
+which is read: in the given directory (`--data_dir`, else $TFF_ENS_DATA_DIR) tfds'
+dataset, else the archive; with none given, tfds' dataset in its default data directory
+($TFDS_DATA_DIR, else ~/tensorflow_datasets), else the archive in Keras' cache
+(~/.keras/datasets, where Keras downloads it given network).
 
 Shift and out-of-distribution sets, each one pseudo-client, when tfds has
 prepared them in the given or its default directory: CIFAR-10's `shift` is
@@ -32,8 +25,8 @@ tfds has no corrupted CIFAR-100, so its `shift` is None. Both tasks' `ood` is
 SVHN's test set (`svhn_cropped`, Netzer et al., NeurIPS workshop 2011).
 
 Preprocess: float32 images [n, 32, 32, 3] standardized per channel with the
-mean and standard deviation of the dataset's training images (`Archive.mean`,
-`Archive.std`, as both papers' code does), int32 labels.
+mean and standard deviation of the dataset's training images
+(`cifar_files.Archive.mean`, `.std`, as both papers' code does), int32 labels.
 
 Split (seeded): first the server's examples are drawn at random from the
 training set (`ServerExamples`: unlabeled images and a labeled validation
@@ -48,22 +41,21 @@ Training examples are augmented by `augment_training_example` (pad, random
 crop, flip); evaluation and the server's data never are.
 """
 
-import dataclasses
 import logging
 import os
-import pickle
 import socket
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from tasks import cifar_files
 from tasks import data as data_lib
 from tasks import femnist
 from tasks import partition as partition_lib
 from tasks import resnet
 
-INPUT_SHAPE = (32, 32, 3)
+INPUT_SHAPE = cifar_files.IMAGE_SHAPE
 # The model's input: float32 images (standardized).
 INPUT_DTYPE = np.float32
 MODEL_NAMES = ("cnn", "resnet8", "resnet20", "resnet32", "resnet8_binary")
@@ -72,9 +64,6 @@ BINARY_MODEL_NAMES = ("resnet8_binary",)
 DATA_DIR_ENV = femnist.DATA_DIR_ENV
 DataError = data_lib.DataError
 KERAS_CACHE_DIR = os.path.join("~", ".keras")
-# tfds' default data directory: $TFDS_DATA_DIR, else ~/tensorflow_datasets.
-TFDS_DATA_DIR_ENV = "TFDS_DATA_DIR"
-TFDS_DEFAULT_DATA_DIR = os.path.join("~", "tensorflow_datasets")
 # CIFAR-10's covariate shift: tfds' `cifar10_corrupted/<corruption>_<severity>`
 # (severity 1..5); by default Gaussian noise at the middle severity, 3.
 SHIFT_DATASET = "cifar10_corrupted"
@@ -90,314 +79,19 @@ DOWNLOAD_TIMEOUT_SECONDS = 30
 # Zero padding on each side before the random 32x32 crop.
 CROP_PADDING = 4
 
-_PIXELS = 32 * 32 * 3
-# Examples per batch read from tfds.
-_TFDS_BATCH_SIZE = 10_000
 
-CIFAR10_LABELS = (
-  "airplane",
-  "automobile",
-  "bird",
-  "cat",
-  "deer",
-  "dog",
-  "frog",
-  "horse",
-  "ship",
-  "truck",
+CIFAR10_LABELS = tuple("airplane automobile bird cat deer dog frog horse ship truck".split())
+CIFAR100_LABELS = tuple(
+  "apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge "
+  "bus butterfly camel can castle caterpillar cattle chair chimpanzee clock cloud "
+  "cockroach couch crab crocodile cup dinosaur dolphin elephant flatfish forest fox "
+  "girl hamster house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster man "
+  "maple_tree motorcycle mountain mouse mushroom oak_tree orange orchid otter palm_tree "
+  "pear pickup_truck pine_tree plain plate poppy porcupine possum rabbit raccoon ray "
+  "road rocket rose sea seal shark shrew skunk skyscraper snail snake spider squirrel "
+  "streetcar sunflower sweet_pepper table tank telephone television tiger tractor train "
+  "trout tulip turtle wardrobe whale willow_tree wolf woman worm".split()
 )
-CIFAR100_LABELS = (
-  "apple",
-  "aquarium_fish",
-  "baby",
-  "bear",
-  "beaver",
-  "bed",
-  "bee",
-  "beetle",
-  "bicycle",
-  "bottle",
-  "bowl",
-  "boy",
-  "bridge",
-  "bus",
-  "butterfly",
-  "camel",
-  "can",
-  "castle",
-  "caterpillar",
-  "cattle",
-  "chair",
-  "chimpanzee",
-  "clock",
-  "cloud",
-  "cockroach",
-  "couch",
-  "crab",
-  "crocodile",
-  "cup",
-  "dinosaur",
-  "dolphin",
-  "elephant",
-  "flatfish",
-  "forest",
-  "fox",
-  "girl",
-  "hamster",
-  "house",
-  "kangaroo",
-  "keyboard",
-  "lamp",
-  "lawn_mower",
-  "leopard",
-  "lion",
-  "lizard",
-  "lobster",
-  "man",
-  "maple_tree",
-  "motorcycle",
-  "mountain",
-  "mouse",
-  "mushroom",
-  "oak_tree",
-  "orange",
-  "orchid",
-  "otter",
-  "palm_tree",
-  "pear",
-  "pickup_truck",
-  "pine_tree",
-  "plain",
-  "plate",
-  "poppy",
-  "porcupine",
-  "possum",
-  "rabbit",
-  "raccoon",
-  "ray",
-  "road",
-  "rocket",
-  "rose",
-  "sea",
-  "seal",
-  "shark",
-  "shrew",
-  "skunk",
-  "skyscraper",
-  "snail",
-  "snake",
-  "spider",
-  "squirrel",
-  "streetcar",
-  "sunflower",
-  "sweet_pepper",
-  "table",
-  "tank",
-  "telephone",
-  "television",
-  "tiger",
-  "tractor",
-  "train",
-  "trout",
-  "tulip",
-  "turtle",
-  "wardrobe",
-  "whale",
-  "willow_tree",
-  "wolf",
-  "woman",
-  "worm",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Archive:
-  """The layout of one dataset's python archive.
-
-  Attributes:
-    directory: the directory the tarball extracts to.
-    tarball: the file distributed at `url`.
-    url: where Keras downloads it from (keras/datasets/cifar10.py).
-    sha256: the tarball's hash (as Keras checks it).
-    train_files: the pickled training batches.
-    test_file: the pickled test batch.
-    meta_file: the pickle with the class names under `names_key`.
-    label_key: the key of the labels in a batch.
-    names_key: the key of the class names in `meta_file`.
-    mean: per-channel mean of the training images in [0, 1].
-    std: per-channel standard deviation of the training images in [0, 1].
-  """
-
-  directory: str
-  tarball: str
-  url: str
-  sha256: str
-  train_files: tuple[str, ...]
-  test_file: str
-  meta_file: str
-  label_key: str
-  names_key: str
-  mean: tuple[float, float, float]
-  std: tuple[float, float, float]
-
-
-CIFAR10_ARCHIVE = Archive(
-  directory="cifar-10-batches-py",
-  tarball="cifar-10-python.tar.gz",
-  url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
-  sha256="6d958be074577803d12ecdefd02955f39262c83c16fe9348329d7fe0b5c001ce",
-  train_files=tuple(f"data_batch_{i}" for i in range(1, 6)),
-  test_file="test_batch",
-  meta_file="batches.meta",
-  label_key="labels",
-  names_key="label_names",
-  mean=(0.4914, 0.4822, 0.4465),
-  std=(0.2470, 0.2435, 0.2616),
-)
-CIFAR100_ARCHIVE = Archive(
-  directory="cifar-100-python",
-  tarball="cifar-100-python.tar.gz",
-  url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
-  sha256="85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7",
-  train_files=("train",),
-  test_file="test",
-  meta_file="meta",
-  label_key="fine_labels",
-  names_key="fine_label_names",
-  mean=(0.5071, 0.4865, 0.4409),
-  std=(0.2673, 0.2564, 0.2762),
-)
-
-
-class _RefusedObject(pickle.UnpicklingError):
-  """A pickle asks for an object that CIFAR batches never hold."""
-
-
-class _BatchUnpickler(pickle.Unpickler):
-  """Unpickles CIFAR batches only: dicts, lists, bytes and NumPy arrays.
-
-  The archives are Python 2 pickles; refusing every other global keeps a
-  tampered file from running code when it is read.
-  """
-
-  _ALLOWED = {
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.core.numeric", "_frombuffer"),
-    ("numpy.core.multiarray", "scalar"),
-    ("_codecs", "encode"),
-  }
-
-  def find_class(self, module, name):
-    if (module, name) not in self._ALLOWED:
-      raise _RefusedObject(f"{module}.{name}")
-    return super().find_class(module, name)
-
-
-def _unpickle(path: str, archive: Archive) -> dict[str, object]:
-  """The dict pickled in `path`, str keys; DataError naming the file."""
-  fix = f"extract {archive.tarball} again"
-  try:
-    with open(path, "rb") as f:
-      content = _BatchUnpickler(f, encoding="bytes").load()
-  except FileNotFoundError:
-    raise DataError(
-      f"{path} is missing: {archive.directory}/ must hold "
-      f"{', '.join(archive.train_files)}, {archive.test_file} "
-      f"and {archive.meta_file}; {fix}"
-    ) from None
-  except OSError as e:
-    raise DataError(f"{path}: cannot be read ({e.strerror}); check the file") from None
-  except _RefusedObject as e:
-    raise DataError(
-      f"{path}: asks to load {e}, which a CIFAR batch never holds (not read, for safety); {fix}"
-    ) from None
-  except Exception as e:
-    raise DataError(
-      f"{path}: not a CIFAR pickle ({type(e).__name__}: "
-      f"{' '.join(str(e).split())}); the file may be truncated: "
-      f"{fix}"
-    ) from None
-  if not isinstance(content, dict):
-    raise DataError(
-      f"{path}: holds a {type(content).__name__}, not the dict of a CIFAR batch; {fix}"
-    )
-  return {k.decode("latin1") if isinstance(k, bytes) else str(k): v for k, v in content.items()}
-
-
-def _read_batch(path: str, archive: Archive, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
-  """(uint8 images [n, 32, 32, 3], int32 labels [n]) of one batch file."""
-  fix = f"extract {archive.tarball} again"
-  batch = _unpickle(path, archive)
-  missing = [k for k in ("data", archive.label_key) if k not in batch]
-  if missing:
-    raise DataError(
-      f"{path}: no {' or '.join(missing)} entry (it has "
-      f"{', '.join(sorted(batch)) or 'none'}): is it a "
-      f"{archive.directory} file? {fix}"
-    )
-  data = batch["data"]
-  if (
-    not isinstance(data, np.ndarray)
-    or data.dtype != np.uint8
-    or data.ndim != 2
-    or data.shape[1] != _PIXELS
-  ):
-    found = (
-      f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
-    )
-    raise DataError(
-      f"{path}: data must be uint8 rows of {_PIXELS} values (32x32 RGB), found {found}; {fix}"
-    )
-  try:
-    labels = np.asarray(batch[archive.label_key], np.int64)
-  except (TypeError, ValueError):
-    labels = None
-  if labels is None or labels.ndim != 1 or len(labels) != len(data):
-    raise DataError(
-      f"{path}: {len(data)} images but {archive.label_key} is "
-      f"not a list of {len(data)} integers; {fix}"
-    )
-  bad = labels[(labels < 0) | (labels >= num_classes)]
-  if bad.size:
-    raise DataError(
-      f"{path}: labels must be in 0..{num_classes - 1}, found "
-      f"{bad[:3].tolist()}; is it a {archive.directory} file? "
-      f"{fix}"
-    )
-  images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-  return images, labels.astype(np.int32)
-
-
-def load_archive(
-  directory: str, archive: Archive, class_labels
-) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-  """((train images, labels), (test images, labels)) of an archive directory.
-
-  Images are uint8 [n, 32, 32, 3] as stored; labels int32. Raises DataError,
-  one line naming the file and the fix, if a file is missing or malformed
-  or the class names in the meta file are not `class_labels`.
-  """
-  meta_path = os.path.join(directory, archive.meta_file)
-  names = _unpickle(meta_path, archive).get(archive.names_key)
-  names = [
-    n.decode("latin1") if isinstance(n, bytes) else n
-    for n in (names if isinstance(names, list) else [])
-  ]
-  if tuple(names) != tuple(class_labels):
-    raise DataError(
-      f"{meta_path}: {archive.names_key} are not the "
-      f"{len(class_labels)} classes of {archive.directory} "
-      f"(found {len(names)}: {', '.join(map(str, names[:3]))}"
-      f"{', ...' if len(names) > 3 else ''}); pass the directory "
-      f"extracted from {archive.tarball}"
-    )
-  train = [
-    _read_batch(os.path.join(directory, f), archive, len(class_labels)) for f in archive.train_files
-  ]
-  test = _read_batch(os.path.join(directory, archive.test_file), archive, len(class_labels))
-  return tuple(map(np.concatenate, zip(*train))), test
 
 
 def _check_shift(corruption: str, severity: int) -> None:
@@ -414,70 +108,6 @@ def _given_dir(data_dir: str | None) -> str | None:
   """`data_dir`, else $TFF_ENS_DATA_DIR, absolute; None if neither is set."""
   given = data_dir or os.environ.get(DATA_DIR_ENV)
   return os.path.abspath(os.path.expanduser(given)) if given else None
-
-
-def tfds_default_data_dir() -> str:
-  """tfds' default data directory, absolute (as TFDS_DATA_DIR_ENV says)."""
-  return os.path.abspath(
-    os.path.expanduser(os.environ.get(TFDS_DATA_DIR_ENV) or TFDS_DEFAULT_DATA_DIR)
-  )
-
-
-def tfds_version_dir(name: str) -> str:
-  """dataset[/config]/version: where a tfds data directory holds `name`.
-
-  `name` is "dataset" or "dataset/config"; the version is the one tfds reads.
-  """
-  dataset, _, config = name.partition("/")
-  cls = tfds.builder_cls(dataset)
-  version = cls.builder_configs[config].version if config else None
-  return os.path.join(dataset, config, str(version or cls.VERSION))
-
-
-def find_tfds(name: str, data_dirs) -> str | None:
-  """The first of `data_dirs` in which tfds has prepared `name`, or None.
-
-  Looks for the dataset_info.json that preparing writes; no builder is made
-  (an unprepared one would ask Google Cloud Storage for the metadata).
-  """
-  relative = tfds_version_dir(name)
-  for data_dir in data_dirs:
-    if os.path.isfile(os.path.join(data_dir, relative, "dataset_info.json")):
-      return data_dir
-  return None
-
-
-def read_tfds(name: str, data_dir: str, split: str) -> tuple[np.ndarray, np.ndarray]:
-  """(uint8 images [n, 32, 32, 3], int32 labels [n]) of a prepared tfds split.
-
-  `name` is prepared in `data_dir` (see `find_tfds`); nothing is downloaded.
-  Examples with an `id` are sorted by it: tfds' CIFAR ids ("train_00000", ...)
-  number the archive's examples, so its images come out as `load_archive`
-  reads them. Raises DataError (one line, with the fix) if the prepared
-  files cannot be read.
-  """
-  where = os.path.join(data_dir, tfds_version_dir(name))
-  fix = f"prepare it again: tfds build {name} --data_dir={data_dir}"
-  try:
-    builder = tfds.builder(name, data_dir=data_dir)
-    batches = list(tfds.as_numpy(builder.as_dataset(split=split).batch(_TFDS_BATCH_SIZE)))
-  except Exception as e:
-    raise DataError(
-      f"{where}: cannot read its {split} split ("
-      f"{type(e).__name__}: {' '.join(str(e).split())}); "
-      f"{fix}"
-    ) from None
-  if not batches:
-    raise DataError(f"{where}: its {split} split is empty; {fix}")
-  examples = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-  images = examples["image"]
-  if images.dtype != np.uint8 or images.shape[1:] != INPUT_SHAPE:
-    raise DataError(
-      f"{where}: {split} images are {images.dtype} "
-      f"{list(images.shape[1:])}, not uint8 32x32 RGB; {fix}"
-    )
-  order = np.argsort(examples["id"], kind="stable") if "id" in examples else np.arange(len(images))
-  return images[order], examples["label"][order].astype(np.int32)
 
 
 def augment_training_example(
@@ -549,7 +179,7 @@ class CifarTask:
     self,
     name: str,
     class_labels: tuple[str, ...],
-    archive: Archive,
+    archive: cifar_files.Archive,
     shift_dataset: str | None = None,
   ):
     self.name = name
@@ -588,8 +218,8 @@ class CifarTask:
     """
     archive = self.archive
     given = _given_dir(data_dir)
-    tfds_dir = given or tfds_default_data_dir()
-    if find_tfds(self.name, [tfds_dir]):
+    tfds_dir = given or cifar_files.tfds_default_data_dir()
+    if cifar_files.find_tfds(self.name, [tfds_dir]):
       return "tfds", tfds_dir
     if given:
       files = (*archive.train_files, archive.test_file, archive.meta_file)
@@ -600,7 +230,7 @@ class CifarTask:
       flag = "--data_dir" if data_dir else f"${DATA_DIR_ENV}"
       raise DataError(
         f"{flag}={given} holds no {archive.directory}/ and "
-        f"no tfds {tfds_version_dir(self.name)}/: pass the "
+        f"no tfds {cifar_files.tfds_version_dir(self.name)}/: pass the "
         f"directory where {archive.tarball} was extracted or a "
         f"tfds data directory with {self.name} prepared"
       )
@@ -643,15 +273,17 @@ class CifarTask:
     logged (info); ValueError for an unknown corruption or severity.
     """
     _check_shift(shift_corruption, shift_severity)
-    data_dirs = list(dict.fromkeys(d for d in (_given_dir(data_dir), tfds_default_data_dir()) if d))
+    data_dirs = list(
+      dict.fromkeys(d for d in (_given_dir(data_dir), cifar_files.tfds_default_data_dir()) if d)
+    )
     names = {"ood": OOD_DATASET}
     if self.shift_dataset:
       names = {"shift": f"{self.shift_dataset}/{shift_corruption}_{shift_severity}", **names}
     sets, missing = {}, []
     for field, name in names.items():
-      found = find_tfds(name, data_dirs)
+      found = cifar_files.find_tfds(name, data_dirs)
       if found:
-        x, y = read_tfds(name, found, "test")
+        x, y = cifar_files.read_tfds(name, found, "test")
         client = name.split("/")[0]
         sets[field] = data_lib.ClientArrays((client,), {client: self.standardize(x)}, {client: y})
       else:
@@ -696,12 +328,14 @@ class CifarTask:
     kind, where = self.find_data(data_dir)
     if kind == "tfds":
       (train_x, train_y), (test_x, test_y) = (
-        read_tfds(self.name, where, split) for split in ("train", "test")
+        cifar_files.read_tfds(self.name, where, split) for split in ("train", "test")
       )
-      where = os.path.join(where, tfds_version_dir(self.name))
+      where = os.path.join(where, cifar_files.tfds_version_dir(self.name))
       source = f"tfds:{where}"
     else:
-      (train_x, train_y), (test_x, test_y) = load_archive(where, self.archive, self.CLASS_LABELS)
+      (train_x, train_y), (test_x, test_y) = cifar_files.load_archive(
+        where, self.archive, self.CLASS_LABELS
+      )
       source = f"{self.name}:{where}"
     train, test, server = data_lib.split_pool(
       (train_x, train_y),
@@ -768,5 +402,7 @@ class CifarTask:
     raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")
 
 
-CIFAR10 = CifarTask("cifar10", CIFAR10_LABELS, CIFAR10_ARCHIVE, shift_dataset=SHIFT_DATASET)
-CIFAR100 = CifarTask("cifar100", CIFAR100_LABELS, CIFAR100_ARCHIVE)
+CIFAR10 = CifarTask(
+  "cifar10", CIFAR10_LABELS, cifar_files.CIFAR10_ARCHIVE, shift_dataset=SHIFT_DATASET
+)
+CIFAR100 = CifarTask("cifar100", CIFAR100_LABELS, cifar_files.CIFAR100_ARCHIVE)

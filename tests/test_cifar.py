@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import tasks
 from tasks import cifar
+from tasks import cifar_files
 from tasks import partition
 from tff_ens import algorithms
 from tff_ens import run_files
@@ -109,7 +110,7 @@ def offline(monkeypatch, tmp_path):
   worker, on localhost, is reached directly (gRPC honors the variables too).
   """
   monkeypatch.delenv(cifar.DATA_DIR_ENV, raising=False)
-  monkeypatch.delenv(cifar.TFDS_DATA_DIR_ENV, raising=False)
+  monkeypatch.delenv(cifar_files.TFDS_DATA_DIR_ENV, raising=False)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
     monkeypatch.setenv(name, "http://127.0.0.1:9")
@@ -147,8 +148,8 @@ def test_archive_rows_are_red_green_blue_planes(tmp_path):
   with open(path, "rb") as f:
     batch = pickle.load(f, encoding="bytes")
   row = batch[b"data"][3]
-  (x, y), (test_x, test_y) = cifar.load_archive(
-    str(directory), cifar.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS
+  (x, y), (test_x, test_y) = cifar_files.load_archive(
+    str(directory), cifar_files.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS
   )
   assert x.shape == (50, 32, 32, 3) and x.dtype == np.uint8
   assert test_x.shape == (10, 32, 32, 3) and test_y.dtype == np.int32
@@ -163,8 +164,8 @@ def test_cifar100_reads_fine_labels(tmp_path):
   directory = write_cifar100(tmp_path)
   with open(directory / "train", "rb") as f:
     fine = pickle.load(f, encoding="bytes")[b"fine_labels"]
-  (_, y), (test_x, _) = cifar.load_archive(
-    str(directory), cifar.CIFAR100_ARCHIVE, cifar.CIFAR100_LABELS
+  (_, y), (test_x, _) = cifar_files.load_archive(
+    str(directory), cifar_files.CIFAR100_ARCHIVE, cifar.CIFAR100_LABELS
   )
   np.testing.assert_array_equal(y, fine)
   assert len(test_x) == 100
@@ -407,10 +408,12 @@ def test_load_data_splits_train_server_and_test(cifar10_dir, scheme):
 
 def test_images_are_standardized_with_the_archive_statistics(cifar10_dir):
   data = cifar.CIFAR10.load_data(str(cifar10_dir), partition=SMALL)
-  (x, _), _ = cifar.load_archive(str(cifar10_dir), cifar.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS)
+  (x, _), _ = cifar_files.load_archive(
+    str(cifar10_dir), cifar_files.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS
+  )
   pixels = (
-    data.train.x["client_1"] * np.array(cifar.CIFAR10_ARCHIVE.std)
-    + np.array(cifar.CIFAR10_ARCHIVE.mean)
+    data.train.x["client_1"] * np.array(cifar_files.CIFAR10_ARCHIVE.std)
+    + np.array(cifar_files.CIFAR10_ARCHIVE.mean)
   ) * 255
   np.testing.assert_allclose(pixels, np.round(pixels), atol=1e-3)
   assert set(_hashes(np.round(pixels).astype(np.uint8))) <= set(_hashes(x))

@@ -20,6 +20,7 @@ from test_cifar import write_cifar10
 
 import tasks
 from tasks import cifar
+from tasks import cifar_files
 from tasks import partition
 
 # The version directories tfds 4.9.3 prepares the datasets in.
@@ -37,7 +38,7 @@ SMALL = partition.PartitionConfig(
 def offline(monkeypatch, tmp_path):
   """No data unless a test provides it: no env vars, an empty ~, no network."""
   monkeypatch.delenv(cifar.DATA_DIR_ENV, raising=False)
-  monkeypatch.delenv(cifar.TFDS_DATA_DIR_ENV, raising=False)
+  monkeypatch.delenv(cifar_files.TFDS_DATA_DIR_ENV, raising=False)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
     monkeypatch.setenv(name, "http://127.0.0.1:9")
@@ -108,10 +109,10 @@ def _check_labels(task, arrays, examples):
 
 
 def test_version_directories():
-  assert cifar.tfds_version_dir("cifar10") == CIFAR10_DIR
-  assert cifar.tfds_version_dir("cifar100") == CIFAR100_DIR
-  assert cifar.tfds_version_dir("cifar10_corrupted/gaussian_noise_3") == SHIFT_DIR
-  assert cifar.tfds_version_dir(cifar.OOD_DATASET) == OOD_DIR
+  assert cifar_files.tfds_version_dir("cifar10") == CIFAR10_DIR
+  assert cifar_files.tfds_version_dir("cifar100") == CIFAR100_DIR
+  assert cifar_files.tfds_version_dir("cifar10_corrupted/gaussian_noise_3") == SHIFT_DIR
+  assert cifar_files.tfds_version_dir(cifar.OOD_DATASET) == OOD_DIR
   assert "gaussian_noise" in cifar.SHIFT_CORRUPTIONS
   assert len(cifar.SHIFT_CORRUPTIONS) == 19
 
@@ -125,8 +126,8 @@ def _binary_rows(images, labels):
 
 def test_prepared_cifar10_reads_as_the_archive(tmp_path, caplog):
   archive = write_cifar10(tmp_path / "archive")
-  (x, y), (test_x, test_y) = cifar.load_archive(
-    str(archive), cifar.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS
+  (x, y), (test_x, test_y) = cifar_files.load_archive(
+    str(archive), cifar_files.CIFAR10_ARCHIVE, cifar.CIFAR10_LABELS
   )
   binary = tmp_path / "download" / "cifar-10-batches-bin"
   binary.mkdir(parents=True)
@@ -268,7 +269,7 @@ def test_tfds_cifar100_has_ood_but_no_shift(tmp_path, mock_tfds):
 def test_evaluation_sets_are_found_in_tfds_default_directory(tmp_path, monkeypatch, mock_tfds):
   write_cifar10(tmp_path / "data")
   _prepare(tmp_path / "tfds", SHIFT_DIR, OOD_DIR)
-  monkeypatch.setenv(cifar.TFDS_DATA_DIR_ENV, str(tmp_path / "tfds"))
+  monkeypatch.setenv(cifar_files.TFDS_DATA_DIR_ENV, str(tmp_path / "tfds"))
   data = cifar.CIFAR10.load_data(str(tmp_path / "data"), partition=SMALL)
   assert data.source.startswith("cifar10:")
   assert data.shift.client_ids == ("cifar10_corrupted",)
@@ -318,7 +319,7 @@ def test_sources_are_tried_in_the_documented_order(
   if "env" in layout:
     monkeypatch.setenv(cifar.DATA_DIR_ENV, str(tmp_path / "env"))
   if "tfds_env" in layout:
-    monkeypatch.setenv(cifar.TFDS_DATA_DIR_ENV, str(tmp_path / "tfds_env"))
+    monkeypatch.setenv(cifar_files.TFDS_DATA_DIR_ENV, str(tmp_path / "tfds_env"))
   data = cifar.CIFAR10.load_data(
     str(tmp_path / "flag") if "flag" in layout else None, partition=SMALL
   )

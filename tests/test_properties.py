@@ -31,6 +31,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tasks import cifar
+from tasks import cifar_files
 from tasks import partition
 from tff_ens.math import member_updates
 from tff_ens.math import weight_posterior
@@ -174,20 +175,20 @@ def _dump(path: pathlib.Path, content: dict):
 
 def _write_cifar10(root: pathlib.Path, train_images, train_labels, test_images, test_labels):
   """cifar-10-batches-py/ (the upstream pickles) holding the given images."""
-  directory = root / cifar.CIFAR10_ARCHIVE.directory
+  directory = root / cifar_files.CIFAR10_ARCHIVE.directory
   directory.mkdir()
   for name, images, labels in zip(
-    cifar.CIFAR10_ARCHIVE.train_files,
+    cifar_files.CIFAR10_ARCHIVE.train_files,
     np.array_split(train_images, 5),
     np.array_split(train_labels, 5),
   ):
     _dump(directory / name, {b"data": images, b"labels": labels.tolist()})
   _dump(
-    directory / cifar.CIFAR10_ARCHIVE.test_file,
+    directory / cifar_files.CIFAR10_ARCHIVE.test_file,
     {b"data": test_images, b"labels": test_labels.tolist()},
   )
   _dump(
-    directory / cifar.CIFAR10_ARCHIVE.meta_file,
+    directory / cifar_files.CIFAR10_ARCHIVE.meta_file,
     {b"label_names": [n.encode() for n in cifar.CIFAR10_LABELS]},
   )
 

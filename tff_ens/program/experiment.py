@@ -63,7 +63,12 @@ def saved_config(saved: dict) -> dict:
   """
   upgraded = dict(saved)
   if "member_average" not in saved:
-    read = flags_read(saved["algorithm"], saved.get("task", "femnist"))
+    algorithm = saved.get("algorithm")
+    read = (
+      flags_read(algorithm, saved.get("task", "femnist"))
+      if algorithm in algorithms.REGISTRY
+      else set(_CHANGED_DEFAULTS)  # Not a run of this version: the comparison refuses it.
+    )
     upgraded = {**{k: v for k, v in _CHANGED_DEFAULTS.items() if k in read}, **saved}
     if upgraded.get("task", "femnist") == "femnist":
       for name in ("partition", "server_unlabeled_examples", "server_validation_examples"):

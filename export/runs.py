@@ -103,7 +103,7 @@ def load_run(run_dir: str, client: str | None = None) -> Run:
         + (
           f"(it has {len(known)}, e.g. {', '.join(known[:3])})"
           if known
-          else f"({config.get('algorithm')} keeps none: Ditto and LG-FedAvg runs do)"
+          else f"({config.get('algorithm')} keeps no per-client models: export it without --client)"
         )
       )
     return Run(run_dir, config, summary, (path,))

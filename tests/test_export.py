@@ -363,6 +363,11 @@ def test_run_without_model(tmp_path):
     runs.load_run(str(tmp_path / "nope"))
 
 
+def test_a_client_of_a_run_without_per_client_models(single_run):
+  with pytest.raises(ExportError, match="fedavg keeps no per-client models: export it without"):
+    runs.load_run(single_run.run_dir, client="f0000_14")
+
+
 def test_format_must_fit_the_run(single_run, ensemble_run):
   for output_format in ("lce", "binary"):
     with pytest.raises(ExportError, match="needs a run of a binarized model"):

@@ -725,6 +725,18 @@ def test_training_batches_visit_each_example_once_an_epoch_in_a_new_order():
   np.testing.assert_array_equal(np.concatenate(again)[:, 0], np.concatenate(batches))
 
 
+def test_the_draws_made_ahead_are_the_minibatches_the_student_read_before():
+  # Read by `training_batches` when it drew them as the student went (seed 5, and [3, 9]).
+  x = np.arange(7, dtype=np.float32).reshape(7, 1)
+  before = [[5, 0, 2], [3, 4, 1], [3, 4, 5], [0, 2, 1], [4, 3, 0], [1, 6, 2]]
+  np.testing.assert_array_equal(server_data.drawn_rows(7, 3, 6, seed=5), before)
+  read = [b.numpy()[:, 0] for b, _ in server_data.training_batches(x, x, 3, 6, seed=5)]
+  np.testing.assert_array_equal(read, before)
+  drawn = server_data.drawn_rows(50, 8, 8, tf.constant([3, 9], tf.int64))
+  np.testing.assert_array_equal(drawn[0], [30, 49, 41, 16, 27, 8, 46, 39])
+  np.testing.assert_array_equal(drawn[7], [1, 6, 49, 7, 45, 44, 19, 15])
+
+
 def test_teachers_and_drop_worst_in_a_tff_computation():
   members = stack(*(weights_of(tiny_model(seed=s)) for s in (1, 5, 9)))
   model_fn = lambda: tiny_model(seed=0)

@@ -1,5 +1,7 @@
 """FedDF across model prototypes (tff_ens/algorithms/model_prototypes.py)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,9 +16,11 @@ from tff_ens.server import distillation
 from tff_ens.templates import client_work
 from tff_ens.templates import server_distillation as sd
 from tiny import CLIENT_DATA
+from tiny import MANY
 from tiny import SERVER
 from tiny import SPEC
 from tiny import one_batch
+from tiny import record_students
 from tiny import tiny_model
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -152,6 +156,40 @@ def test_teachers_are_the_avglogits_of_every_clients_model():
     )
     logits.append(model(images, training=False))
   np.testing.assert_allclose(teachers, tf.nn.softmax(np.mean(logits, 0)), rtol=1e-5, atol=1e-6)
+
+
+def test_teachers_label_once_the_rows_the_students_read_as_the_whole_set(monkeypatch):
+  # Each prototype's student reads at most 20 minibatches of 8 of the 500 unlabeled images,
+  # drawn from its own seed; the teachers label the rows either reads, once.
+  calls = record_students(monkeypatch)
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
+  states, teachers = {}, {}
+  for labels in sd.TEACHER_LABELS:
+    config = dataclasses.replace(_config(drop_worst=False), teacher_labels=labels)
+    built = mp.build_heterogeneous_feddf(
+      MODEL_FNS, NAMES, SPEC, LOCAL, MANY, config, clients_per_round=4
+    )
+    states[labels], _, teachers[labels] = built.process.next(
+      built.process.initialize(), datasets, [0, 1, 2]
+    )
+  read, whole = calls[:2], calls[2:]  # One call per prototype.
+  assert read[0]["labelled"] == read[1]["labelled"] <= 2 * 20 * 8
+  assert whole[0]["labelled"] == whole[1]["labelled"] == 500
+  # The same minibatches with the same targets, so the same students (to rounding).
+  for student, student_all in zip(read, whole):
+    assert len(student["batches"]) == len(student_all["batches"]) == 20
+    for (x, targets), (x_all, targets_all) in zip(student["batches"], student_all["batches"]):
+      np.testing.assert_array_equal(x, x_all)
+      # Equal to float32 rounding: the teachers' inference batches hold other rows.
+      np.testing.assert_allclose(targets, targets_all, rtol=1e-6, atol=1e-7)
+  read_model, whole_model = (tf.nest.flatten(states[k]["model"]) for k in ("read", "all"))
+  for a, b in zip(read_model, whole_model):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # The targets are the teachers' AVGLOGITS (softmax of the three clients' mean logits,
+  # checked by hand above) on each minibatch.
+  for x, targets in read[0]["batches"] + read[1]["batches"]:
+    want = teachers["read"].predict(x)["probabilities"]
+    np.testing.assert_allclose(targets, want, rtol=1e-5, atol=1e-6)
 
 
 def test_algorithm_reports_one_model_download_of_the_largest_prototype():

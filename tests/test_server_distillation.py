@@ -17,9 +17,11 @@ from tff_ens.templates import client_work
 from tff_ens.templates import server_distillation as sd
 from tff_ens.templates import server_step
 from tiny import CLIENT_DATA
+from tiny import MANY
 from tiny import SERVER
 from tiny import SPEC
 from tiny import one_batch
+from tiny import record_students
 from tiny import tiny_model
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -95,6 +97,11 @@ def test_collect_aggregator_returns_every_client_update():
 
 def _collected(updates, weights):
   return (tf.nest.map_structure(lambda *t: tf.stack(t), *updates), tf.constant(weights, tf.float32))
+
+
+def _softmax(z):
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
 
 
 def _validation():
@@ -234,6 +241,75 @@ def test_distillation_targets_sharpen_with_the_configured_temperature():
   np.testing.assert_allclose(
     targets("feddf", sharpen_temperature=0.5), e / e.sum(-1, keepdims=True), rtol=1e-6
   )
+
+
+# --------------------------------------------------- the rows the teachers label
+
+
+def _numpy_logits(stack, m, x):
+  kernel, bias = (np.asarray(t[m], np.float64) for t in stack.trainable)
+  return np.asarray(x, np.float64).reshape(len(x), -1) @ kernel + bias
+
+
+@pytest.mark.parametrize("method", ["fedbe", "feddf"])
+def test_teachers_label_the_rows_the_student_reads_as_the_whole_set(method, monkeypatch):
+  # Three clients around a tiny global model; FedBE's SWA student (25 steps of 4) and
+  # FedDF's (at most 20 of 4) read at most 100 and 80 of the 500 unlabeled images.
+  global_weights = ModelWeights.from_model(tiny_model(seed=0))
+  global_weights = tf.nest.map_structure(tf.convert_to_tensor, global_weights)
+  updates = [
+    tf.nest.map_structure(tf.subtract, global_weights, ModelWeights.from_model(tiny_model(seed=s)))
+    for s in (4, 5, 6)
+  ]
+  collected = _collected(updates, [2.0, 1.0, 3.0])
+  if method == "fedbe":  # Sharpened mean probabilities, of the average, clients and samples.
+    fields = dict(distill=_fedbe(25, batch_size=4), sharpen_temperature=0.5)
+    fields.update(posterior=weight_posterior.WeightPosterior(num_samples=2))
+  else:  # AVGLOGITS of the clients.
+    fields = dict(distill=_feddf(20, batch_size=4, patience=20, eval_every=5))
+  calls = record_students(monkeypatch)
+  results = {}
+  for labels in sd.TEACHER_LABELS:
+    config = sd.ServerDistillationConfig(method=method, teacher_labels=labels, seed=7, **fields)
+    step = sd.DistillationStep(tiny_model, MANY, config)
+    results[labels] = step(global_weights, collected, 2)
+  read, whole = calls
+  assert whole["labelled"] == 500
+  assert read["labelled"] <= 4 * fields["distill"].num_steps
+  # The same minibatches, with the same targets, and so the same student (to rounding).
+  assert len(read["batches"]) == len(whole["batches"]) == fields["distill"].num_steps
+  for (x, targets), (x_all, targets_all) in zip(read["batches"], whole["batches"]):
+    np.testing.assert_array_equal(x, x_all)
+    # Equal to float32 rounding: the teachers' inference batches hold other rows.
+    np.testing.assert_allclose(targets, targets_all, rtol=1e-6, atol=1e-7)
+  for a, b in zip(tf.nest.flatten(results["read"][0]), tf.nest.flatten(results["all"][0])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert int(results["read"][1]["distill_examples"]) == 4 * fields["distill"].num_steps
+  # The targets by hand, from the round's teachers.
+  stack, weights, *_ = step._teachers(global_weights, collected, sd.round_seed(config, 2))
+  members = [m for m in range(len(weights)) if weights[m] > 0]
+  for x, targets in read["batches"]:
+    logits = np.stack([_numpy_logits(stack, m, x) for m in members])
+    if method == "fedbe":
+      p = np.mean([_softmax(z) for z in logits], 0)
+      want = p**2 / np.sum(p**2, -1, keepdims=True)
+    else:
+      want = _softmax(logits.mean(0))
+    np.testing.assert_allclose(targets, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_rows_read_are_labelled_once_and_the_whole_set_when_all_are_read():
+  x = np.arange(10, dtype=np.float32).reshape(10, 1)
+  draws = [np.array([[7, 2], [2, 9]]), np.array([[9, 0]])]
+  read = server_data_lib.read_rows(x, draws)
+  np.testing.assert_array_equal(read.images[:, 0], [0, 2, 7, 9])  # Once each, in order.
+  for d, b in zip(draws, read.batches):
+    np.testing.assert_array_equal(read.images[b], x[d])
+  whole = server_data_lib.read_rows(x, draws, whole=True)
+  assert whole.images is x and whole.batches[0] is not None
+  np.testing.assert_array_equal(whole.batches[1], draws[1])
+  every = server_data_lib.read_rows(x, [np.arange(10).reshape(5, 2)])
+  assert every.images is x  # Every row read: the set itself, no copy.
 
 
 # ------------------------------------------------------------------ process

@@ -302,6 +302,14 @@ def test_a_config_saved_before_the_defaults_changed_keeps_what_its_run_did():
   assert experiment.saved_config(dataclasses.asdict(QUICK)) == dataclasses.asdict(QUICK)
 
 
+def test_a_config_saved_before_teacher_labels_keeps_labelling_the_whole_set():
+  for algorithm in ("fedbe", "feddf", "vdistill", "fedppd_distill", "fedavg"):
+    old = dataclasses.asdict(experiment.ExperimentConfig(algorithm=algorithm))
+    del old["teacher_labels"]
+    saved = experiment.saved_config(old)
+    assert saved.get("teacher_labels") == (None if algorithm == "fedavg" else "all")
+
+
 def test_a_config_saved_before_fedadam_resumes_with_the_algorithms_server_lr():
   # Before FedAdam every config.json held server_lr, 1 by default, which FedBE never read.
   for algorithm, server_lr, resumed in (

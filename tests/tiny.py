@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from tff_ens.server import server_data
+from tff_ens.server import student as student_lib
 
 # Batches of 2x2x1 images and int32 labels of 3 classes.
 SPEC = (tf.TensorSpec([None, 2, 2, 1], tf.float32), tf.TensorSpec([None], tf.int32))
@@ -18,6 +19,15 @@ SERVER = server_data.ServerData(
   validation_y=np.array([0, 1, 2, 0, 1, 2], np.int32),
   source="test",
 )
+# SERVER with 500 unlabeled images: more than a small distillation budget reads.
+MANY = server_data.ServerData(
+  np.random.default_rng(11).random((500, 2, 2, 1), dtype=np.float32),
+  SERVER.validation_x,
+  SERVER.validation_y,
+  "test",
+)
+
+
 # Three clients' (rows, labels), for `one_batch`.
 CLIENT_DATA = [
   ([[1, 0, 0, 0], [0, 1, 0, 0]], [0, 1]),
@@ -46,3 +56,18 @@ def one_batch(x, y):
   return tf.data.Dataset.from_tensors(
     (np.asarray(x, np.float32).reshape(-1, 2, 2, 1), np.asarray(y, np.int32))
   )
+
+
+def record_students(monkeypatch):
+  """Records, for every `Student.distill` call, the images it is given and the
+  `(images, targets)` of each minibatch it reads."""
+  calls = []
+  distill = student_lib.Student.distill
+
+  def recording(self, initial, x, targets, seed, validation=None, batches=None):
+    assert batches is not None  # The server steps pass the minibatches they labelled.
+    calls.append(dict(labelled=len(x), batches=[(x[b], np.asarray(targets[b])) for b in batches]))
+    return distill(self, initial, x, targets, seed, validation, batches)
+
+  monkeypatch.setattr(student_lib.Student, "distill", recording)
+  return calls

@@ -24,9 +24,11 @@ once:
 * finalizer (`PrototypeStep`, in the driver's TensorFlow as
   `server_step.DriverProcess` runs it): per prototype, the clients' models (global
   minus update) and their weighted average; drop-worst on each client with
-  its own architecture; AVGLOGITS over every kept client; each prototype's
-  student distilled from its average with FedDF's config
-  (`student_lib.distill`).
+  its own architecture; AVGLOGITS over every kept client on the unlabeled
+  images some prototype's student will read this round (the union of their
+  seeded draws, `server_distillation.rows_read`; all of them with
+  `teacher_labels="all"`), labelled once; each prototype's student distilled
+  from its average with FedDF's config (`student_lib.distill`).
 """
 
 import collections
@@ -187,7 +189,13 @@ class PrototypeStep:
       )
       any_received = bool(tf.reduce_any(received))
       distilled = any_received and bool(informative)
-      targets = self._targets(clients, keep) if distilled else None
+      seeds = [
+        tf.random.experimental.stateless_fold_in(seed, p) for p in range(len(global_prototypes))
+      ]
+      read = targets = None
+      if distilled:  # The rows some prototype's student reads, labelled once.
+        read = server_distillation.rows_read(config, self.data.unlabeled, seeds)
+        targets = self._targets(clients, keep, read.images)
       new_prototypes, steps, examples, curves = [], 0, 0, {}
       average_accuracy = teachers_accuracy = tf.constant(-1.0)
       for p, global_p in enumerate(global_prototypes):
@@ -199,11 +207,7 @@ class PrototypeStep:
           average_accuracy, teachers_accuracy = self._validation_baselines(start_p, clients, keep)
         if distilled:
           start_p, stats = self._students[p].distill(
-            start_p,
-            self.data.unlabeled,
-            targets,
-            tf.random.experimental.stateless_fold_in(seed, p),
-            self._validation,
+            start_p, read.images, targets, seeds[p], self._validation, read.batches[p]
           )
           steps += int(stats["steps"])
           examples += int(stats["examples"])
@@ -246,11 +250,10 @@ class PrototypeStep:
     ]
     return average_accuracy, distillation.accuracy(tf.concat(logits, 0), y)
 
-  def _targets(self, clients, keep):
-    """AVGLOGITS of every kept client model on the unlabeled images."""
-    unlabeled = self.data.unlabeled
-    targets = server_data_lib.rows_like(unlabeled, self._models[0].output_shape[-1:])
-    for start, predictions, counts in _teacher_batches(self._models, clients, keep, unlabeled):
+  def _targets(self, clients, keep, images):
+    """AVGLOGITS of every kept client model on `images` (the unlabeled rows read)."""
+    targets = server_data_lib.rows_like(images, self._models[0].output_shape[-1:])
+    for start, predictions, counts in _teacher_batches(self._models, clients, keep, images):
       batch = distillation.avg_logits_targets(mean_logits_across(predictions, counts)).numpy()
       targets[start : start + len(batch)] = batch
     return targets

@@ -24,6 +24,7 @@ from tff_ens.program import active_learning
 from tff_ens.program import run_settings
 from tff_ens.templates import client_work
 from tff_ens.templates import privacy
+from tff_ens.templates import server_distillation
 
 # The settings groups of every run, whatever its algorithm.
 COMMON_GROUPS = (
@@ -59,7 +60,9 @@ def saved_config(saved: dict) -> dict:
   for the flags of `_CHANGED_DEFAULTS` its algorithm reads, else the default. Before them
   FEMNIST's writers were written as the iid partition with CIFAR's server sizes, which now
   mean a pooled split: they become unset. Before FedAdam every run wrote `server_lr`,
-  FedAvg's 1 by default: there it becomes unset (the algorithm's own).
+  FedAvg's 1 by default: there it becomes unset (the algorithm's own). Before
+  `--teacher_labels` the server distillation's teachers labelled every unlabeled image each
+  round: "all".
   """
   upgraded = dict(saved)
   if "member_average" not in saved:
@@ -75,6 +78,9 @@ def saved_config(saved: dict) -> dict:
         upgraded[name] = None
   if "server_epsilon" not in saved and upgraded.get("server_lr") == fedavg.LEARNING_RATE:
     upgraded["server_lr"] = None
+  spec = algorithms.REGISTRY.get(upgraded.get("algorithm"))
+  if "teacher_labels" not in saved and spec and server_distillation.Settings in spec.settings:
+    upgraded["teacher_labels"] = "all"
   return upgraded
 
 

@@ -23,7 +23,9 @@ of images shaped like the task's inputs, or a `.npy` file of such images. A
 `.npy` file is not loaded: `ImageFile` reads the rows each batch needs from
 it, so a set far larger than memory (ImageNet32-sized) streams from disk.
 `ordered_batches` and `training_batches` are the `tf.data` pipelines through
-which the server step reads images (and teacher targets) batch by batch.
+which the server step reads images (and teacher targets) batch by batch; the
+student's minibatches are drawn before it reads them (`student_draws`), so
+`read_rows` gives the rows a round reads, the only ones its teachers need to label.
 """
 
 import dataclasses
@@ -334,16 +336,14 @@ def ordered_batches(x, batch_size: int) -> tf.data.Dataset:
   return starts.map(lambda start: (start, read(start))).prefetch(2)
 
 
-def training_batches(x, targets, batch_size: int, num_steps: int, seed) -> tf.data.Dataset:
-  """The student's `num_steps` minibatches `(images, targets)`.
+def student_draws(n: int, batch_size: int, num_steps: int, seed) -> tf.data.Dataset:
+  """The row indices [min(batch_size, n)] of the student's `num_steps` minibatches of a set
+  of `n` rows.
 
-  Each epoch visits the examples in a stateless random order drawn from
-  `seed` and the epoch number; the last partial batch of an epoch is
-  skipped. The rows are read from `x` and `targets` (arrays or
-  `ImageFile`s) batch by batch and prefetched.
+  Each epoch visits the rows in a stateless random order drawn from `seed` and the epoch
+  number; the last partial batch of an epoch is skipped. Known before the student reads a
+  row, so the teachers can label only the rows it will read (`read_rows`).
   """
-  rows, target_rows = as_rows(x), as_rows(targets)
-  n = len(rows)
   batch_size = min(batch_size, n)
   num_epochs = -(-num_steps // (n // batch_size))
   seed = _as_seed(seed)
@@ -354,10 +354,60 @@ def training_batches(x, targets, batch_size: int, num_steps: int, seed) -> tf.da
     )
     return tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=True)
 
+  return tf.data.Dataset.range(num_epochs).flat_map(epoch_batches).take(num_steps)
+
+
+def drawn_rows(n: int, batch_size: int, num_steps: int, seed) -> np.ndarray:
+  """`student_draws` as one array [num_steps, min(batch_size, n)]."""
+  return np.stack(list(student_draws(n, batch_size, num_steps, seed).as_numpy_iterator()))
+
+
+def batches_of(x, targets, indices) -> tf.data.Dataset:
+  """The minibatches `(x[i], targets[i])` for each index batch `i` of `indices` (a
+  dataset, or an array [steps, b]); the rows are read from `x` and `targets` (arrays or
+  `ImageFile`s) batch by batch and prefetched."""
+  rows, target_rows = as_rows(x), as_rows(targets)
+  if not isinstance(indices, tf.data.Dataset):
+    indices = tf.data.Dataset.from_tensor_slices(np.asarray(indices))
   read_images = _reader(lambda i: rows[i], rows.shape[1:])
   read_targets = _reader(lambda i: target_rows[i], target_rows.shape[1:])
-  indices = tf.data.Dataset.range(num_epochs).flat_map(epoch_batches).take(num_steps)
   return indices.map(lambda i: (read_images(i), read_targets(i))).prefetch(2)
+
+
+def training_batches(x, targets, batch_size: int, num_steps: int, seed) -> tf.data.Dataset:
+  """The student's `num_steps` minibatches `(images, targets)`, drawn from `seed`
+  (`student_draws`) and read by `batches_of`."""
+  return batches_of(x, targets, student_draws(len(x), batch_size, num_steps, seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRows:
+  """The rows of an unlabeled set that a round's students read (`read_rows`).
+
+  Attributes:
+    images: those rows, in the set's order: the set itself when every row is read (or
+      the whole set is asked for), else a float32 copy of them.
+    batches: per student, its minibatches [num_steps, b] as positions into `images`.
+  """
+
+  images: np.ndarray
+  batches: tuple
+
+
+def read_rows(x, draws, *, whole: bool = False) -> ReadRows:
+  """The rows of `x` (an array or an `ImageFile`) that minibatches `draws` (one
+  [steps, b] index array per student, `drawn_rows`) read, and where they find them.
+
+  The teachers then label len(images) <= min(len(x), sum of the draws' sizes) images, a
+  number set by the distillation budget, not by the size of `x`. With `whole` (or when
+  the draws read every row) `images` is `x` and the batches are the draws themselves: the
+  whole set labelled, in the same batches as before.
+  """
+  draws = tuple(np.asarray(d, np.int64) for d in draws)
+  rows = np.unique(np.concatenate([d.reshape(-1) for d in draws]))
+  if whole or len(rows) == len(x):
+    return ReadRows(x, draws)
+  return ReadRows(as_rows(x)[rows], tuple(np.searchsorted(rows, d) for d in draws))
 
 
 def _as_seed(seed):

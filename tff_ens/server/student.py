@@ -6,7 +6,8 @@ unlabeled images (`distillation` has the configs, targets and losses). Here:
 the step sizes (`learning_rate_at`: SWA's cyclical schedule, cosine), SWA
 (Izmailov et al., UAI 2018: `is_swa_collection_step`, `swa_average`,
 `recompute_batch_norm`) and the loop (`Student`, `distill`): a `tf.data`
-pipeline streams the images and targets (`server_data.training_batches`;
+pipeline streams the images and targets of minibatches drawn in advance
+(`server_data.student_draws`, `batches_of`;
 arrays or `server_data.ImageFile`s) into one compiled step with stateless
 shuffles, TFF's SGD with momentum or TF's fused Adam (`Student._apply_adam`).
 It runs in the driver (TFF 0.87's worker uses no GPU).
@@ -212,7 +213,7 @@ class Student:
       if v.constraint is not None:  # As `client_work.train_locally`: Keras' constraints.
         v.assign(v.constraint(v))
 
-  def distill(self, initial_weights, x, targets, seed, validation=None):
+  def distill(self, initial_weights, x, targets, seed, validation=None, batches=None):
     """`distill` with this student's model and config."""
     config = self.config
     if config.eval_every and validation is None:
@@ -247,8 +248,10 @@ class Student:
       if config.eval_every and config.keep_initial_student:
         best_accuracy = tf.constant(curve[0][1])
     steps = 0
-    batches = server_data.training_batches(x, targets, config.batch_size, config.num_steps, seed)
-    for images, batch_targets in batches:
+    if batches is None:
+      batches = server_data.drawn_rows(len(x), config.batch_size, config.num_steps, seed)
+    batches = np.asarray(batches)
+    for images, batch_targets in server_data.batches_of(x, targets, batches):
       opt_state = self._train_step(images, batch_targets, tf.constant(steps), opt_state)
       step, steps = steps, steps + 1
       if config.swa:
@@ -274,7 +277,7 @@ class Student:
       distillation.assign_weights(self.model, best)
     stats = collections.OrderedDict(
       steps=tf.constant(steps),
-      examples=tf.constant(steps * min(config.batch_size, len(x))),
+      examples=tf.constant(steps * batches.shape[1]),
       swa_models=tf.constant(num_averaged),
       validation_accuracy=validation_out,
       validation_curve=np.array(curve, np.float32).reshape([-1, 2]),
@@ -291,19 +294,22 @@ def distill(
   seed,
   validation=None,
   device: Optional[str] = None,
+  batches=None,
 ):
   """Trains the student `model` on (x, targets); returns its weights.
 
   Mini-batch training on unlabeled images `x` [N, ...] and fixed teacher
   targets [N, C] (probabilities: `mean_probability_targets` for FedBE,
   `avg_logits_targets` for FedDF, `sharpen`ed for v-Distillation), from
-  `initial_weights` (the weight average in both papers), in the order of
-  `training_batches`. Then:
+  `initial_weights` (the weight average in both papers), in the minibatches
+  `batches` (rows of `x`), by default those `server_data.student_draws` draws from
+  `seed`. Then:
 
   * with `config.swa` (FedBE, Sec. 4; Izmailov et al., Algorithm 1): the
     models at the end of each cycle after the warm-up are averaged
     (`swa_average`) and batch-norm statistics recomputed on `x`
-    (`recompute_batch_norm`); the average is the result;
+    (`recompute_batch_norm`, one pass over `x`: the rows the student read when
+    the server step passes only those); the average is the result;
   * with `config.eval_every` (FedDF, Algorithm 1 and Sec. 4): early
     stopping on `validation` accuracy; the best evaluated student is the
     result (with `config.keep_initial_student`, the initial one if none
@@ -324,6 +330,8 @@ def distill(
     validation: `(x_val, y_val)` labeled server data; needed for early
       stopping.
     device: a device to run on (`choose_device`), or None to let TF place.
+    batches: [num_steps, b] row indices of `x`, the minibatches in order (the server
+      step's `server_data.read_rows`), or None to draw them from `seed`.
 
   Returns:
     `(weights, stats)`: the student's `ModelWeights` and an `OrderedDict` of
@@ -337,4 +345,4 @@ def distill(
     (none without `validation` or with neither set).
   """
   with tf.device(device) if device else contextlib.nullcontext():
-    return Student(model, config).distill(initial_weights, x, targets, seed, validation)
+    return Student(model, config).distill(initial_weights, x, targets, seed, validation, batches)

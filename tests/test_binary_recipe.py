@@ -41,6 +41,7 @@ def test_a_flag_given_is_kept():
   "flags, expected",
   [
     ({"algorithm": "feddf"}, ["client_optimizer", "client_lr"]),
+    ({"algorithm": "fedbe"}, ["client_optimizer", "client_lr"]),
     ({"norm": "group"}, ["client_optimizer", "client_lr"]),
     ({"client_runtime": "litert"}, ["recalibrate_batch_norm"]),
   ],
@@ -66,9 +67,9 @@ def test_the_recipe_trains_a_valid_config():
   [
     ({"recalibrate_batch_norm": -1}, r"--recalibrate_batch_norm must be >= 0"),
     (
-      {"recalibrate_batch_norm": 5, "algorithm": "fedbe"},
-      r"--recalibrate_batch_norm=5: batch-norm recalibration is a step of FedAvg's finalizer, "
-      r"which fedbe does not have: use one of fedavg, fedprox, fedavgm, fedadam",
+      {"recalibrate_batch_norm": 5, "algorithm": "fedppd"},
+      r"--recalibrate_batch_norm=5: fedppd does not measure batch-norm statistics on server "
+      r"images: use one of fedavg, fedprox, fedavgm, fedadam, .*fedbe, feddf, vdistill",
     ),
     (
       {"client_optimizer": "adam", "client_momentum": 0.9},

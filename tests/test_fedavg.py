@@ -315,7 +315,7 @@ def test_recalibration_measures_the_new_models_batch_norm_statistics_on_server_i
   assert not np.allclose(got.non_trainable[0], averaged.non_trainable[0], atol=1e-3)
 
 
-def test_recalibration_is_fedavgs_server_step_only():
+def test_recalibration_is_refused_by_an_algorithm_without_it():
   with pytest.raises(ValueError, match="fedensemble does not take recalibrates: use one of fed"):
     algorithms.build_algorithm(
       "fedensemble",

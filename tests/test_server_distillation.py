@@ -298,6 +298,66 @@ def test_teachers_label_the_rows_the_student_reads_as_the_whole_set(method, monk
     np.testing.assert_allclose(targets, want, rtol=1e-5, atol=1e-6)
 
 
+# --------------------------------------- teachers' batch-norm statistics on server images
+
+
+def _dense_batch_norm_dense(seed=0):
+  """Flatten(2x2x1) -> Dense(4) -> BatchNorm -> Dense(3): the statistics depend on the first
+  dense layer, which differs between models of different seeds."""
+  init = lambda k: tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed + k)
+  return tf.keras.Sequential(
+    [
+      tf.keras.layers.Input((2, 2, 1)),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(4, kernel_initializer=init(0), bias_initializer=init(1)),
+      tf.keras.layers.BatchNormalization(),
+      tf.keras.layers.Dense(3, kernel_initializer=init(2)),
+    ]
+  )
+
+
+@pytest.mark.parametrize("method", ["feddf", "fedbe"])
+def test_each_teacher_measures_its_batch_norm_statistics_on_the_server_images(method):
+  global_weights = ModelWeights.from_model(_dense_batch_norm_dense(seed=0))
+  global_weights = tf.nest.map_structure(tf.convert_to_tensor, global_weights)
+  updates = [
+    tf.nest.map_structure(
+      tf.subtract, global_weights, ModelWeights.from_model(_dense_batch_norm_dense(seed=s))
+    )
+    for s in (4, 5, 6)
+  ]
+  collected = _collected(updates, [2.0, 1.0, 3.0])
+  fields = dict(distill=_feddf(4, batch_size=4, patience=4, eval_every=2))
+  if method == "fedbe":  # The average, the clients and two Gaussian samples.
+    fields = dict(
+      distill=_fedbe(25, batch_size=4), posterior=weight_posterior.WeightPosterior(num_samples=2)
+    )
+  config = sd.ServerDistillationConfig(method=method, seed=7, **fields)
+  images = np.random.default_rng(3).normal(size=(40, 2, 2, 1)).astype(np.float32)
+  step = sd.DistillationStep(_dense_batch_norm_dense, SERVER, config, recalibration_images=images)
+  stack, _, average, _, _ = step._teachers(global_weights, collected, sd.round_seed(config, 2))
+  plain = sd.DistillationStep(_dense_batch_norm_dense, SERVER, config)
+  own_stack, *_ = plain._teachers(global_weights, collected, sd.round_seed(config, 2))
+  num_teachers = 6 if method == "fedbe" else 3
+  assert stack.trainable[0].shape[0] == num_teachers
+  models = [tf.nest.map_structure(lambda t, m=m: t[m], stack) for m in range(num_teachers)]
+  for m, model in enumerate([*models, average]):
+    # Keras' training-mode statistics: the batch mean and biased variance of the dense
+    # layer's outputs over the server images, for this model's own dense weights.
+    kernel, bias = (np.asarray(t, np.float64) for t in model.trainable[:2])
+    features = images.reshape(len(images), 4).astype(np.float64) @ kernel + bias
+    moving_mean, moving_variance = (np.asarray(t) for t in model.non_trainable)
+    np.testing.assert_allclose(moving_mean, features.mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(moving_variance, features.var(0), rtol=1e-5, atol=1e-5)
+    if m < num_teachers:  # The teachers' trainable weights are those formed without it.
+      for got, own in zip(model.trainable, (t[m] for t in own_stack.trainable)):
+        np.testing.assert_allclose(got, own, rtol=1e-6, atol=1e-6)
+  # Without recalibration the clients keep their own (initial) statistics, 0 and 1.
+  np.testing.assert_array_equal(own_stack.non_trainable[1], np.ones_like(stack.non_trainable[1]))
+  # The student's model keeps its batch-norm momentum (a second model recalibrates).
+  assert step._model.layers[2].momentum == 0.99
+
+
 def test_the_rows_read_are_labelled_once_and_the_whole_set_when_all_are_read():
   x = np.arange(10, dtype=np.float32).reshape(10, 1)
   draws = [np.array([[7, 2], [2, 9]]), np.array([[9, 0]])]

@@ -251,6 +251,10 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
     (dict(algorithm="feddf", prototypes="cnn,vgg"), "unknown model vgg"),
     (dict(algorithm="feddf", prototypes="resnet8,cnn"), "starts with resnet8 but --model=cnn"),
     (
+      dict(algorithm="feddf", prototypes="cnn,resnet8", recalibrate_batch_norm=100),
+      "--prototypes=cnn,resnet8: not with --recalibrate_batch_norm",
+    ),
+    (
       dict(algorithm="feddf", distill_min_improvement=-0.1),
       "--distill_min_improvement must be >= 0",
     ),

@@ -83,7 +83,10 @@ def _binary_recipe(values: dict) -> dict:
   recipe = dict(resnet.BINARY_RECIPE)
   if values["client_runtime"] != "tff":  # The device file trains with SGD.
     del recipe["client_optimizer"], recipe["client_lr"]
-  if not algorithms.REGISTRY[values["algorithm"]].recalibrates or values["norm"] != "batch":
+  spec = algorithms.REGISTRY[values["algorithm"]]
+  # Measured with FedAvg's finalizer only: the distillation steps (server_data), which also
+  # recalibrate, do so when asked.
+  if not spec.recalibrates or spec.server_data or values["norm"] != "batch":
     del recipe["recalibrate_batch_norm"]
   recipe = {name: value for name, value in recipe.items() if not FLAGS[name].present}
   if recipe:

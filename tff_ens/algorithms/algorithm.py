@@ -93,8 +93,9 @@ class Algorithm:
     server_data: its server step uses the server's data.
     dp: its server needs only the mean of the clients' updates, so DP-FedAvg's clipped and
       noised mean can replace it.
-    recalibrates: its finalizer is FedAvg's, which can recalibrate batch norm on server
-      images.
+    recalibrates: it can measure its models' batch-norm statistics on server images
+      (`BuildContext.recalibration_images`): FedAvg's finalizer the new model's, the server
+      distillation step each teacher's and the weight average's.
     on_device: its clients run plain local SGD(M), which devices can.
     variant_flags: flags that name its variant, shown by `compare` even at their defaults.
   """

@@ -92,6 +92,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     context.server_data,
     server_config(context),
     clients_per_round=context.clients_per_round,
+    recalibration_images=context.recalibration_images,
   )
   return algorithm.FederatedAlgorithm.of("fedbe", built, context)
 
@@ -111,5 +112,6 @@ ALGORITHM = algorithm.Algorithm(
   settings=(server_distillation.Settings, weight_posterior.WeightPosterior, Settings),
   validate=validate,
   server_data=True,
+  recalibrates=True,
   variant_flags=("fedbe_targets",),
 )

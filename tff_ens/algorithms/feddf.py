@@ -116,6 +116,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
       context.server_data,
       config,
       clients_per_round=context.clients_per_round,
+      recalibration_images=context.recalibration_images,
     )
     return algorithm.FederatedAlgorithm.of("feddf", built, context)
   # Prototype p starts from its own seed, as ensemble member p does.
@@ -151,7 +152,9 @@ def validate(config) -> None:
     return
   problem = None
   models = tasks.get_task(config.task, config.classes).MODEL_NAMES
-  if len(names) < 2 or len(set(names)) < len(names):
+  if config.recalibrate_batch_norm:
+    problem = "not with --recalibrate_batch_norm (one model's statistics): drop one of them"
+  elif len(names) < 2 or len(set(names)) < len(names):
     problem = "list two or more different models, e.g. --prototypes=cnn,resnet8"
   elif unknown := [n for n in names if n not in models]:
     problem = f"unknown model {unknown[0]} for task {config.task}: choose from {', '.join(models)}"
@@ -173,4 +176,5 @@ ALGORITHM = algorithm.Algorithm(
   settings=(server_distillation.Settings, drop_worst.DropWorst, Settings),
   validate=validate,
   server_data=True,
+  recalibrates=True,
 )

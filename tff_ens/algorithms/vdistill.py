@@ -19,6 +19,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     context.server_data,
     config,
     clients_per_round=context.clients_per_round,
+    recalibration_images=context.recalibration_images,
   )
   return algorithm.FederatedAlgorithm.of("vdistill", built, context)
 
@@ -29,4 +30,5 @@ ALGORITHM = algorithm.Algorithm(
   build,
   settings=(server_distillation.Settings,),
   server_data=True,
+  recalibrates=True,
 )

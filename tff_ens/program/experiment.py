@@ -279,7 +279,7 @@ def _check_capabilities(config, spec: algorithm_lib.Algorithm) -> None:
       "recalibrate_batch_norm",
       config.recalibrate_batch_norm > 0,
       "recalibrates",
-      f"batch-norm recalibration is a step of FedAvg's finalizer, which {spec.name} does not have",
+      f"{spec.name} does not measure batch-norm statistics on server images",
     ),
   ):
     if given and not getattr(spec, capability):

@@ -61,9 +61,11 @@ class RunSettings:
   # The server's data and evaluation.
   recalibrate_batch_norm: int = setting(
     0,
-    "The FedAvg family: measure the new model's batch-norm statistics each round on this"
-    " many of the server's unlabeled images (--server_data) instead of averaging the "
-    "clients'; 0 averages. Part of the binarized ResNets' recipe (docs/algorithms.md).",
+    "Measure batch-norm statistics on this many of the server's unlabeled images "
+    "(--server_data), drawn once: the FedAvg family the new model's each round instead of "
+    "the clients' average; FedBE, FedDF and v-Distillation each teacher's and the weight "
+    "average's before they label or start the student. 0: the clients' own. Part of the "
+    "binarized ResNets' recipe (docs/algorithms.md).",
     at_least=0,
   )
   personalization_temperature: float = setting(

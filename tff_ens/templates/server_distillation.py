@@ -174,6 +174,19 @@ def weighted_average(stacked, weights):
   return tf.nest.map_structure(lambda t: tf.tensordot(p, t, axes=1), stacked)
 
 
+def each_with_batch_norm_statistics(model: tf.keras.Model, stacked, images):
+  """`stacked` models (leading axis: the models), each with the batch-norm statistics it
+  measures on `images` (`server_optimizer.batch_norm_statistics`, one model at a time on
+  `model`, whose layers it leaves with momentum 0)."""
+  members = [
+    server_optimizer.batch_norm_statistics(
+      model, tf.nest.map_structure(lambda t, m=m: t[m], stacked), images
+    )
+    for m in range(tf.nest.flatten(stacked)[0].shape[0])
+  ]
+  return tf.nest.map_structure(lambda *t: tf.stack(t), *members)
+
+
 def teachers(
   model: tf.keras.Model,
   global_weights,
@@ -181,6 +194,7 @@ def teachers(
   seed,
   config: ServerDistillationConfig,
   validation,
+  recalibration=None,
 ):
   """The round's teachers, their weights and the student's start.
 
@@ -190,9 +204,15 @@ def teachers(
   `informative` is False when drop-worst drops every client: there is then
   nothing to distill from, and the round's model is the average of
   all received clients (a FedAvg step), as in the first rounds of training.
+  With `recalibration = (a model, server images)` every model (each client before
+  drop-worst evaluates it, the average, each sample) carries the batch-norm statistics
+  it measures on those images instead of its own (`each_with_batch_norm_statistics`).
   """
   updates, weights = collected
   clients = models_of_clients(global_weights, updates)
+  if recalibration is not None:
+    recalibration_model, images = recalibration
+    clients = each_with_batch_norm_statistics(recalibration_model, clients, images)
   weights = tf.cast(weights, tf.float32)
   received = weights > 0
   keep = received
@@ -206,6 +226,8 @@ def teachers(
   weights = weights * tf.cast(keep, tf.float32)
   num_dropped = tf.reduce_sum(tf.cast(received, tf.int32)) - tf.reduce_sum(tf.cast(keep, tf.int32))
   average = weighted_average(clients, weights)
+  if recalibration is not None:
+    average = server_optimizer.batch_norm_statistics(recalibration_model, average, images)
   if config.method != "fedbe":  # FedDF, v-Distillation: the clients.
     return (clients, tf.cast(weights > 0, tf.float32), average, num_dropped, informative)
   posterior = config.posterior
@@ -228,6 +250,8 @@ def teachers(
         weights, posterior.dirichlet_alpha, posterior.num_samples, seed, posterior.dirichlet
       )
       samples = weight_posterior.combine_models(clients, coefficients)
+    if recalibration is not None:
+      samples = each_with_batch_norm_statistics(recalibration_model, samples, images)
   stack = weight_posterior.teacher_stack(
     posterior.targets, average, clients if "C" in posterior.targets else None, samples
   )
@@ -305,6 +329,7 @@ class DistillationStep:
     model_fn: Callable[[], tf.keras.Model],
     data: server_data_lib.ServerData,
     config: ServerDistillationConfig,
+    recalibration_images: np.ndarray | None = None,
   ):
     self.config = config
     self.data = data
@@ -312,10 +337,21 @@ class DistillationStep:
       self._model = model_fn()
       self._student = student_lib.Student(self._model, config.distill)
       self._validation = (tf.constant(data.validation_x), tf.constant(data.validation_y))
+      self._recalibration = None
+      if recalibration_images is not None:  # A model of its own: it sets momentum 0.
+        self._recalibration = (model_fn(), tf.constant(recalibration_images))
 
   @tf.function
   def _teachers(self, global_weights, collected, seed):
-    return teachers(self._model, global_weights, collected, seed, self.config, self._validation)
+    return teachers(
+      self._model,
+      global_weights,
+      collected,
+      seed,
+      self.config,
+      self._validation,
+      self._recalibration,
+    )
 
   def __call__(self, global_weights, collected, round_num: int):
     start = time.perf_counter()
@@ -424,6 +460,7 @@ def build_server_distillation(
   config: ServerDistillationConfig,
   *,
   clients_per_round: int,
+  recalibration_images: np.ndarray | None = None,
 ) -> built_lib.BuiltProcess:
   """Builds FedBE, FedDF or v-Distillation (`config.method`) as a
   `server_step.DriverProcess`, whose rounds give their teachers.
@@ -435,6 +472,8 @@ def build_server_distillation(
     data: the server's unlabeled and validation data.
     config: the server step.
     clients_per_round: the largest cohort (slots of the collect aggregator).
+    recalibration_images: server images on which every teacher and the weight average
+      measure their batch-norm statistics (`teachers`), or None to keep the clients'.
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = client_work_lib.build_client_work(model_fn, element_spec, local_config)
@@ -444,6 +483,6 @@ def build_server_distillation(
     client_work.process,
     server_step.build_collect_aggregator(weights_type, clients_per_round),
   )
-  step = DistillationStep(model_fn, data, config)
+  step = DistillationStep(model_fn, data, config, recalibration_images)
   process = server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities)
   return built_lib.built_from_client_work(process, client_work)

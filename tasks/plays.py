@@ -11,8 +11,9 @@ Citations:
 Load: `read_plays` reads Project Gutenberg's plays, one `<work>_gut.txt` per work (the
 poems, which have no roles, are skipped). Preprocess: `parse_play` keeps each role's
 speeches, `encode` maps characters to ids, `windows` makes a role's samples and `split_role`
-splits them. `load_roles` puts it together as a `FederatedData`; `tasks.shakespeare` builds
-the task on it, and the device environment (no TensorFlow) can read the same clients.
+splits them. `load_roles` puts it together as a `FederatedData`, and `load_data` splits it as
+a run does (by role, or iid); `tasks.shakespeare` builds the task on it, and the device
+environment (no TensorFlow) reads the same clients.
 
 Parsing (docs/tasks.md has the counts):
   - A play starts at its first ACT, PROLOGUE or INDUCTION heading: the title, the list of
@@ -45,9 +46,11 @@ import zlib
 
 import numpy as np
 
+from tasks import data as data_lib
 from tasks.data import ClientArrays
 from tasks.data import DataError
 from tasks.data import FederatedData
+from tasks.partition import PartitionConfig
 from tff_ens import settings
 from tff_ens.settings import setting
 
@@ -72,6 +75,12 @@ POEMS = (
   "sonnets",
 )
 PLAY_SUFFIX = "_gut.txt"
+# The clients are the roles unless --partition=iid pools their samples (see `load_data`).
+DEFAULT_PARTITION = None
+PARTITIONS = ("iid",)
+# A pooled split sets nothing aside for the server: its text is the held-out roles'
+# (`new_clients`), as with the roles.
+SERVER_EXAMPLES = (0, 0)
 # Labels of speaker-line form that name no role: what follows them is not a role's speech.
 NOT_ROLES = ("SONG", "DUMB SHOW", "THE ORDER OF THE CORONATION")
 
@@ -422,4 +431,57 @@ def load_roles(
     new_clients=new_clients,
     source=f"gutenberg:{data_dir}",
     shift=new_clients,
+  )
+
+
+def load_data(
+  data_dir: str | None = None,
+  *,
+  partition: PartitionConfig | None = None,
+  seed: int = 0,
+  config: ShakespeareConfig | None = None,
+) -> FederatedData:
+  """Loads Gutenberg's plays from `data_dir`: clients by role (partition None) or iid.
+
+  With `partition` None every (play, role) with `config.min_role_characters` of speech is
+  a client, except a seeded `config.held_out_role_fraction` of them, held out as
+  `new_clients` (`load_roles`). With `partition.partition == "iid"` the training
+  roles' training samples are pooled and split uniformly at random over
+  `partition.num_clients` clients, seeded (`data.split_pool`, which also sets aside the
+  server's examples if the partition asks for any); their test samples are split like the
+  clients' labels, so `test_accuracy` is measured on the same samples as with the roles.
+
+  Raises DataError (one line) if `data_dir` is None or its texts are missing or malformed,
+  or for another partition than iid.
+  """
+  if data_dir is None:
+    raise DataError(
+      "no Shakespeare texts: pass --data_dir=DIR, a directory of Project Gutenberg's plays "
+      f"(<work>{PLAY_SUFFIX}), e.g. --data_dir=../shared/data/shakespeare"
+    )
+  if partition is not None and partition.partition not in PARTITIONS:
+    raise DataError(
+      f"--partition={partition.partition} splits by label, and Shakespeare's labels are "
+      "next characters: use --partition=iid, or leave it unset for the roles"
+    )
+  config = config or ShakespeareConfig()
+  data = load_roles(
+    data_dir,
+    min_characters=config.min_role_characters,
+    held_out_fraction=config.held_out_role_fraction,
+    eval_samples=config.eval_samples_per_role,
+    seed=seed,
+  )
+  if partition is None:
+    return data
+  train, test, server = data_lib.split_pool(
+    data.train.concatenated(),
+    data.test.concatenated(),
+    partition,
+    seed,
+    where=data.source,
+    num_classes=NUM_IDS,
+  )
+  return dataclasses.replace(
+    data, train=train, test=test, server=server, source=f"{data.source} (iid split)"
   )

@@ -8,28 +8,24 @@ Citations:
   Deep Networks from Decentralized Data", AISTATS 2017, Sec. 3 (the task and its two-layer
   LSTM).
 
-Load: `tasks.plays` (NumPy only) reads Project Gutenberg's plays from `data_dir` and makes
-each (play, role) with `min_role_characters` of speech a client (`load_data`). Preprocess: a
+Load: `tasks.plays` (NumPy only, so that the device environment reads the same clients)
+reads Project Gutenberg's plays from `data_dir` and makes each (play, role) with
+`min_role_characters` of speech a client (`load_data`, `plays.load_data`). Preprocess: a
 sample is the character ids of the 80 characters before a character of the role's text
 (uint8 [n, 80], LEAF's vocabulary, left-padded with spaces) and that character's id (int32
 label in 0..80); the model reads the ids as int32 (INPUT_DTYPE). `encode` and
 `context_ids` turn any text into ids, `decode` back.
 """
 
-import dataclasses
-
 import numpy as np
 import tensorflow as tf
 
-from tasks import data as data_lib
-from tasks import partition as partition_lib
 from tasks import plays
 from tasks import resnet
-from tasks.data import DataError
-from tasks.data import FederatedData
 from tasks.plays import context_ids  # noqa: F401
 from tasks.plays import decode  # noqa: F401
 from tasks.plays import encode  # noqa: F401
+from tasks.plays import load_data  # noqa: F401
 
 VOCABULARY = plays.VOCABULARY
 OOV_ID = plays.OOV_ID
@@ -55,71 +51,15 @@ INPUT_DESCRIPTION = {
 }
 MODEL_NAMES = ("lstm",)
 BINARY_MODEL_NAMES = ()
-# The clients are the roles unless --partition=iid pools their samples (see `load_data`).
-DEFAULT_PARTITION = None
-PARTITIONS = ("iid",)
-# A pooled split sets nothing aside for the server: its text is the held-out roles'
-# (`new_clients`), as with the roles.
-SERVER_EXAMPLES = (0, 0)
+DEFAULT_PARTITION = plays.DEFAULT_PARTITION
+PARTITIONS = plays.PARTITIONS
+SERVER_EXAMPLES = plays.SERVER_EXAMPLES
 # No augmentation of training examples (see tasks/__init__.py).
 TRAIN_AUGMENTATION = None
 
 
 # The task's own settings (tasks/__init__.py).
 SETTINGS = plays.ShakespeareConfig
-
-
-def load_data(
-  data_dir: str | None = None,
-  *,
-  partition: partition_lib.PartitionConfig | None = None,
-  seed: int = 0,
-  config: plays.ShakespeareConfig | None = None,
-) -> FederatedData:
-  """Loads Gutenberg's plays from `data_dir`: clients by role (partition None) or iid.
-
-  With `partition` None every (play, role) with `config.min_role_characters` of speech is
-  a client, except a seeded `config.held_out_role_fraction` of them, held out as
-  `new_clients` (`plays.load_roles`). With `partition.partition == "iid"` the training
-  roles' training samples are pooled and split uniformly at random over
-  `partition.num_clients` clients, seeded (`data.split_pool`, which also sets aside the
-  server's examples if the partition asks for any); their test samples are split like the
-  clients' labels, so `test_accuracy` is measured on the same samples as with the roles.
-
-  Raises DataError (one line) if `data_dir` is None or its texts are missing or malformed,
-  or for another partition than iid.
-  """
-  if data_dir is None:
-    raise DataError(
-      "no Shakespeare texts: pass --data_dir=DIR, a directory of Project Gutenberg's plays "
-      f"(<work>{plays.PLAY_SUFFIX}), e.g. --data_dir=../shared/data/shakespeare"
-    )
-  if partition is not None and partition.partition not in PARTITIONS:
-    raise DataError(
-      f"--partition={partition.partition} splits by label, and Shakespeare's labels are "
-      "next characters: use --partition=iid, or leave it unset for the roles"
-    )
-  config = config or plays.ShakespeareConfig()
-  data = plays.load_roles(
-    data_dir,
-    min_characters=config.min_role_characters,
-    held_out_fraction=config.held_out_role_fraction,
-    eval_samples=config.eval_samples_per_role,
-    seed=seed,
-  )
-  if partition is None:
-    return data
-  train, test, server = data_lib.split_pool(
-    data.train.concatenated(),
-    data.test.concatenated(),
-    partition,
-    seed,
-    where=data.source,
-    num_classes=NUM_CLASSES,
-  )
-  return dataclasses.replace(
-    data, train=train, test=test, server=server, source=f"{data.source} (iid split)"
-  )
 
 
 def _build_lstm(seed: int) -> tf.keras.Model:

@@ -1,21 +1,23 @@
-r"""Command line: run an exported file on FEMNIST writers in a standalone TFLite runtime.
+r"""Command line: run an exported file on a run's test clients in a standalone TFLite runtime.
 
   python -m export.evaluate --run_dir=RUN --tflite=FILE.tflite --data_dir=DATA \
       --output=tflite_report.json
 
 The file runs in LiteRT in the device environment (`uv run --project device python -m
 export.evaluate ...`: no TensorFlow), in tflite-runtime in the main one, and in LCE's
-interpreter for `lce` files (`on_device`), never in TensorFlow's. For every test writer that
-has training data (the run's test split): a single model predicts the writer's test images;
-an ensemble first `personalize`s on the writer's training examples (the run's temperature),
-then `predict`s its test images with that alpha, and with the uniform alpha. Where
-TensorFlow is installed (the main environment), the run's Keras model(s) make the same
-predictions (`reference`) for the keras_* keys and `agreement`; the device environment reads
-the LEAF files itself (`leaf`) and leaves those keys out. The report's keys:
+interpreter for `lce` files (`on_device`), never in TensorFlow's. For every test client (a
+FEMNIST writer, a Shakespeare role or iid client) that has training data (the run's test
+split): a single model predicts the client's test inputs; an ensemble first `personalize`s
+on the client's training examples (the run's temperature), then `predict`s its test inputs
+with that alpha, and with the uniform alpha. Where TensorFlow is installed (the main
+environment), the run's Keras model(s) make the same predictions (`reference`) for the
+keras_* keys and `agreement`; the device environment reads the data itself, NumPy only
+(FEMNIST's LEAF files, `leaf`; Shakespeare's plays split as the run's, `plays`), and leaves
+those keys out. The report's keys:
 
-- size_bytes, runtime, latency_ms_median (one image, `--num_threads`, this CPU);
+- size_bytes, runtime, latency_ms_median (one input, `--num_threads`, this CPU);
 - accuracy (all test examples; uniform for ensembles) and per_client_accuracy (mean over
-  writers); personalized_accuracy (ensembles: mean over writers, as the run's summary);
+  clients); personalized_accuracy (ensembles: mean over clients, as the run's summary);
 - reference_accuracy, reference_per_client_accuracy, reference_personalized_accuracy: the
   run's summary.json; keras_accuracy, keras_personalized_accuracy: recomputed here;
 - agreement: fraction of test examples on which the file and Keras predict the same class
@@ -48,6 +50,7 @@ from export import ExportError
 from export import on_device
 from export import runs
 from tasks import leaf
+from tasks import plays
 from tasks.data import DataError
 from tff_ens.math import ensemble_math
 from tff_ens.math import metrics
@@ -61,7 +64,7 @@ FLAGS = flags.FLAGS
 
 
 def _mean_accuracy(predicted: dict, labels: dict) -> tuple[float, float]:
-  """(accuracy over all examples, mean per-writer accuracy) of writer -> classes."""
+  """(accuracy over all examples, mean per-client accuracy) of client -> classes."""
   hits = [predicted[c] == labels[c] for c in predicted]
   return float(np.concatenate(hits).mean()), float(np.mean([h.mean() for h in hits]))
 
@@ -102,13 +105,13 @@ def evaluate_ensemble(exported: on_device.Ensemble, models, data, latency_repeat
     tflite_uniform[c] = exported.predict(test.x[c])["probabilities"].argmax(-1)
   labels = {c: test.y[c] for c in writers}
   accuracy, per_client = _mean_accuracy(tflite_uniform, labels)
-  one_image = test.x[writers[0]][:1]
+  one_input = test.x[writers[0]][:1]
   report = {
     "accuracy": accuracy,
     "per_client_accuracy": per_client,
     "personalized_accuracy": _mean_accuracy(tflite, labels)[1],
     "personalization_temperature": exported.temperature,
-    "latency_ms_median": on_device.latency_ms(lambda: exported.predict(one_image), latency_repeats),
+    "latency_ms_median": on_device.latency_ms(lambda: exported.predict(one_input), latency_repeats),
   }
   if models is not None:
     keras, keras_uniform = reference.ensemble_classes(
@@ -150,20 +153,28 @@ def evaluate_ood(exported, models, data) -> dict:
 
 
 def load_data(run: runs.Run, data_dir: str | None):
-  """The run's data: by its task where TensorFlow is installed, else its LEAF files."""
+  """The run's data: by its task where TensorFlow is installed, else with NumPy alone:
+  Shakespeare's plays split as the run's (`plays.load_data`, `runs.Run.data_options`),
+  FEMNIST's LEAF files by writer."""
   if reference is not None:
     return reference.load_data(run, data_dir)
   task = run.config.get("task", "femnist")
-  if task != "femnist":
+  in_main = "evaluate it in the main environment (uv run python -m export.evaluate ...)"
+  if task not in ("femnist", "shakespeare"):
     raise ExportError(
-      f"{run.run_dir} is a {task} run: the device environment reads "
-      "FEMNIST's LEAF files only; evaluate it in the main environment "
-      "(uv run python -m export.evaluate ...)"
+      f"{run.run_dir} is a {task} run: the device environment reads FEMNIST's LEAF files "
+      f"and Shakespeare's plays only; {in_main}"
     )
+  if task == "femnist" and run.config.get("partition") is not None:
+    raise ExportError(
+      f"{run.run_dir} split FEMNIST by --partition={run.config['partition']}: the device "
+      f"environment reads FEMNIST's writers only; {in_main}"
+    )
+  data_dir = data_dir or run.config.get("data_dir")
   try:
-    data = leaf.load_leaf(
-      data_dir or run.config.get("data_dir") or os.environ.get(leaf.DATA_DIR_ENV, "")
-    )
+    if task == "shakespeare":
+      return plays.load_data(data_dir, **run.data_options(plays))
+    data = leaf.load_leaf(data_dir or os.environ.get(leaf.DATA_DIR_ENV, ""))
   except DataError as e:
     raise ExportError(str(e)) from None
   return leaf.digits_only(data) if run.config.get("classes") == "digits" else data
@@ -216,10 +227,12 @@ def define_flags():
   benchmark) defines none, so they cannot clash with other modules' flags of one name."""
   flags.DEFINE_string("run_dir", None, "The tff_ens.main run the file was exported from.")
   flags.DEFINE_string("tflite", None, "The .tflite file (from python -m export).")
-  flags.DEFINE_string("data_dir", None, "FEMNIST (LEAF) directory; defaults to the run's.")
+  flags.DEFINE_string(
+    "data_dir", None, "The run's data (FEMNIST: LEAF; Shakespeare: the plays); default the run's."
+  )
   flags.DEFINE_string("output", "tflite_report.json", "Where the JSON report goes.")
   flags.DEFINE_integer("num_threads", 1, "Interpreter threads.")
-  flags.DEFINE_integer("latency_repeats", 50, "Timed single-image calls (median over).")
+  flags.DEFINE_integer("latency_repeats", 50, "Timed single-input calls (median over).")
 
 
 def main(argv):

@@ -18,15 +18,16 @@ from tff_ens.math import personalization
 
 
 def load_data(run, data_dir: str | None):
-  """The run's data (`FederatedData`) from `data_dir`, else the run's, by its task."""
+  """The run's data (`FederatedData`) from `data_dir`, else the run's, by its task, split as
+  the run split it (`runs.Run.data_options`)."""
   try:
-    return run.task.load_data(data_dir or run.config.get("data_dir"))
+    return run.task.load_data(data_dir or run.config.get("data_dir"), **run.data_options(run.task))
   except tasks.DataError as e:
     raise ExportError(str(e)) from None
 
 
 def _member_probabilities(models, split) -> dict[str, np.ndarray]:
-  """writer -> [K, n, classes] probabilities of the K models."""
+  """client -> [K, n, classes] probabilities of the K models."""
   x, _ = split.concatenated()
   stacked = np.stack([evaluation.predict_probabilities(m, x) for m in models], axis=1)
   counts = [split.num_examples(c) for c in split.client_ids]
@@ -37,13 +38,13 @@ def _member_probabilities(models, split) -> dict[str, np.ndarray]:
 
 
 def classes(models, test) -> dict[str, np.ndarray]:
-  """writer -> the single model's predicted classes on its test images."""
+  """client -> the single model's predicted classes on its test inputs."""
   return {c: p[0].argmax(-1) for c, p in _member_probabilities(models, test).items()}
 
 
 def ensemble_classes(models, train, test, writers, temperature: float) -> tuple[dict, dict]:
-  """(personalized, uniform) writer -> predicted classes of the ensemble on the test images
-  of `writers`, alpha from each writer's training examples at `temperature`."""
+  """(personalized, uniform) client -> predicted classes of the ensemble on the test inputs
+  of `writers` (clients), alpha from each one's training examples at `temperature`."""
   member_train = _member_probabilities(models, train)
   member_test = _member_probabilities(models, test)
   personalized, uniform = {}, {}

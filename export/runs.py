@@ -8,9 +8,13 @@ no TensorFlow (the device environment reads runs too); `task` and `load_models` 
 import dataclasses
 import json
 import os
+import types
 
 from export import ExportError
+import tasks
+from tasks import partition as partition_lib
 from tff_ens import run_files
+from tff_ens import settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +39,6 @@ class Run:
 
   @property
   def task(self):
-    import tasks
-
     return tasks.get_task(self.config.get("task", "femnist"), self.config.get("classes", "all"))
 
   @property
@@ -47,9 +49,34 @@ class Run:
     """The Keras model(s), un-compiled (larq's layers are registered by importing tasks)."""
     import tensorflow as tf
 
-    import tasks  # noqa: F401
-
     return [tf.keras.models.load_model(p, compile=False) for p in self.model_paths]
+
+  def data_options(self, task) -> dict:
+    """The keyword arguments of `task.load_data` that make the run's split: its partition
+    (`PartitionConfig.for_task`), seed and task settings (`tasks.task_settings`), from
+    config.json, where a flag it lacks takes its declared default (and the seed
+    `load_data`'s). `task` is the run's task, or without TensorFlow a module with its
+    DEFAULT_PARTITION and SERVER_EXAMPLES (`tasks.plays`)."""
+    options = {
+      "partition": self._settings(partition_lib.PartitionConfig).for_task(
+        task.DEFAULT_PARTITION, task.SERVER_EXAMPLES
+      )
+    }
+    if "seed" in self.config:
+      options["seed"] = self.config["seed"]
+    group = tasks.task_settings(self.config.get("task", "femnist"))
+    if group is not None:
+      options["config"] = self._settings(group)
+    return options
+
+  def _settings(self, group: type):
+    """`group` resolved from config.json's flags (declared defaults for those it lacks)."""
+    fields = {**settings.flags_of(group), **settings.uses_of(group)}
+    given = {flag: self.config.get(flag, field.default) for flag, field in fields.items()}
+    try:
+      return settings.resolve(group, types.SimpleNamespace(**given))
+    except settings.SettingError as e:
+      raise ExportError(f"{self.run_dir}'s {run_files.CONFIG_FILE}: {e}") from None
 
 
 def _read_json(path: str) -> dict:

@@ -6,10 +6,11 @@ r"""Command line: export a trained run to a TFLite file.
 
 RUN is a `python -m tff_ens.main` output directory; `ensemble` needs a Fed-ensemble run
 (`--quantization` quantizes its members), `lce` and `binary` a run of a binarized model,
-`trainable` a run of a model `export.trainable` supports (the LEAF CNN). `--client` exports
+`trainable` a run of a model `export.trainable` supports (the LEAF CNN); an LSTM run
+(Shakespeare) exports as float, dynamic, int8 or a float or dynamic ensemble. `--client` exports
 a client's own model (Ditto's personal model, LG-FedAvg's local layers under the global ones)
 instead of the global one.
-`int8`, `qat` and the int8 ensemble read the run's training writers (`--data_dir`, default
+`int8`, `qat` and the int8 ensemble read the run's training clients (`--data_dir`, default
 the run's). See `export.convert`.
 """
 
@@ -64,13 +65,14 @@ def define_flags():
   flags.DEFINE_string(
     "data_dir",
     None,
-    "The run's task data (FEMNIST: a LEAF directory; CIFAR: the archive's directory) for int8 "
-    "calibration and QAT fine-tuning; defaults to the run's --data_dir.",
+    "The run's task data (FEMNIST: a LEAF directory; CIFAR: the archive's directory; "
+    "Shakespeare: the plays) for int8 calibration and QAT fine-tuning; defaults to the run's "
+    "--data_dir.",
   )
   flags.DEFINE_integer(
     "representative_examples",
     convert.Options.representative_examples,
-    "int8 and the int8 ensemble: training images calibrating the activation ranges.",
+    "int8 and the int8 ensemble: training inputs calibrating the activation ranges.",
   )
   flags.DEFINE_integer(
     "qat_steps", convert.Options.qat_steps, "qat: SGD steps of quantization-aware fine-tuning."

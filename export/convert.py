@@ -1,11 +1,12 @@
 """Converts a trained run to a TFLite flatbuffer, one function per `--format`.
 
-- float: `tf.lite.TFLiteConverter` on the model's inference function for one image,
-  float32 weights and ops.
+- float: `tf.lite.TFLiteConverter` on the model's inference function for one input (of the
+  model's dtype: float32 images, int32 character ids), float32 weights and ops.
 - dynamic: the same with `Optimize.DEFAULT` and no representative data: int8 weights,
   float activations (TFLite's dynamic-range quantization).
-- int8: full-integer post-training quantization: int8 weights, activations, input and
-  output, calibrated on a representative dataset of training-writer images.
+- int8: full-integer post-training quantization: int8 weights, activations and output
+  (and the input, if it is a float image; integer ids stay int32), calibrated on a
+  representative dataset of the training clients' inputs.
 - qat: quantization-aware training (tensorflow-model-optimization's `quantize_model`),
   fine-tuned for `qat_steps` SGD steps on training writers' examples, then converted with
   `Optimize.DEFAULT` (int8 weights and activations, float input and output).
@@ -19,7 +20,10 @@
 - ensemble: the K members of a Fed-ensemble run in one file (`ensemble_module`), float32 or
   with its members quantized (`--quantization=dynamic|int8`, `ensemble_module.QUANTIZATIONS`).
 
-Every file carries its description (`metadata`): class labels, preprocessing, outputs.
+Every file carries its description (`metadata`): class labels, the input's dtype and
+preprocessing, the outputs. An LSTM's file keeps its state in variable tensors between
+invocations (TFLite's fused UNIDIRECTIONAL_SEQUENCE_LSTM): its metadata says to reset them
+before each one (`finalize`), as `on_device` does.
 Tensor names are dropped (2.3 kB of a 330 kB ResNet-8): inputs and outputs are found by
 position or by signature, whose names stay. Buffers of equal bytes are stored once (the
 selective quantizer gives each signature its own copy of the members' weights).
@@ -42,14 +46,23 @@ from export import trainable
 
 FORMATS = ("float", "dynamic", "int8", "qat", "lce", "binary", "trainable", "ensemble")
 QUANTIZATIONS = ensemble_module.QUANTIZATIONS
+# Formats built for image models (float inputs): tfmot's QAT, larq's binarized
+# convolutions and `trainable`'s layers and gradients (no LSTM among them).
+IMAGE_FORMATS = ("qat", "lce", "binary", "trainable")
+# What `finalize` adds to the metadata of a file with variable tensors (an LSTM's state).
+RESET_VARIABLES = (
+  "the file keeps state in variable tensors (the LSTM's) from one invocation to the next: "
+  "reset them before each (Interpreter.resetVariableTensors(); Python: "
+  "reset_all_variables()), or the prediction depends on the previous input"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationData:
-  """Training-writer images for int8 calibration and QAT fine-tuning.
+  """Training clients' inputs for int8 calibration and QAT fine-tuning.
 
   Attributes:
-    x: float32 images [n, *input_shape] of the run's training writers.
+    x: inputs [n, *input_shape] of the run's training clients, of the task's INPUT_DTYPE.
     y: int32 labels [n].
   """
 
@@ -62,8 +75,8 @@ class Options:
   """Settings of the conversions that use training data.
 
   Attributes:
-    representative_examples: images calibrating int8 activations, drawn at random (seeded)
-      from all training writers' examples.
+    representative_examples: inputs calibrating int8 activations, drawn at random (seeded)
+      from all training clients' examples.
     qat_steps: SGD steps of quantization-aware fine-tuning.
     qat_learning_rate: their learning rate.
     qat_batch_size: their batch size.
@@ -90,6 +103,12 @@ def check_format(run: runs.Run, output_format: str, quantization: str = "float")
       f"--quantization={quantization} applies to --format=ensemble; a single "
       f"model is quantized by its format: use --format={quantization}"
     )
+  if output_format in IMAGE_FORMATS and _takes_ids(run.task):
+    raise ExportError(
+      f"--format={output_format} takes image models (float inputs), and {run.run_dir} is a "
+      f"{run.config.get('task')} run of {np.dtype(run.task.INPUT_DTYPE).name} ids: use "
+      f"--format={'ensemble' if run.is_ensemble else 'float, dynamic or int8'}"
+    )
   if output_format == "ensemble" and not run.is_ensemble:
     raise ExportError(
       f"--format=ensemble needs an ensemble run (members/member_k.keras); "
@@ -107,13 +126,21 @@ def check_format(run: runs.Run, output_format: str, quantization: str = "float")
     )
 
 
+def _takes_ids(task) -> bool:
+  """Whether `task`'s models take integer ids (Shakespeare's characters), not images."""
+  return np.issubdtype(task.INPUT_DTYPE, np.integer)
+
+
 def describe(
   run: runs.Run, output_format: str, *, quantized_io: bool = False, quantization: str = "float"
 ) -> dict:
-  """The metadata of `run` exported as `output_format` (see `metadata`)."""
+  """The metadata of `run` exported as `output_format` (see `metadata`). `quantized_io`:
+  int8 output, and int8 input if the task's is float (ids stay the task's INPUT_DTYPE)."""
   task = run.task
   preprocessing = task.INPUT_DESCRIPTION["preprocessing"]
-  if quantized_io:
+  quantized_input = quantized_io and not _takes_ids(task)
+  input_dtype = "int8" if quantized_input else np.dtype(task.INPUT_DTYPE).name
+  if quantized_input:
     preprocessing += (
       "; int8 inputs take round(x / scale + zero_point) with the input tensor's quantization "
       "parameters"
@@ -127,12 +154,13 @@ def describe(
     "class_labels": list(task.CLASS_LABELS),
     "input": {
       "shape": [None, *task.INPUT_SHAPE],
-      "dtype": "int8" if quantized_io else "float32",
+      "dtype": input_dtype,
       **task.INPUT_DESCRIPTION,
       "preprocessing": preprocessing,
     },
   }
-  shape = f"[n, {', '.join(map(str, task.INPUT_SHAPE))}]"
+  shape = f"[n, {', '.join(map(str, task.INPUT_SHAPE))}] {input_dtype}"
+  one, many = ensemble_module.input_names(task.INPUT_DTYPE)
   if output_format == "ensemble":
     description.update(
       ensemble_size=len(run.model_paths),
@@ -140,11 +168,11 @@ def describe(
       # JSON has no infinity; null means the uniform ensemble (an infinite temperature).
       personalization_temperature=_finite_or_none(run.summary.get("personalization_temperature")),
       signatures={
-        "predict": f"image {shape} float32, alpha [K] float32 (weights on the "
+        "predict": f"{one} {shape}, alpha [K] float32 (weights on the "
         "simplex; 1/K each is the uniform ensemble) -> probabilities [n, "
         "classes], member_probabilities [n, K, classes], entropy [n], "
         "mutual_information [n] (nats)",
-        "personalize": f"images {shape} float32, labels [n] int32 (n >= 1, the "
+        "personalize": f"{many} {shape}, labels [n] int32 (n >= 1, the "
         "phone's own labeled examples), temperature [] float32 > 0 -> "
         "alpha [K] = softmax(-mean cross-entropy of each member / "
         "temperature)",
@@ -155,9 +183,9 @@ def describe(
       learning_rate=run.config.get("client_lr"),
       momentum=run.config.get("client_momentum", 0.0),
       signatures={
-        "train": f"x {shape} float32, y [n] int32 -> loss [], correct [] (one SGD step "
+        "train": f"x {shape}, y [n] int32 -> loss [], correct [] (one SGD step "
         "on the batch's mean cross-entropy; its loss and correct predictions before it)",
-        "infer": f"x {shape} float32 -> logits [n, classes]",
+        "infer": f"x {shape} -> logits [n, classes]",
         "get_weights": "-> w0, w1, ... (the trainable weights, Keras order)",
         "set_weights": "w0, w1, ... -> num_weights [] (also restarts the momentum)",
       },
@@ -180,22 +208,23 @@ def _finite_or_none(value):
 
 
 def calibration_data(
-  task, data_dir: str | None, examples: int | None, seed: int
+  task, data_dir: str | None, examples: int | None, seed: int, **data_options
 ) -> CalibrationData:
-  """`examples` images (all if None or fewer) drawn without replacement from all training
-  writers, in random (seeded) order."""
-  train = task.load_data(data_dir).train
+  """`examples` inputs (all if None or fewer) drawn without replacement from all training
+  clients (`task.load_data(data_dir, **data_options)`), in random (seeded) order, as the
+  task's INPUT_DTYPE."""
+  train = task.load_data(data_dir, **data_options).train
   x, y = train.concatenated()
   chosen = np.random.default_rng(seed).permutation(len(y))[:examples]
-  return CalibrationData(x[chosen], y[chosen])
+  return CalibrationData(np.asarray(x[chosen], task.INPUT_DTYPE), y[chosen])
 
 
 def _representative_dataset(data: CalibrationData):
-  """TFLite's representative dataset: one single-image batch at a time."""
+  """TFLite's representative dataset: one single-input batch at a time."""
 
   def generate():
-    for image in data.x:
-      yield [image[None]]
+    for example in data.x:
+      yield [example[None]]
 
   return generate
 
@@ -237,24 +266,28 @@ def convert_model(
 ) -> bytes:
   """A single Keras model as a TFLite flatbuffer in `output_format` (without metadata).
 
-  `data` (training-writer examples) is needed by int8 and qat.
+  `data` (training clients' examples) is needed by int8 and qat. The input keeps the
+  model's dtype; int8 quantizes a float input, never integer ids.
   """
   if output_format == "lce":
     return lce.convert_keras_model(model)
   if output_format == "qat":
     model = fine_tune_quantization_aware(model, data, options)
-  # One image per call, as LCE's converter does: group normalization's reshapes do not run
-  # in TFLite with an unknown batch size.
-  single_image = tf.function(lambda image: model(image, training=False)).get_concrete_function(
-    tf.TensorSpec([1, *model.input_shape[1:]], tf.float32)
+  # One input per call, as LCE's converter does: group normalization's reshapes do not run
+  # in TFLite with an unknown batch size, nor does the fused LSTM (its state has the batch's
+  # size).
+  input_dtype = model.inputs[0].dtype
+  single_input = tf.function(lambda x: model(x, training=False)).get_concrete_function(
+    tf.TensorSpec([1, *model.input_shape[1:]], input_dtype)
   )
-  converter = tf.lite.TFLiteConverter.from_concrete_functions([single_image], model)
+  converter = tf.lite.TFLiteConverter.from_concrete_functions([single_input], model)
   if output_format in ("dynamic", "int8", "qat"):
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
   if output_format == "int8":
     converter.representative_dataset = _representative_dataset(data)
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    converter.inference_input_type = tf.int8
+    if input_dtype.is_floating:
+      converter.inference_input_type = tf.int8
     converter.inference_output_type = tf.int8
   return converter.convert()
 
@@ -268,11 +301,14 @@ def export_run(
 ) -> bytes:
   """`run` as a TFLite flatbuffer in `output_format`, with its metadata attached.
 
-  `data_dir` (default: the run's) is read for int8, qat and the int8 ensemble only. Raises
-  ExportError if the format or `quantization` does not fit the run.
+  `data_dir` (default: the run's) is read for int8, qat and the int8 ensemble only, split as
+  the run's (`runs.Run.data_options`). Raises ExportError if the format or `quantization`
+  does not fit the run.
   """
   check_format(run, output_format, quantization)
   models = run.load_models()
+  if output_format == "ensemble":
+    ensemble_module.check_quantization(models, quantization)
   data = None
   if "int8" in (output_format, quantization) or output_format == "qat":
     data = calibration_data(
@@ -280,6 +316,7 @@ def export_run(
       data_dir or run.config.get("data_dir"),
       None if output_format == "qat" else options.representative_examples,
       options.seed,
+      **run.data_options(run.task),
     )
   if output_format == "trainable":
     if run.config.get("client_lr") is None:
@@ -300,6 +337,7 @@ def export_run(
       models,
       run.task.INPUT_SHAPE,
       quantization,
+      run.task.INPUT_DTYPE,
       *((data.x, data.y) if data else ()),
       seed=options.seed,
     )
@@ -313,7 +351,8 @@ def export_run(
 
 def finalize(flatbuffer: bytes, description: dict) -> bytes:
   """`flatbuffer` without tensor names, with each distinct buffer stored once and with
-  `description` attached (`metadata`).
+  `description` attached (`metadata`), to which a file with variable tensors adds
+  `reset_variables` (`RESET_VARIABLES`).
 
   By hand rather than with `flatbuffer_utils.strip_strings`, which also deletes the
   signature definitions (the ensemble's `predict` and `personalize`).
@@ -333,5 +372,7 @@ def finalize(flatbuffer: bytes, description: dict) -> bytes:
   for i, first in same_as.items():
     if first != i:
       model.buffers[i].data = None
+  if variables:
+    description = {**description, "reset_variables": RESET_VARIABLES}
   metadata.add(model, description)
   return flatbuffer_utils.convert_object_to_bytearray(model)

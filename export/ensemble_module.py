@@ -11,6 +11,12 @@ models in one file and
   (Sec. IV-C, eq. 3-4; `tff_ens.math.ensemble_math.personalization_weights`). alpha = 1/K is the
   uniform ensemble.
 
+A task whose inputs are integer ids (Shakespeare's characters) names them `ids` in both
+signatures (`input_names`). Its LSTM members are converted unrolled (Keras' `unroll=True`,
+the same weights): the fused LSTM of a single model (`export.convert`) converts for a fixed
+batch size only, and the signatures take n inputs; unrolled, the members also keep no state
+between calls.
+
 The math is `tff_ens.math.ensemble_math`'s, the formulas the NumPy evaluation computes, here on
 `tf.experimental.numpy` in float32, so the two agree to float32 rounding.
 
@@ -23,7 +29,8 @@ The math is `tff_ens.math.ensemble_math`'s, the formulas the NumPy evaluation co
   inputs and outputs. TFLite's selective quantization (`QuantizationDebugger` with the math's
   op types denylisted), without the quantize-dequantize pairs it leaves after each member's
   softmax: fully quantized, alpha would come out of an int8 softmax, 1/256 steps that do not
-  sum to one.
+  sum to one. Not for LSTM members (`ExportError`): their unrolled gates use the math's op
+  types (MUL, ADD, PACK), so the math would be quantized with them.
 """
 
 import collections
@@ -34,6 +41,7 @@ import tensorflow.experimental.numpy as tnp
 from tensorflow.lite.python import schema_py_generated as schema
 from tensorflow.lite.tools import flatbuffer_utils
 
+from export import ExportError
 from tff_ens.math import ensemble_math
 
 SIGNATURES = ("predict", "personalize")
@@ -41,16 +49,18 @@ QUANTIZATIONS = ("float", "dynamic", "int8")
 
 
 class EnsembleModule(tf.Module):
-  """The K members and the two signatures (see the module docstring).
+  """The K members and the two signatures (see the module docstring), for inputs of
+  `input_dtype` [n, *input_shape].
 
   TFLite names a signature after its Python function, hence the nested `predict` and
   `personalize`, whose alpha length is fixed to K.
   """
 
-  def __init__(self, members: list[tf.keras.Model], input_shape: tuple[int, ...]):
+  def __init__(self, members: list[tf.keras.Model], input_shape: tuple[int, ...], input_dtype):
     super().__init__(name="ensemble")
-    self.members = members
-    image = tf.TensorSpec([None, *input_shape], tf.float32)
+    self.members = [_unrolled(m) for m in members]
+    image = tf.TensorSpec([None, *input_shape], input_dtype)
+    one, many = input_names(input_dtype)
 
     def predict(image, alpha):
       member_probs = self.member_probabilities(image)
@@ -71,14 +81,14 @@ class EnsembleModule(tf.Module):
     self.predict = tf.function(
       predict,
       input_signature=[
-        tf.TensorSpec.from_spec(image, name="image"),
+        tf.TensorSpec.from_spec(image, name=one),
         tf.TensorSpec([len(members)], tf.float32, name="alpha"),
       ],
     )
     self.personalize = tf.function(
       personalize,
       input_signature=[
-        tf.TensorSpec.from_spec(image, name="images"),
+        tf.TensorSpec.from_spec(image, name=many),
         tf.TensorSpec([None], tf.int32, name="labels"),
         tf.TensorSpec([], tf.float32, name="temperature"),
       ],
@@ -87,6 +97,32 @@ class EnsembleModule(tf.Module):
   def member_probabilities(self, images):
     """[K, n, classes] softmax outputs of the members (inference mode)."""
     return tf.stack([tf.nn.softmax(m(images, training=False)) for m in self.members])
+
+
+def input_names(input_dtype) -> tuple[str, str]:
+  """The input's name in `predict` and in `personalize`: image(s), or ids for integer ids."""
+  return ("ids", "ids") if np.issubdtype(input_dtype, np.integer) else ("image", "images")
+
+
+def _unrolled(model: tf.keras.Model) -> tf.keras.Model:
+  """`model` with its LSTM layers unrolled (`unroll=True`) and the same weights; `model`
+  itself if it has none."""
+  if not _has_lstm(model):
+    return model
+
+  def clone(layer):
+    config = layer.get_config()
+    if isinstance(layer, tf.keras.layers.LSTM):
+      config["unroll"] = True
+    return type(layer).from_config(config)
+
+  unrolled = tf.keras.models.clone_model(model, clone_function=clone)
+  unrolled.set_weights(model.get_weights())
+  return unrolled
+
+
+def _has_lstm(model: tf.keras.Model) -> bool:
+  return any(isinstance(layer, tf.keras.layers.LSTM) for layer in model.layers)
 
 
 def _converter(module: EnsembleModule) -> tf.lite.TFLiteConverter:
@@ -105,22 +141,23 @@ def operator_types(flatbuffer: bytes) -> set[str]:
 
 
 def _calibration_inputs(
-  images: np.ndarray, labels: np.ndarray, ensemble_size: int, seed: int, batch_size: int = 10
+  inputs: np.ndarray, labels: np.ndarray, ensemble_size: int, seed: int, batch_size: int = 10
 ):
-  """TFLite's representative dataset for both signatures: full batches of `images` with
+  """TFLite's representative dataset for both signatures: full batches of `inputs` with
   alpha drawn from Dir(1) for `predict`, their `labels` for `personalize` (TFLite's
-  calibrator resizes the images but not the labels to a last, smaller batch)."""
+  calibrator resizes the inputs but not the labels to a last, smaller batch)."""
+  one, many = input_names(inputs.dtype)
 
   def generate():
     rng = np.random.default_rng(seed)
     for start in range(0, len(labels) - batch_size + 1, batch_size):
       batch = slice(start, start + batch_size)
       alpha = rng.dirichlet(np.ones(ensemble_size)).astype(np.float32)
-      yield "predict", {"image": images[batch], "alpha": alpha}
+      yield "predict", {one: inputs[batch], "alpha": alpha}
       yield (
         "personalize",
         {
-          "images": images[batch],
+          many: inputs[batch],
           "labels": labels[batch].astype(np.int32),
           "temperature": np.float32(1.0),
         },
@@ -129,20 +166,33 @@ def _calibration_inputs(
   return generate
 
 
+def check_quantization(members: list[tf.keras.Model], quantization: str):
+  """ExportError if `members` cannot be quantized as `quantization` (module docstring)."""
+  if quantization == "int8" and _has_lstm(members[0]):
+    raise ExportError(
+      "--quantization=int8 cannot keep an LSTM ensemble's mixture and personalization float "
+      "(the unrolled LSTM's MUL, ADD and PACK are the math's op types, and personalize's "
+      "alpha comes out 1/K): use --quantization=dynamic"
+    )
+
+
 def convert_ensemble(
   members: list[tf.keras.Model],
   input_shape: tuple[int, ...],
-  quantization: str = "float",
-  images: np.ndarray | None = None,
+  quantization: str,
+  input_dtype,
+  inputs: np.ndarray | None = None,
   labels: np.ndarray | None = None,
   seed: int = 0,
 ) -> bytes:
-  """One TFLite flatbuffer with the `predict` and `personalize` signatures.
+  """One TFLite flatbuffer with the `predict` and `personalize` signatures for inputs of
+  `input_dtype` [n, *input_shape].
 
   `quantization` is one of `QUANTIZATIONS` (module docstring); int8 calibrates on labeled
-  `images` (float32 [n, *input_shape]) and `labels` [n].
+  `inputs` (of `input_dtype`) and `labels` [n].
   """
-  converter = _converter(EnsembleModule(members, input_shape))
+  check_quantization(members, quantization)
+  converter = _converter(EnsembleModule(members, input_shape, input_dtype))
   if quantization == "float":
     return converter.convert()
   converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -152,10 +202,10 @@ def convert_ensemble(
   # stack and sum away) that a member alone does not use, and RESHAPE, which the math
   # shares with the members' flatten: alpha[:, None] quantized would not sum to one.
   math_ops = {"RESHAPE"} | (
-    operator_types(_converter(EnsembleModule(members[:2], input_shape)).convert())
-    - operator_types(tf.lite.TFLiteConverter.from_keras_model(members[0]).convert())
+    operator_types(_converter(EnsembleModule(members[:2], input_shape, input_dtype)).convert())
+    - operator_types(tf.lite.TFLiteConverter.from_keras_model(_unrolled(members[0])).convert())
   )
-  converter.representative_dataset = _calibration_inputs(images, labels, len(members), seed)
+  converter.representative_dataset = _calibration_inputs(inputs, labels, len(members), seed)
   debugger = tf.lite.experimental.QuantizationDebugger(
     converter=converter,
     debug_dataset=converter.representative_dataset,

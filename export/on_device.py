@@ -5,9 +5,12 @@ A file's metadata (`metadata`) says which runtime it needs: a standalone TFLite
 environment (`device/`) and tflite-runtime's in the main one, or, for `lce` files,
 larq-compute-engine's `lce.testing.Interpreter` (TFLite with LCE's 1-bit kernels
 registered), in both. Inputs are checked against the metadata before they reach the
-interpreter, whose own errors do not say what was expected: a wrong image shape, dtype or
-value range, an alpha that is not K weights on the simplex, or an empty or mislabeled
-personalization set raise `ExportError` with a one-line message.
+interpreter, whose own errors do not say what was expected: a wrong input shape, dtype or
+value range (float32 images in the task's range; integer ids in 0..out_of_vocabulary_id), an
+alpha that is not K weights on the simplex, or an empty or mislabeled personalization set
+raise `ExportError` with a one-line message. A file whose metadata says `reset_variables`
+(an LSTM's state) has its variable tensors reset before each invocation, so that a
+prediction does not depend on the previous one.
 """
 
 import importlib.metadata
@@ -75,7 +78,7 @@ def load_bytes(
 
 
 class _Exported:
-  """A flatbuffer, its metadata and the checks of its image input."""
+  """A flatbuffer, its metadata and the checks of its input."""
 
   def __init__(self, flatbuffer: bytes, description: dict):
     self.flatbuffer = flatbuffer
@@ -83,10 +86,45 @@ class _Exported:
     self.class_labels = description["class_labels"]
     self.input_shape = tuple(description["input"]["shape"][1:])
     self.value_range = tuple(description["input"]["value_range"])
+    # An int8 input is a quantized float image (`_quantize`); other integers are ids.
+    dtype = np.dtype(description["input"]["dtype"])
+    self.input_dtype = dtype if np.issubdtype(dtype, np.integer) and dtype != np.int8 else None
 
   @property
   def size_bytes(self) -> int:
     return len(self.flatbuffer)
+
+  def check_inputs(self, inputs, name: str) -> np.ndarray:
+    """`inputs` as the model takes them: float32 images (`check_images`), or integer ids
+    (`check_ids`) as the input's dtype."""
+    if self.input_dtype is None:
+      return self.check_images(inputs, name)
+    return self.check_ids(inputs, name)
+
+  def check_ids(self, ids, name: str = "ids") -> np.ndarray:
+    """`ids` as the input's dtype if they are integers [n >= 1, *input_shape] in the value
+    range (0..out_of_vocabulary_id)."""
+    low, high = self.value_range
+    expected = (
+      f"integer ids [n, {', '.join(map(str, self.input_shape))}] in {low}..{high} "
+      f"({self.metadata['input']['preprocessing']})"
+    )
+    if not isinstance(ids, np.ndarray):
+      raise ExportError(f"{name} must be a NumPy array of {expected}, got {type(ids).__name__}")
+    if (
+      not np.issubdtype(ids.dtype, np.integer)
+      or ids.ndim != len(self.input_shape) + 1
+      or ids.shape[1:] != self.input_shape
+    ):
+      raise ExportError(f"{name} must be {expected}, got {ids.dtype} {list(ids.shape)}")
+    if not len(ids):
+      raise ExportError(f"{name} is empty: pass at least one sample of {expected}")
+    if ids.min() < low or ids.max() > high:
+      raise ExportError(
+        f"{name} must be ids in {low}..{high} ({high}: any character outside the "
+        f"vocabulary), got {ids.min()}..{ids.max()}"
+      )
+    return ids.astype(self.input_dtype)
 
   def check_images(self, images, name: str = "image") -> np.ndarray:
     """`images` if they are float32 [n >= 1, *input_shape] in the value range."""
@@ -141,31 +179,35 @@ class Classifier(_Exported):
       self._output = self._interpreter.get_output_details()[0]
       self._interpreter.allocate_tensors()
       self.runtime = f"{RUNTIME} (Interpreter)"
+    self._reset_variables = "reset_variables" in description
 
-  def logits(self, images: np.ndarray) -> np.ndarray:
-    """float32 [n, classes] logits of float32 images [n, *input_shape] in [0, 1].
+  def logits(self, inputs: np.ndarray) -> np.ndarray:
+    """float32 [n, classes] logits of inputs [n, *input_shape] (`check_inputs`).
 
-    One image per call, as an app classifies: the converted graphs have batch size 1, and
-    some (group normalization's reshapes) cannot be resized to another.
+    One input per call, as an app classifies: the converted graphs have batch size 1, and
+    some (group normalization's reshapes, the fused LSTM) cannot be resized to another.
     """
-    images = self.check_images(images)
+    inputs = self.check_inputs(inputs, "image" if self.input_dtype is None else "ids")
     if self._lce is not None:
-      return np.asarray(self._lce.predict(images), np.float32)
+      return np.asarray(self._lce.predict(inputs), np.float32)
     if self._infer is not None:
-      return self._infer(x=images)["logits"]
+      return self._infer(x=inputs)["logits"]
     outputs = []
-    for image in images:
-      self._interpreter.set_tensor(self._input["index"], _quantize(image[None], self._input))
+    for example in inputs:
+      if self._reset_variables:
+        self._interpreter.reset_all_variables()
+      self._interpreter.set_tensor(self._input["index"], _quantize(example[None], self._input))
       self._interpreter.invoke()
       outputs.append(_dequantize(self._interpreter.get_tensor(self._output["index"]), self._output))
     return np.concatenate(outputs)
 
-  def predict_classes(self, images: np.ndarray) -> np.ndarray:
-    return self.logits(images).argmax(-1)
+  def predict_classes(self, inputs: np.ndarray) -> np.ndarray:
+    return self.logits(inputs).argmax(-1)
 
 
 class Ensemble(_Exported):
-  """An exported ensemble: `predict(image, alpha)` and `personalize(images, labels)`."""
+  """An exported ensemble: `predict(image, alpha)` and `personalize(images, labels)` (an
+  ids task's signatures name their input `ids`)."""
 
   def __init__(self, flatbuffer: bytes, description: dict, num_threads: int = 1):
     super().__init__(flatbuffer, description)
@@ -176,6 +218,12 @@ class Ensemble(_Exported):
     interpreter = tflite.Interpreter(model_content=flatbuffer, num_threads=num_threads)
     self._predict = interpreter.get_signature_runner("predict")
     self._personalize = interpreter.get_signature_runner("personalize")
+    signatures = interpreter.get_signature_list()
+    (self._predict_input,) = set(signatures["predict"]["inputs"]) - {"alpha"}
+    (self._personalize_input,) = set(signatures["personalize"]["inputs"]) - {
+      "labels",
+      "temperature",
+    }
     self.runtime = f"{RUNTIME} (Interpreter, signature runners)"
 
   def uniform_alpha(self) -> np.ndarray:
@@ -183,10 +231,11 @@ class Ensemble(_Exported):
 
   def predict(self, image: np.ndarray, alpha: np.ndarray | None = None) -> dict:
     """The `predict` signature: probabilities, member_probabilities, entropy,
-    mutual_information for images [n, *input_shape] and alpha [K] (uniform if None)."""
-    image = self.check_images(image)
+    mutual_information for inputs [n, *input_shape] (`check_inputs`) and alpha [K]
+    (uniform if None)."""
+    image = self.check_inputs(image, self._predict_input)
     alpha = self.uniform_alpha() if alpha is None else self._check_alpha(alpha)
-    return self._predict(image=image, alpha=alpha)
+    return self._predict(**{self._predict_input: image, "alpha": alpha})
 
   def personalize(
     self, images: np.ndarray, labels: np.ndarray, temperature: float | None = None
@@ -198,7 +247,7 @@ class Ensemble(_Exported):
         "the personalization set is empty: personalize needs at least one "
         "labeled example (else use the uniform alpha = 1/K)"
       )
-    images = self.check_images(images, "images")
+    images = self.check_inputs(images, self._personalize_input)
     labels = np.asarray(labels)
     if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer):
       raise ExportError(
@@ -214,7 +263,9 @@ class Ensemble(_Exported):
     if not temperature > 0:
       raise ExportError(f"temperature must be > 0 (inf: uniform), got {temperature}")
     return self._personalize(
-      images=images, labels=labels.astype(np.int32), temperature=np.float32(temperature)
+      **{self._personalize_input: images},
+      labels=labels.astype(np.int32),
+      temperature=np.float32(temperature),
     )["alpha"]
 
   def _check_alpha(self, alpha) -> np.ndarray:
@@ -237,10 +288,10 @@ class Ensemble(_Exported):
 
 
 def _quantize(x: np.ndarray, details: dict) -> np.ndarray:
-  """x as the input tensor's type (round(x / scale + zero_point) for int8)."""
-  if details["dtype"] == np.float32:
-    return x
+  """x as the input tensor's type (round(x / scale + zero_point) for a quantized one)."""
   scale, zero_point = details["quantization"]
+  if not scale:
+    return x.astype(details["dtype"])
   info = np.iinfo(details["dtype"])
   return np.clip(np.round(x / scale + zero_point), info.min, info.max).astype(details["dtype"])
 

@@ -7,7 +7,6 @@ installed (`uv sync --locked --project device`).
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -22,45 +21,14 @@ from export import metadata
 from export import on_device
 from tasks import femnist
 from tests.exported_runs import DATA_DIR
+from tests.exported_runs import EVALUATE_AND_LIST_MODULES
 from tests.exported_runs import REPO_ROOT
+from tests.exported_runs import needs_device_env
+from tests.exported_runs import run_in_device_env
 from tests.exported_runs import small_femnist_model
 from tests.exported_runs import write_run
 
 ENSEMBLE_SIZE = 3
-DEVICE_PYTHON = os.path.join(REPO_ROOT, "device", ".venv", "bin", "python")
-needs_device_env = pytest.mark.skipif(
-  not os.path.exists(DEVICE_PYTHON),
-  reason="the device environment is not installed: uv sync --locked --project device",
-)
-
-# Runs `python -m export.evaluate ARGS` in the device process, then prints which
-# TensorFlow modules that process imported.
-EVALUATE_AND_LIST_MODULES = """
-import json, runpy, sys
-sys.argv[0] = "export.evaluate"
-try:
-  runpy.run_module("export.evaluate", run_name="__main__", alter_sys=True)
-except SystemExit as e:
-  status = e.code
-heavy = ("tensorflow", "tensorflow_federated", "keras", "tasks.femnist", "tasks.cifar",
-         "tasks.resnet")
-print(json.dumps({"status": status, "tensorflow": "tensorflow" in sys.modules,
-                  "modules": sorted(m for m in sys.modules
-                                    if m.split(".")[0] in heavy or m in heavy)}))
-"""
-
-
-def _run_in_device_env(*args) -> dict:
-  result = subprocess.run(
-    [DEVICE_PYTHON, "-c", *args],
-    cwd=REPO_ROOT,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
-  )
-  assert result.returncode == 0, result.stderr[-2000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +87,7 @@ def test_device_env_evaluates_without_tensorflow(
   )
   main = evaluate.build_report(run, str(path), femnist_data, latency_repeats=1)
   report_path = tmp_path / "device_report.json"
-  process = _run_in_device_env(
+  process = run_in_device_env(
     EVALUATE_AND_LIST_MODULES,
     f"--run_dir={run.run_dir}",
     f"--tflite={path}",
@@ -165,6 +133,7 @@ def test_device_env_runs_lce_files(tmp_path):
     "class_labels": list(femnist.CLASS_LABELS),
     "input": {
       "shape": [None, *femnist.INPUT_SHAPE],
+      "dtype": "float32",
       "value_range": [0.0, 1.0],
       "preprocessing": "",
     },
@@ -174,7 +143,7 @@ def test_device_env_runs_lce_files(tmp_path):
   x = np.random.default_rng(0).random((4, *femnist.INPUT_SHAPE), dtype=np.float32)
   np.save(tmp_path / "x.npy", x)
   main = on_device.load(str(path)).logits(x)
-  process = _run_in_device_env(f"""
+  process = run_in_device_env(f"""
 import json, sys
 import numpy as np
 from export import on_device

@@ -101,7 +101,12 @@ def test_lce_and_binary_exports_match_keras(trained_binary_resnet8):
       "format": output_format,
       "class_labels": list(femnist.CLASS_LABELS),
       "runtime": (metadata.RUNTIME_LCE if output_format == "lce" else metadata.RUNTIME_TFLITE),
-      "input": {"shape": [None, 28, 28, 1], "value_range": [0.0, 1.0], "preprocessing": ""},
+      "input": {
+        "shape": [None, 28, 28, 1],
+        "dtype": "float32",
+        "value_range": [0.0, 1.0],
+        "preprocessing": "",
+      },
     }
     exported = on_device.Classifier(flatbuffer, description)
     assert exported.runtime.split()[0] == (

@@ -208,12 +208,12 @@ def _finite_or_none(value):
 
 
 def calibration_data(
-  task, data_dir: str | None, examples: int | None, seed: int, **data_options
+  task, data_dir: str | None, examples: int | None, seed: int, data_options: dict | None = None
 ) -> CalibrationData:
   """`examples` inputs (all if None or fewer) drawn without replacement from all training
-  clients (`task.load_data(data_dir, **data_options)`), in random (seeded) order, as the
-  task's INPUT_DTYPE."""
-  train = task.load_data(data_dir, **data_options).train
+  clients (`task.load_data(data_dir, **data_options)`: the run's split,
+  `runs.Run.data_options`), in random order (`seed`), as the task's INPUT_DTYPE."""
+  train = task.load_data(data_dir, **(data_options or {})).train
   x, y = train.concatenated()
   chosen = np.random.default_rng(seed).permutation(len(y))[:examples]
   return CalibrationData(np.asarray(x[chosen], task.INPUT_DTYPE), y[chosen])
@@ -316,7 +316,7 @@ def export_run(
       data_dir or run.config.get("data_dir"),
       None if output_format == "qat" else options.representative_examples,
       options.seed,
-      **run.data_options(run.task),
+      run.data_options(run.task),
     )
   if output_format == "trainable":
     if run.config.get("client_lr") is None:

@@ -81,6 +81,7 @@ def write_run(run_dir, models, config=None, summary=None) -> runs.Run:
     "model": "cnn",
     "algorithm": "fedavg",
     "data_dir": DATA_DIR,
+    "seed": 0,
     **(config or {}),
   }
   for name, value in ((run_files.CONFIG_FILE, config), (run_files.SUMMARY_FILE, summary or {})):

@@ -228,3 +228,22 @@ def split_pool(
       validation_y=train_y[validation],
     )
   return clients, clients_test, server
+
+
+def repartitioned(
+  data: FederatedData, config: partition_lib.PartitionConfig, seed: int, num_classes: int
+) -> FederatedData:
+  """`data` with its training clients' examples pooled and split by `config` (`split_pool`,
+  seeded by `seed`): new clients, their test examples split like their labels, and the
+  server's examples if the partition sets any aside; the new clients (test data only) stay."""
+  train, test, server = split_pool(
+    data.train.concatenated(),
+    data.test.concatenated(),
+    config,
+    seed,
+    where=data.source,
+    num_classes=num_classes,
+  )
+  return dataclasses.replace(
+    data, train=train, test=test, server=server, source=f"{data.source} ({config.partition} split)"
+  )

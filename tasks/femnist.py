@@ -21,7 +21,6 @@ Test writers with training data form the test split; test writers without traini
 
 import collections
 import contextlib
-import dataclasses
 import os
 import socket
 import sqlite3
@@ -175,21 +174,7 @@ def load_data(
     partition = partition.for_task(DEFAULT_PARTITION, SERVER_EXAMPLES)
   if partition is None:
     return data
-  train, test, server = data_lib.split_pool(
-    data.train.concatenated(),
-    data.test.concatenated(),
-    partition,
-    seed,
-    where=data.source,
-    num_classes=NUM_CLASSES,
-  )
-  return dataclasses.replace(
-    data,
-    train=train,
-    test=test,
-    server=server,
-    source=f"{data.source} ({partition.partition} split)",
-  )
+  return data_lib.repartitioned(data, partition, seed, NUM_CLASSES)
 
 
 def _build_cnn(seed: int, num_classes: int) -> tf.keras.Model:

@@ -474,14 +474,4 @@ def load_data(
   )
   if partition is None:
     return data
-  train, test, server = data_lib.split_pool(
-    data.train.concatenated(),
-    data.test.concatenated(),
-    partition,
-    seed,
-    where=data.source,
-    num_classes=NUM_IDS,
-  )
-  return dataclasses.replace(
-    data, train=train, test=test, server=server, source=f"{data.source} (iid split)"
-  )
+  return data_lib.repartitioned(data, partition, seed, NUM_IDS)

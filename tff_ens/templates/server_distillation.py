@@ -174,19 +174,6 @@ def weighted_average(stacked, weights):
   return tf.nest.map_structure(lambda t: tf.tensordot(p, t, axes=1), stacked)
 
 
-def each_with_batch_norm_statistics(model: tf.keras.Model, stacked, images):
-  """`stacked` models (leading axis: the models), each with the batch-norm statistics it
-  measures on `images` (`server_optimizer.batch_norm_statistics`, one model at a time on
-  `model`, whose layers it leaves with momentum 0)."""
-  members = [
-    server_optimizer.batch_norm_statistics(
-      model, tf.nest.map_structure(lambda t, m=m: t[m], stacked), images
-    )
-    for m in range(tf.nest.flatten(stacked)[0].shape[0])
-  ]
-  return tf.nest.map_structure(lambda *t: tf.stack(t), *members)
-
-
 def teachers(
   model: tf.keras.Model,
   global_weights,
@@ -206,13 +193,14 @@ def teachers(
   all received clients (a FedAvg step), as in the first rounds of training.
   With `recalibration = (a model, server images)` every model (each client before
   drop-worst evaluates it, the average, each sample) carries the batch-norm statistics
-  it measures on those images instead of its own (`each_with_batch_norm_statistics`).
+  it measures on those images instead of its own
+  (`server_optimizer.each_with_batch_norm_statistics`).
   """
   updates, weights = collected
   clients = models_of_clients(global_weights, updates)
   if recalibration is not None:
     recalibration_model, images = recalibration
-    clients = each_with_batch_norm_statistics(recalibration_model, clients, images)
+    clients = server_optimizer.each_with_batch_norm_statistics(recalibration_model, clients, images)
   weights = tf.cast(weights, tf.float32)
   received = weights > 0
   keep = received
@@ -251,7 +239,9 @@ def teachers(
       )
       samples = weight_posterior.combine_models(clients, coefficients)
     if recalibration is not None:
-      samples = each_with_batch_norm_statistics(recalibration_model, samples, images)
+      samples = server_optimizer.each_with_batch_norm_statistics(
+        recalibration_model, samples, images
+      )
   stack = weight_posterior.teacher_stack(
     posterior.targets, average, clients if "C" in posterior.targets else None, samples
   )

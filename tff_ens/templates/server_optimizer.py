@@ -50,6 +50,17 @@ def batch_norm_statistics(model: tf.keras.Model, weights: ModelWeights, images) 
   )
 
 
+def each_with_batch_norm_statistics(model: tf.keras.Model, stacked, images):
+  """`stacked` models (leading axis: the models), each with the batch-norm statistics it
+  measures on `images` (`batch_norm_statistics`, one model at a time on `model`, whose
+  layers it leaves with momentum 0)."""
+  members = [
+    batch_norm_statistics(model, tf.nest.map_structure(lambda t, m=m: t[m], stacked), images)
+    for m in range(tf.nest.flatten(stacked)[0].shape[0])
+  ]
+  return tf.nest.map_structure(lambda *t: tf.stack(t), *members)
+
+
 def build_finalizer(
   server_optimizer,
   weights_type: tff.Type,

@@ -8,8 +8,9 @@ export.evaluate ...`: no TensorFlow), in tflite-runtime in the main one, and in 
 interpreter for `lce` files (`on_device`), never in TensorFlow's. For every test client (a
 FEMNIST writer, a Shakespeare role or iid client) that has training data (the run's test
 split): a single model predicts the client's test inputs; an ensemble first `personalize`s
-on the client's training examples (the run's temperature), then `predict`s its test inputs
-with that alpha, and with the uniform alpha. Where TensorFlow is installed (the main
+on the client's training examples (the run's temperature; `--personalize_chunk_size`
+examples per signature call, `on_device.Ensemble.personalize`), then `predict`s its test
+inputs with that alpha, and with the uniform alpha. Where TensorFlow is installed (the main
 environment), the run's Keras model(s) make the same predictions (`reference`) for the
 keras_* keys and `agreement`; the device environment reads the data itself, NumPy only
 (FEMNIST's LEAF files, `leaf`; Shakespeare's plays split as the run's, `plays`), and leaves
@@ -93,14 +94,17 @@ def evaluate_classifier(exported: on_device.Classifier, models, data, latency_re
   return report
 
 
-def evaluate_ensemble(exported: on_device.Ensemble, models, data, latency_repeats: int) -> dict:
-  """The file's uniform and personalized accuracies and latency; with Keras `models`,
-  theirs and the agreements."""
+def evaluate_ensemble(
+  exported: on_device.Ensemble, models, data, latency_repeats: int, chunk_size: int
+) -> dict:
+  """The file's uniform and personalized accuracies and latency, personalized on
+  `chunk_size` examples per signature call; with Keras `models`, theirs and the
+  agreements."""
   train, test = data.train, data.test
   writers = [c for c in test.client_ids if c in train.x]
   tflite, tflite_uniform = {}, {}
   for c in writers:
-    alpha = exported.personalize(train.x[c], train.y[c])
+    alpha = exported.personalize(train.x[c], train.y[c], chunk_size=chunk_size)
     tflite[c] = exported.predict(test.x[c], alpha)["probabilities"].argmax(-1)
     tflite_uniform[c] = exported.predict(test.x[c])["probabilities"].argmax(-1)
   labels = {c: test.y[c] for c in writers}
@@ -181,9 +185,15 @@ def load_data(run: runs.Run, data_dir: str | None):
 
 
 def build_report(
-  run: runs.Run, tflite_path: str, data, num_threads: int = 1, latency_repeats: int = 50
+  run: runs.Run,
+  tflite_path: str,
+  data,
+  num_threads: int = 1,
+  latency_repeats: int = 50,
+  chunk_size: int = on_device.PERSONALIZE_CHUNK_SIZE,
 ) -> dict:
-  """The report (see the module docstring) of the file at `tflite_path` exported from `run`."""
+  """The report (see the module docstring) of the file at `tflite_path` exported from `run`;
+  an ensemble personalizes on `chunk_size` examples per signature call."""
   exported = on_device.load(tflite_path, num_threads)
   if isinstance(exported, on_device.Ensemble):
     if len(run.model_paths) != exported.ensemble_size:
@@ -198,8 +208,10 @@ def build_report(
       "run: pass the run it was exported from"
     )
   models = run.load_models() if reference is not None else None
-  evaluate = evaluate_ensemble if isinstance(exported, on_device.Ensemble) else evaluate_classifier
-  measured = evaluate(exported, models, data, latency_repeats)
+  if isinstance(exported, on_device.Ensemble):
+    measured = evaluate_ensemble(exported, models, data, latency_repeats, chunk_size)
+  else:
+    measured = evaluate_classifier(exported, models, data, latency_repeats)
   if data.ood is not None and data.ood.num_examples():
     measured.update(evaluate_ood(exported, models, data))
     measured.update({f"reference_{k}": run.summary.get(k) for k in OOD_KEYS})
@@ -233,6 +245,11 @@ def define_flags():
   flags.DEFINE_string("output", "tflite_report.json", "Where the JSON report goes.")
   flags.DEFINE_integer("num_threads", 1, "Interpreter threads.")
   flags.DEFINE_integer("latency_repeats", 50, "Timed single-input calls (median over).")
+  flags.DEFINE_integer(
+    "personalize_chunk_size",
+    on_device.PERSONALIZE_CHUNK_SIZE,
+    "Ensembles: examples per personalize signature call (its memory grows with them).",
+  )
 
 
 def main(argv):
@@ -246,7 +263,14 @@ def main(argv):
         raise ExportError(f"--{name} is required (see --help)")
     run = runs.load_run(FLAGS.run_dir)
     data = load_data(run, FLAGS.data_dir)
-    report = build_report(run, FLAGS.tflite, data, FLAGS.num_threads, FLAGS.latency_repeats)
+    report = build_report(
+      run,
+      FLAGS.tflite,
+      data,
+      FLAGS.num_threads,
+      FLAGS.latency_repeats,
+      FLAGS.personalize_chunk_size,
+    )
     try:
       with open(FLAGS.output, "w") as f:
         json.dump(report, f, indent=2, sort_keys=True)

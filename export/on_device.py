@@ -10,7 +10,9 @@ value range (float32 images in the task's range; integer ids in 0..out_of_vocabu
 alpha that is not K weights on the simplex, or an empty or mislabeled personalization set
 raise `ExportError` with a one-line message. A file whose metadata says `reset_variables`
 (an LSTM's state) has its variable tensors reset before each invocation, so that a
-prediction does not depend on the previous one.
+prediction does not depend on the previous one. An ensemble personalizes in chunks of at most
+`PERSONALIZE_CHUNK_SIZE` examples per signature call, combined exactly
+(`Ensemble.personalize`).
 """
 
 import importlib.metadata
@@ -31,9 +33,13 @@ except ImportError:
 
 from export import ExportError
 from export import metadata
+from tff_ens.math import personalization
 
 # alpha must sum to 1 within this (float32 rounding of user-computed weights).
 ALPHA_SUM_TOLERANCE = 1e-3
+# Examples per `personalize` signature call: a call's memory grows with its batch (one call on
+# a Shakespeare role of a K=3 256-unit LSTM ensemble, unrolled, went past 10 GB).
+PERSONALIZE_CHUNK_SIZE = 256
 
 
 def lce_interpreter() -> type:
@@ -206,8 +212,8 @@ class Classifier(_Exported):
 
 
 class Ensemble(_Exported):
-  """An exported ensemble: `predict(image, alpha)` and `personalize(images, labels)` (an
-  ids task's signatures name their input `ids`)."""
+  """An exported ensemble: `predict(image, alpha)` and `personalize(images, labels)`, in
+  chunks (an ids task's signatures name their input `ids`)."""
 
   def __init__(self, flatbuffer: bytes, description: dict, num_threads: int = 1):
     super().__init__(flatbuffer, description)
@@ -238,10 +244,24 @@ class Ensemble(_Exported):
     return self._predict(**{self._predict_input: image, "alpha": alpha})
 
   def personalize(
-    self, images: np.ndarray, labels: np.ndarray, temperature: float | None = None
+    self,
+    images: np.ndarray,
+    labels: np.ndarray,
+    temperature: float | None = None,
+    chunk_size: int = PERSONALIZE_CHUNK_SIZE,
   ) -> np.ndarray:
-    """The `personalize` signature: alpha [K] from labeled images (the run's temperature
-    if None)."""
+    """alpha [K] = softmax(-loss / temperature) (Fed-ensemble eq. 4) from all the labeled
+    images (the run's temperature if None), through the `personalize` signature on chunks
+    of at most `chunk_size` of them, so that a call's memory stays bounded.
+
+    The signature returns alpha, not the losses. At temperature 1 a chunk's log alpha is
+    -loss_c minus its log-sum-exp, a constant over the members; the size-weighted mean of
+    the chunks' log alpha is therefore -loss plus a constant, loss being the mean over all
+    images, and `personalization.personalization_weights` of its negation at `temperature`
+    is the one-call alpha (softmax ignores the constant). A chunk's alpha_k is at least
+    EPSILON / K (a member's loss is at most -log EPSILON, `ensemble_math`), so its log is
+    finite in float32.
+    """
     if isinstance(images, np.ndarray) and images.ndim >= 1 and not len(images):
       raise ExportError(
         "the personalization set is empty: personalize needs at least one "
@@ -262,11 +282,19 @@ class Ensemble(_Exported):
     temperature = self.temperature if temperature is None else temperature
     if not temperature > 0:
       raise ExportError(f"temperature must be > 0 (inf: uniform), got {temperature}")
-    return self._personalize(
-      **{self._personalize_input: images},
-      labels=labels.astype(np.int32),
-      temperature=np.float32(temperature),
-    )["alpha"]
+    if not (isinstance(chunk_size, (int, np.integer)) and chunk_size >= 1):
+      raise ExportError(f"chunk_size must be a positive integer of examples, got {chunk_size!r}")
+    labels = labels.astype(np.int32)
+    mean_log_alpha = np.zeros(self.ensemble_size)
+    for start in range(0, len(images), chunk_size):
+      chunk = slice(start, start + chunk_size)
+      alpha = self._personalize(
+        **{self._personalize_input: images[chunk]},
+        labels=labels[chunk],
+        temperature=np.float32(1.0),
+      )["alpha"]
+      mean_log_alpha += len(labels[chunk]) / len(labels) * np.log(alpha.astype(np.float64))
+    return personalization.personalization_weights(-mean_log_alpha, temperature).astype(np.float32)
 
   def _check_alpha(self, alpha) -> np.ndarray:
     alpha = np.asarray(alpha, np.float32)

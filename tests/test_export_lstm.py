@@ -273,6 +273,10 @@ def test_ensemble_signatures_take_ids_and_follow_keras(
     0.5,
   )
   np.testing.assert_allclose(exported.personalize(x[labeled], y[labeled]), expected, atol=atol)
+  # In chunks of 30 (the last of 10), the same alpha (`on_device.Ensemble.personalize`).
+  np.testing.assert_allclose(
+    exported.personalize(x[labeled], y[labeled], chunk_size=30), expected, atol=atol
+  )
 
 
 def test_int8_ensemble_of_lstms_is_refused(tmp_path, data_dir):

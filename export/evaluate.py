@@ -8,9 +8,9 @@ export.evaluate ...`: no TensorFlow), in tflite-runtime in the main one, and in 
 interpreter for `lce` files (`on_device`), never in TensorFlow's. For every test client (a
 FEMNIST writer, a Shakespeare role or iid client) that has training data (the run's test
 split): a single model predicts the client's test inputs; an ensemble first `personalize`s
-on the client's training examples (the run's temperature; `--personalize_chunk_size`
-examples per signature call, `on_device.Ensemble.personalize`), then `predict`s its test
-inputs with that alpha, and with the uniform alpha. Where TensorFlow is installed (the main
+on the client's training examples (the run's temperature), then `predict`s its test
+inputs with that alpha, and with the uniform alpha, at most `--chunk_size` examples per
+signature call (`on_device.Ensemble`). Where TensorFlow is installed (the main
 environment), the run's Keras model(s) make the same predictions (`reference`) for the
 keras_* keys and `agreement`; the device environment reads the data itself, NumPy only
 (FEMNIST's LEAF files, `leaf`; Shakespeare's plays split as the run's, `plays`), and leaves
@@ -97,16 +97,17 @@ def evaluate_classifier(exported: on_device.Classifier, models, data, latency_re
 def evaluate_ensemble(
   exported: on_device.Ensemble, models, data, latency_repeats: int, chunk_size: int
 ) -> dict:
-  """The file's uniform and personalized accuracies and latency, personalized on
-  `chunk_size` examples per signature call; with Keras `models`, theirs and the
-  agreements."""
+  """The file's uniform and personalized accuracies and latency, `chunk_size` examples per
+  signature call; with Keras `models`, theirs and the agreements."""
   train, test = data.train, data.test
   writers = [c for c in test.client_ids if c in train.x]
   tflite, tflite_uniform = {}, {}
   for c in writers:
     alpha = exported.personalize(train.x[c], train.y[c], chunk_size=chunk_size)
-    tflite[c] = exported.predict(test.x[c], alpha)["probabilities"].argmax(-1)
-    tflite_uniform[c] = exported.predict(test.x[c])["probabilities"].argmax(-1)
+    tflite[c] = exported.predict(test.x[c], alpha, chunk_size)["probabilities"].argmax(-1)
+    tflite_uniform[c] = exported.predict(test.x[c], chunk_size=chunk_size)["probabilities"].argmax(
+      -1
+    )
   labels = {c: test.y[c] for c in writers}
   accuracy, per_client = _mean_accuracy(tflite_uniform, labels)
   one_input = test.x[writers[0]][:1]
@@ -190,10 +191,10 @@ def build_report(
   data,
   num_threads: int = 1,
   latency_repeats: int = 50,
-  chunk_size: int = on_device.PERSONALIZE_CHUNK_SIZE,
+  chunk_size: int = on_device.CHUNK_SIZE,
 ) -> dict:
   """The report (see the module docstring) of the file at `tflite_path` exported from `run`;
-  an ensemble personalizes on `chunk_size` examples per signature call."""
+  an ensemble's signatures take `chunk_size` examples per call."""
   exported = on_device.load(tflite_path, num_threads)
   if isinstance(exported, on_device.Ensemble):
     if len(run.model_paths) != exported.ensemble_size:
@@ -246,9 +247,9 @@ def define_flags():
   flags.DEFINE_integer("num_threads", 1, "Interpreter threads.")
   flags.DEFINE_integer("latency_repeats", 50, "Timed single-input calls (median over).")
   flags.DEFINE_integer(
-    "personalize_chunk_size",
-    on_device.PERSONALIZE_CHUNK_SIZE,
-    "Ensembles: examples per personalize signature call (its memory grows with them).",
+    "chunk_size",
+    on_device.CHUNK_SIZE,
+    "Ensembles: examples per predict or personalize signature call (its memory grows with them).",
   )
 
 
@@ -269,7 +270,7 @@ def main(argv):
       data,
       FLAGS.num_threads,
       FLAGS.latency_repeats,
-      FLAGS.personalize_chunk_size,
+      FLAGS.chunk_size,
     )
     try:
       with open(FLAGS.output, "w") as f:

@@ -10,9 +10,9 @@ value range (float32 images in the task's range; integer ids in 0..out_of_vocabu
 alpha that is not K weights on the simplex, or an empty or mislabeled personalization set
 raise `ExportError` with a one-line message. A file whose metadata says `reset_variables`
 (an LSTM's state) has its variable tensors reset before each invocation, so that a
-prediction does not depend on the previous one. An ensemble personalizes in chunks of at most
-`PERSONALIZE_CHUNK_SIZE` examples per signature call, combined exactly
-(`Ensemble.personalize`).
+prediction does not depend on the previous one. An ensemble predicts and personalizes in
+chunks of at most `CHUNK_SIZE` examples per signature call, combined exactly
+(`Ensemble.predict`, `Ensemble.personalize`).
 """
 
 import importlib.metadata
@@ -37,9 +37,9 @@ from tff_ens.math import personalization
 
 # alpha must sum to 1 within this (float32 rounding of user-computed weights).
 ALPHA_SUM_TOLERANCE = 1e-3
-# Examples per `personalize` signature call: a call's memory grows with its batch (one call on
-# a Shakespeare role of a K=3 256-unit LSTM ensemble, unrolled, went past 10 GB).
-PERSONALIZE_CHUNK_SIZE = 256
+# Examples per ensemble signature call: a call's memory grows with its batch (one `personalize`
+# call on a Shakespeare role of a K=3 256-unit LSTM ensemble, unrolled, went past 10 GB).
+CHUNK_SIZE = 256
 
 
 def lce_interpreter() -> type:
@@ -161,6 +161,13 @@ class _Exported:
     return images
 
 
+def _chunks(size: int, chunk_size) -> list[slice]:
+  """Consecutive slices of at most `chunk_size` of `size` examples."""
+  if not (isinstance(chunk_size, (int, np.integer)) and chunk_size >= 1):
+    raise ExportError(f"chunk_size must be a positive integer of examples, got {chunk_size!r}")
+  return [slice(start, start + chunk_size) for start in range(0, size, chunk_size)]
+
+
 class Classifier(_Exported):
   """A single exported model (any format but `ensemble`; a `trainable` file predicts
   through its `infer` signature, and trains through `export.device_training`)."""
@@ -213,7 +220,8 @@ class Classifier(_Exported):
 
 class Ensemble(_Exported):
   """An exported ensemble: `predict(image, alpha)` and `personalize(images, labels)`, in
-  chunks (an ids task's signatures name their input `ids`)."""
+  chunks of at most `chunk_size` examples per signature call (an ids task's signatures name
+  their input `ids`)."""
 
   def __init__(self, flatbuffer: bytes, description: dict, num_threads: int = 1):
     super().__init__(flatbuffer, description)
@@ -235,20 +243,27 @@ class Ensemble(_Exported):
   def uniform_alpha(self) -> np.ndarray:
     return np.full(self.ensemble_size, 1.0 / self.ensemble_size, np.float32)
 
-  def predict(self, image: np.ndarray, alpha: np.ndarray | None = None) -> dict:
+  def predict(
+    self, image: np.ndarray, alpha: np.ndarray | None = None, chunk_size: int = CHUNK_SIZE
+  ) -> dict:
     """The `predict` signature: probabilities, member_probabilities, entropy,
     mutual_information for inputs [n, *input_shape] (`check_inputs`) and alpha [K]
-    (uniform if None)."""
+    (uniform if None), on chunks of at most `chunk_size` inputs (each input's outputs are
+    its own, so the chunks' concatenation is the one-call result to float32 rounding)."""
     image = self.check_inputs(image, self._predict_input)
     alpha = self.uniform_alpha() if alpha is None else self._check_alpha(alpha)
-    return self._predict(**{self._predict_input: image, "alpha": alpha})
+    outputs = [
+      self._predict(**{self._predict_input: image[chunk], "alpha": alpha})
+      for chunk in _chunks(len(image), chunk_size)
+    ]
+    return {key: np.concatenate([o[key] for o in outputs]) for key in outputs[0]}
 
   def personalize(
     self,
     images: np.ndarray,
     labels: np.ndarray,
     temperature: float | None = None,
-    chunk_size: int = PERSONALIZE_CHUNK_SIZE,
+    chunk_size: int = CHUNK_SIZE,
   ) -> np.ndarray:
     """alpha [K] = softmax(-loss / temperature) (Fed-ensemble eq. 4) from all the labeled
     images (the run's temperature if None), through the `personalize` signature on chunks
@@ -282,12 +297,9 @@ class Ensemble(_Exported):
     temperature = self.temperature if temperature is None else temperature
     if not temperature > 0:
       raise ExportError(f"temperature must be > 0 (inf: uniform), got {temperature}")
-    if not (isinstance(chunk_size, (int, np.integer)) and chunk_size >= 1):
-      raise ExportError(f"chunk_size must be a positive integer of examples, got {chunk_size!r}")
     labels = labels.astype(np.int32)
     mean_log_alpha = np.zeros(self.ensemble_size)
-    for start in range(0, len(images), chunk_size):
-      chunk = slice(start, start + chunk_size)
+    for chunk in _chunks(len(images), chunk_size):
       alpha = self._personalize(
         **{self._personalize_input: images[chunk]},
         labels=labels[chunk],

@@ -152,6 +152,22 @@ def test_chunked_personalize_equals_one_signature_call(ensemble, chunk_size):
     )
 
 
+@pytest.mark.parametrize("chunk_size", [1, 5, 23])
+def test_chunked_predict_equals_one_signature_call(ensemble, chunk_size):
+  x = images(23, seed=3)
+  alpha = np.random.default_rng(3).dirichlet(np.ones(K)).astype(np.float32)
+  signature = on_device.tflite.Interpreter(model_content=ensemble.flatbuffer).get_signature_runner(
+    "predict"
+  )
+  one_call = signature(image=x, alpha=alpha)
+  chunked = ensemble.predict(x, alpha, chunk_size=chunk_size)
+  assert set(chunked) == set(one_call)
+  for key, expected in one_call.items():
+    # Each input's outputs are its own, to float32 rounding: a batch's kernels block it
+    # differently (measured: 1e-6 on a mutual information of 0.03).
+    np.testing.assert_allclose(chunked[key], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_personalize_rejects_a_chunk_size_below_one(ensemble):
   with pytest.raises(ExportError, match="chunk_size must be a positive integer of examples"):
     ensemble.personalize(images(2), np.array([0, 1]), chunk_size=0)

@@ -81,6 +81,17 @@ def test_changing_cohort_sizes_reuse_one_worker_correctly():
   assert worker_processes.is_gone(worker.pid)
 
 
+def test_local_context_disposes_values_as_soon_as_python_drops_them():
+  # TFF's default batches 20 disposals, so the worker kept the values of the last
+  # few calls, and with them those calls' per-client values (every client's update
+  # of a server step's collect).
+  with runtime.execution_context():
+    assert worker_processes.sum_of_doubles([1, 2]) == 6
+    executors = runtime._current_worker().executors
+    assert executors
+    assert all(e._dispose_batch_size == 1 for e in executors)
+
+
 def test_previous_context_is_restored():
   before = tff.framework.get_context_stack().current
   with runtime.execution_context():

@@ -129,7 +129,12 @@ def _executor_factory(
     cardinalities.setdefault(tff.CLIENTS, 0)
     # Not `stream_structs=True`: it moves a 132 MB state about twice as fast
     # but its value finalizers then fail ("value not found, cannot dispose").
-    executor = tff.framework.RemoteExecutor(stub)
+    # Values are disposed on the worker as soon as Python drops them: with TFF's
+    # default batch of 20 disposals, the worker held the values of the last few
+    # calls, and with them those calls' per-client values (a server step's collect:
+    # every client's update of those rounds). Measured with the collect of 4 clients'
+    # 50 MB updates, 4 calls: the worker peaked at 4.5 GB, with a batch of 1 at 2.6 GB.
+    executor = tff.framework.RemoteExecutor(stub, dispose_batch_size=1)
     executor.set_cardinalities(cardinalities)
     executors.append(executor)
     return executor

@@ -101,64 +101,42 @@ class _Exported:
     return len(self.flatbuffer)
 
   def check_inputs(self, inputs, name: str) -> np.ndarray:
-    """`inputs` as the model takes them: float32 images (`check_images`), or integer ids
-    (`check_ids`) as the input's dtype."""
-    if self.input_dtype is None:
-      return self.check_images(inputs, name)
-    return self.check_ids(inputs, name)
-
-  def check_ids(self, ids, name: str = "ids") -> np.ndarray:
-    """`ids` as the input's dtype if they are integers [n >= 1, *input_shape] in the value
-    range (0..out_of_vocabulary_id)."""
+    """`inputs` as the model takes them if they are [n >= 1, *input_shape] in the value
+    range: float32 images, or integer ids (0..out_of_vocabulary_id) as the input's dtype."""
     low, high = self.value_range
-    expected = (
-      f"integer ids [n, {', '.join(map(str, self.input_shape))}] in {low}..{high} "
-      f"({self.metadata['input']['preprocessing']})"
-    )
-    if not isinstance(ids, np.ndarray):
-      raise ExportError(f"{name} must be a NumPy array of {expected}, got {type(ids).__name__}")
+    shape = ", ".join(map(str, self.input_shape))
+    preprocessing = self.metadata["input"]["preprocessing"]
+    ids = self.input_dtype is not None
+    if ids:
+      expected = f"integer ids [n, {shape}] in {low}..{high} ({preprocessing})"
+    else:
+      expected = f"float32 [n, {shape}] with values in [{low:g}, {high:g}]"
+    if not isinstance(inputs, np.ndarray):
+      raise ExportError(f"{name} must be a NumPy array of {expected}, got {type(inputs).__name__}")
+    dtype_ok = np.issubdtype(inputs.dtype, np.integer) if ids else inputs.dtype == np.float32
     if (
-      not np.issubdtype(ids.dtype, np.integer)
-      or ids.ndim != len(self.input_shape) + 1
-      or ids.shape[1:] != self.input_shape
+      not dtype_ok
+      or inputs.ndim != len(self.input_shape) + 1
+      or inputs.shape[1:] != self.input_shape
     ):
-      raise ExportError(f"{name} must be {expected}, got {ids.dtype} {list(ids.shape)}")
-    if not len(ids):
-      raise ExportError(f"{name} is empty: pass at least one sample of {expected}")
-    if ids.min() < low or ids.max() > high:
+      raise ExportError(f"{name} must be {expected}, got {inputs.dtype} {list(inputs.shape)}")
+    if not len(inputs):
       raise ExportError(
-        f"{name} must be ids in {low}..{high} ({high}: any character outside the "
-        f"vocabulary), got {ids.min()}..{ids.max()}"
+        f"{name} is empty: pass at least one {'sample' if ids else 'image'} of {expected}"
       )
-    return ids.astype(self.input_dtype)
-
-  def check_images(self, images, name: str = "image") -> np.ndarray:
-    """`images` if they are float32 [n >= 1, *input_shape] in the value range."""
-    expected = (
-      f"float32 [n, {', '.join(map(str, self.input_shape))}] with values in "
-      f"[{self.value_range[0]:g}, {self.value_range[1]:g}]"
-    )
-    if not isinstance(images, np.ndarray):
-      raise ExportError(f"{name} must be a NumPy array ({expected}), got {type(images).__name__}")
-    if (
-      images.dtype != np.float32
-      or images.ndim != len(self.input_shape) + 1
-      or (images.shape[1:] != self.input_shape)
-    ):
-      raise ExportError(f"{name} must be {expected}, got {images.dtype} {list(images.shape)}")
-    if not len(images):
-      raise ExportError(f"{name} is empty: pass at least one image ({expected})")
-    if not (
-      np.all(np.isfinite(images))
-      and images.min() >= self.value_range[0]
-      and images.max() <= self.value_range[1]
-    ):
+    if ids:
+      if inputs.min() < low or inputs.max() > high:
+        raise ExportError(
+          f"{name} must be ids in {low}..{high} ({high}: any character outside the "
+          f"vocabulary), got {inputs.min()}..{inputs.max()}"
+        )
+      return inputs.astype(self.input_dtype)
+    if not (np.all(np.isfinite(inputs)) and inputs.min() >= low and inputs.max() <= high):
       raise ExportError(
-        f"{name} values must be in [{self.value_range[0]:g}, "
-        f"{self.value_range[1]:g}] ({self.metadata['input']['preprocessing']}"
-        f"), got {np.nanmin(images):g}..{np.nanmax(images):g}"
+        f"{name} values must be in [{low:g}, {high:g}] ({preprocessing}), got "
+        f"{np.nanmin(inputs):g}..{np.nanmax(inputs):g}"
       )
-    return images
+    return inputs
 
 
 def _chunks(size: int, chunk_size) -> list[slice]:

@@ -32,12 +32,17 @@ def small_slice(tmp_path_factory) -> pathlib.Path:
   return root
 
 
+def _generate(small_slice, output, seed: int) -> dict:
+  """12 writers and 2,000 examples from `small_slice`, 5 writers a file."""
+  return full_size_femnist.generate(
+    str(small_slice), str(output), writers=12, examples=2_000, writers_per_file=5, seed=seed
+  )
+
+
 @pytest.fixture(scope="module")
 def generated(small_slice, tmp_path_factory) -> pathlib.Path:
   output = tmp_path_factory.mktemp("generated") / "femnist"
-  written = full_size_femnist.generate(
-    str(small_slice), str(output), writers=12, examples=2_000, writers_per_file=5, seed=3
-  )
+  written = _generate(small_slice, output, seed=3)
   assert written["writers"] == 12 and written["examples"] == 2_000 and written["files"] == 6
   return output
 
@@ -87,28 +92,14 @@ def test_an_image_is_shifted_with_noise_on_its_ink(small_slice):
 
 
 def test_same_seed_writes_the_same_files(small_slice, generated, tmp_path):
-  full_size_femnist.generate(
-    str(small_slice),
-    str(tmp_path / "again"),
-    writers=12,
-    examples=2_000,
-    writers_per_file=5,
-    seed=3,
-  )
+  _generate(small_slice, tmp_path / "again", seed=3)
   for split in ("train", "test"):
     names = sorted(p.name for p in (generated / split).iterdir())
     _, mismatch, errors = filecmp.cmpfiles(
       generated / split, tmp_path / "again" / split, names, False
     )
     assert mismatch == errors == []
-  full_size_femnist.generate(
-    str(small_slice),
-    str(tmp_path / "other"),
-    writers=12,
-    examples=2_000,
-    writers_per_file=5,
-    seed=4,
-  )
+  _generate(small_slice, tmp_path / "other", seed=4)
   name = "train/all_data_0_niid_05_keep_0_train_9.json"
   assert not filecmp.cmp(generated / name, tmp_path / "other" / name, shallow=False)
 

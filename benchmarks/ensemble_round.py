@@ -1,37 +1,40 @@
 r"""Round time and worker memory of Fed-ensemble against FedAvg.
 
   uv run python benchmarks/ensemble_round.py [--rounds=5] [--passes=2] \
-      [--sizes=1,5] [--feddyn_sizes=5]
+      [--sizes=1,5] [--feddyn_sizes=5] [--deliveries=select,broadcast] \
+      [--places=worker,python]
 
-The same 10 FEMNIST writers, LEAF CNN, 1 epoch, batch 20, SGD 0.05: the median
-wall time of a round (after one untimed round) of `fedavg` and of
+The same 10 FEMNIST writers, LEAF CNN, 1 epoch, batch 20, SGD 0.05: the
+median wall time of a round (after one untimed round) of `fedavg` and of
 `fedensemble` with K in `--sizes` (and with FedDyn's local objective for K
-in `--feddyn_sizes`), all through the TFF C++ runtime of
-`runtime.execution_context`, each in two ways: with the state kept on the
-worker between rounds (`runtime.ResidentState`, as the CLI runs them) and
-with the state returned to Python after every round (`next` through the
-execution context). Each variant runs alone in a worker of its own, as a
-CLI run does, and `--passes` passes over the variants (FedAvg, K=1, K=5,
-FedAvg, ...) spread slow periods of this shared machine over all of them;
-the median is over all of a variant's timed rounds, and the peak resident
-memory is its worker's over its rounds. (Interleaved in one worker, as this
-benchmark first ran them, the variants disturbed each other: K=5 took 3.64
-s a round there, 2.71 s alone.) These are a fresh worker's first rounds,
-slower than a run's later ones (a CLI run's K=5 rounds 2-5 took 2.3-3.3 s,
-most later ones 1.4-2.0 s), so the ratios here overstate a run's:
-`cli_round_time.py` times whole CLI runs, and this benchmark splits the
-difference into its parts. Each client trains one model in
-every variant, so the difference is the server side: K models in the
-state, the per-client `federated_select` and the K-slot
-`federated_aggregate`; with FedDyn also its clients' states (one
-model-sized vector each), which go from Python to the worker and back every
-round, as in the CLI (which also writes them to disk).
-Last, it times TFF's two ways of sending a model to the 10 clients, with
-the models on the worker: `federated_select` of one of K LEAF CNNs per client
+in `--feddyn_sizes`), each with every `--member_delivery` of `--deliveries`
+(the select of one member per client, or the broadcast of all K of which the
+client keeps its own), all through the TFF C++ runtime of
+`runtime.execution_context`, in the `--places` the state stays between
+rounds: the worker (`runtime.ResidentState`, as the CLI runs them) or Python
+(`next` through the execution context, every round). Each variant runs alone
+in a worker of its own, as a CLI run does, and `--passes` passes over the
+variants (FedAvg, K=1, K=5, FedAvg, ...) spread slow periods of this shared
+machine over all of them; the median is over all of a variant's timed
+rounds, and the peak resident memory is its worker's over its rounds.
+(Interleaved in one worker, as this benchmark first ran them, the variants
+disturbed each other: K=5 took 3.64 s a round there, 2.71 s alone.) These
+are a fresh worker's first rounds, slower than a run's later ones (a CLI
+run's K=5 rounds 2-5 took 2.3-3.3 s, most later ones 1.4-2.0 s), so the
+ratios here overstate a run's: `cli_round_time.py` times whole CLI runs, and
+this benchmark splits the difference into its parts. Each client trains one
+model in every variant, so the difference is the server side: K models in
+the state, the per-client `federated_select` and the K-slot
+`federated_aggregate`; with FedDyn also its clients' states (one model-sized
+vector each), which go from Python to the worker and back every round, as in
+the CLI (which also writes them to disk).
+Last, it times TFF's two ways of sending a model to the 10 clients, with the
+models on the worker: `federated_select` of one of K LEAF CNNs per client
 (Fed-ensemble's distributor) and `federated_broadcast` of one (FedAvg's);
 and, to tell the select's cost per call from its cost per byte, the same
 select of only the chosen model's first tensor (the LEAF CNN's first
-convolution, 800 weights).
+convolution, 800 weights); and FedDyn's traffic alone: a model-sized state
+per client from Python to the clients and back.
 Writes the section "## Fed-ensemble round time" of `--results`.
 """
 
@@ -61,6 +64,12 @@ flags.DEFINE_integer("rounds", 5, "Timed rounds per variant and pass.")
 flags.DEFINE_integer("passes", 2, "Passes over the variants.")
 flags.DEFINE_list("sizes", ["1", "5"], "Ensemble sizes K to time.")
 flags.DEFINE_list("feddyn_sizes", ["5"], "Ensemble sizes K to time with --local_objective=feddyn.")
+flags.DEFINE_list(
+  "deliveries", ["select", "broadcast"], "Fed-ensemble's --member_delivery values to time."
+)
+flags.DEFINE_list(
+  "places", ["worker", "python"], "Where the state stays between rounds: worker (the CLI), python."
+)
 
 FLAGS = flags.FLAGS
 
@@ -102,14 +111,13 @@ class Rounds:
     self._client_states = None  # FedDyn's, fed back as the CLI does.
 
   def next(self, datasets):
-    args = self._algorithm.next_args(datasets, np.arange(len(datasets)), self._client_states)
+    args = self._algorithm.next_args(datasets, np.arange(len(datasets)), states=self._client_states)
     if self._state is None:
-      results = self._held.next(*args)
+      outputs = self._held.next(*args)
     else:
-      results = self._algorithm.process.next(self._state, *args)
-      self._state = runtime.state_and_metrics(results)[0]
-    if self._algorithm.client_state is not None:
-      self._client_states = results[-1]
+      self._state, *outputs = runtime.state_first(self._algorithm.process.next(self._state, *args))
+      outputs = tuple(outputs)
+    self._client_states = self._algorithm.result(outputs).client_states
 
 
 def time_alone(build, on_worker: bool, datasets, rounds: int):
@@ -199,8 +207,25 @@ def distribution_seconds(
     model = tff.federated_broadcast(tff.federated_map(first_member, members))
     return members, tff.federated_sum(tff.federated_map(first_sum, model))
 
+  @tff.tensorflow.computation(model_type)
+  def plus_one(model):
+    return tuple(t + 1.0 for t in model)
+
+  @tff.federated_computation(members_type, tff.FederatedType(model_type, tff.CLIENTS))
+  def client_states_through(members, states):
+    return members, tff.federated_map(plus_one, states)
+
   seconds = {}
   indices = [np.int32(i) for i in range(clients)]
+  held = runtime.ResidentState(client_states_through, initial_members())
+  states = [tuple(np.asarray(t) for t in model_fn(i).trainable_weights) for i in range(clients)]
+  held.next(states)  # Untimed: compiles.
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    held.next(states)
+    times.append(time.perf_counter() - start)
+  seconds["client_states"] = statistics.median(times)
   for name, comp in [
     ("select", selecting(select_member, first_sum_of_selected)),
     ("select_first_tensor", selecting(select_first_tensor, sum_of_selected_tensor)),
@@ -228,27 +253,31 @@ def main(argv):
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
   variants = [
-    (on_worker, name, k, objective)
-    for on_worker in (True, False)
-    for name, k, objective in [("fedavg", 1, "sgd")]
-    + [("fedensemble", int(k), "sgd") for k in FLAGS.sizes]
-    + [("fedensemble", int(k), "feddyn") for k in FLAGS.feddyn_sizes]
+    (on_worker, name, k, objective, delivery)
+    for on_worker in [place == "worker" for place in FLAGS.places]
+    for name, k, objective, delivery in [("fedavg", 1, "sgd", "select")]
+    + [
+      ("fedensemble", int(k), objective, delivery)
+      for objective, sizes in (("sgd", FLAGS.sizes), ("feddyn", FLAGS.feddyn_sizes))
+      for k in sizes
+      for delivery in FLAGS.deliveries
+    ]
   ]
   wall = [[] for _ in variants]
   cpu = [[] for _ in variants]
   peaks = [0] * len(variants)
   transfers = [None] * len(variants)
   for _ in range(FLAGS.passes):
-    for i, (on_worker, name, k, objective) in enumerate(variants):
+    for i, (on_worker, name, k, objective, delivery) in enumerate(variants):
+      ensemble = dict(ensemble_size=k, local_objective=objective, member_delivery=delivery)
       build = functools.partial(
         algorithms.build_algorithm,
         name,
         model_fn,
         simulation.batch_element_spec(femnist),
         config,
-        ensemble_size=k,
-        local_objective=objective,
         num_clients=len(writers),
+        **(ensemble if name == "fedensemble" else {}),
       )
       times, cpu_times, peak, transfers[i] = time_alone(build, on_worker, datasets, FLAGS.rounds)
       wall[i] += times
@@ -260,7 +289,7 @@ def main(argv):
     moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
   print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  for (on_worker, name, k, objective), times, cpu_times, peak, (down, up) in zip(
+  for (on_worker, name, k, objective, delivery), times, cpu_times, peak, (down, up) in zip(
     variants, wall, cpu, peaks, transfers
   ):
     rows.append(
@@ -269,6 +298,7 @@ def main(argv):
         f"{name}"
         + (f", K={k}" if name == "fedensemble" else "")
         + (", FedDyn" if objective == "feddyn" else "")
+        + (f", {delivery}" if name == "fedensemble" else "")
         + (", state on the worker (CLI)" if on_worker else ", state through Python"),
         statistics.median(times),
         statistics.median(cpu_times),
@@ -313,7 +343,9 @@ def main(argv):
     f"`federated_broadcast` of one LEAF CNN {moving['broadcast']:.2f} s; "
     "`federated_select` of only the first tensor (800 weights) of one of "
     f"the K per client {moving['select_first_tensor']:.2f} s (the "
-    "select's cost grows with the bytes it sends).",
+    "select's cost grows with the bytes it sends). A model-sized state per "
+    "client (FedDyn's g) from Python to the clients and a changed one back "
+    f"to Python: {moving['client_states']:.2f} s.",
   ]
   report.publish(SECTION, lines)
 

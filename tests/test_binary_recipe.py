@@ -28,8 +28,9 @@ def recipe(**flags):
 
 
 @pytest.mark.parametrize("model", ["resnet8_binary", "resnet20_binary"])
-def test_a_binarized_fedavg_run_takes_the_whole_recipe(model):
-  assert recipe(model=model) == resnet.BINARY_RECIPE
+@pytest.mark.parametrize("algorithm", ["fedavg", "feddf", "fedbe"])
+def test_a_binarized_run_takes_the_whole_recipe(model, algorithm):
+  assert recipe(model=model, algorithm=algorithm) == resnet.BINARY_RECIPE
 
 
 def test_a_flag_given_is_kept():
@@ -40,8 +41,8 @@ def test_a_flag_given_is_kept():
 @pytest.mark.parametrize(
   "flags, expected",
   [
-    ({"algorithm": "feddf"}, ["client_optimizer", "client_lr"]),
-    ({"algorithm": "fedbe"}, ["client_optimizer", "client_lr"]),
+    ({"algorithm": "feddf", "prototypes": "resnet8_binary,cnn"}, ["client_optimizer", "client_lr"]),
+    ({"algorithm": "fedppd"}, ["client_optimizer", "client_lr"]),
     ({"norm": "group"}, ["client_optimizer", "client_lr"]),
     ({"client_runtime": "litert"}, ["recalibrate_batch_norm"]),
   ],

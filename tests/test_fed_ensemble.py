@@ -385,6 +385,26 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(built, tmp_path):
     assert any(not np.allclose(a, b) for a, b in zip(_flat(m0), _flat(m1)))
 
 
+def test_broadcast_delivery_trains_as_select_and_sends_all_members(built):
+  broadcast = fed_ensemble.build_fed_ensemble(
+    member_model,
+    SPEC,
+    Config(learning_rate=LR),
+    ensemble_size=3,
+    options=fed_ensemble.Settings(member_average="examples", member_delivery="broadcast"),
+    seed=4,
+  )
+  uris = [uri for uri, _ in _intrinsics(broadcast.process.next)]
+  assert "federated_select" not in uris
+  selected = _run(built.process, built.process.initialize(), 4)
+  broadcasted = _run(broadcast.process, broadcast.process.initialize(), 4)
+  for a, b in zip(tf.nest.flatten(selected), tf.nest.flatten(broadcasted)):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  # The download is the K members, each client keeping its own.
+  one_member = algorithm.type_size_bytes(built.download_type.model)
+  assert algorithm.type_size_bytes(broadcast.download_type.model) == 3 * one_member
+
+
 # ------------------------------------------------------------ communication
 
 

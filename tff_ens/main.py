@@ -84,9 +84,9 @@ def _binary_recipe(values: dict) -> dict:
   if values["client_runtime"] != "tff":  # The device file trains with SGD.
     del recipe["client_optimizer"], recipe["client_lr"]
   spec = algorithms.REGISTRY[values["algorithm"]]
-  # Measured with FedAvg's finalizer only: the distillation steps (server_data), which also
-  # recalibrate, do so when asked.
-  if not spec.recalibrates or spec.server_data or values["norm"] != "batch":
+  # A distillation step measures each teacher's statistics (FedDF's on the Dirichlet split:
+  # benchmarks/RESULTS.md); prototypes have no one model's statistics to measure.
+  if not spec.recalibrates or values["norm"] != "batch" or values.get("prototypes"):
     del recipe["recalibrate_batch_norm"]
   recipe = {name: value for name, value in recipe.items() if not FLAGS[name].present}
   if recipe:

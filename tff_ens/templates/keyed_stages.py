@@ -6,7 +6,8 @@ client. The stages they share (`composition.compose(..., keyed=True)` makes one 
 them):
 
 * `build_keyed_distributor`: each client computes its key from its index in the population
-  and the distributor's state, and downloads only that model (`tff.federated_select`);
+  and the distributor's state, and downloads only that model (`tff.federated_select`), or,
+  for speed in simulation, all K models, of which it keeps that one;
 * `build_slot_aggregator`: each client's update is added into slot `key` of K sums, so model
   k is averaged over the clients that trained it; with DP (`privacy.DPConfig`, a fixed clip),
   each update is clipped on its client and every slot sum is noised at the server;
@@ -65,6 +66,7 @@ def build_keyed_distributor(
   select_model: tff.Computation,
   to_download: tff.Computation,
   next_key_state: tff.Computation | None = None,
+  pick_download: tff.Computation | None = None,
 ) -> tff.templates.MeasuredProcess:
   """The distributor of K server models, one to each client by its key.
 
@@ -85,6 +87,11 @@ def build_keyed_distributor(
       names are not in alphabetical order, as in `ModelWeights`).
     to_download: TFF computation `(sequence of selected, int32 [1]) -> download`.
     next_key_state: TFF computation advancing the key state each round; None: it stays.
+    pick_download: TFF computation `(models, int32 [1]) -> download`, the same download as
+      `to_download(select_model(models, key), key)`. Given, every client receives all K
+      models (`tff.federated_broadcast`) and keeps its own: K times the bytes down in a
+      deployment, but in TFF 0.87's simulation runtime a broadcast shares the models where a
+      select copies each client's model (benchmarks/RESULTS.md, "Fed-ensemble round time").
   """
   num_models = len(models_type)
 
@@ -99,10 +106,13 @@ def build_keyed_distributor(
   )
   def next_fn(state, models, client_indices):
     keys = tff.federated_map(client_key, (tff.federated_broadcast(state), client_indices))
-    selected = tff.federated_select(
-      keys, tff.federated_value(np.int32(num_models - 1), tff.SERVER), models, select_model
-    )
-    downloads = tff.federated_map(to_download, (selected, keys))
+    if pick_download is None:
+      selected = tff.federated_select(
+        keys, tff.federated_value(np.int32(num_models - 1), tff.SERVER), models, select_model
+      )
+      downloads = tff.federated_map(to_download, (selected, keys))
+    else:
+      downloads = tff.federated_map(pick_download, (tff.federated_broadcast(models), keys))
     new_state = state if next_key_state is None else tff.federated_map(next_key_state, state)
     return tff.templates.MeasuredProcessOutput(new_state, (downloads, keys), new_state)
 

@@ -269,7 +269,6 @@ def main(argv):
   transfers = [None] * len(variants)
   for _ in range(FLAGS.passes):
     for i, (on_worker, name, k, objective, delivery) in enumerate(variants):
-      ensemble = dict(ensemble_size=k, local_objective=objective, member_delivery=delivery)
       build = functools.partial(
         algorithms.build_algorithm,
         name,
@@ -277,7 +276,9 @@ def main(argv):
         simulation.batch_element_spec(femnist),
         config,
         num_clients=len(writers),
-        **(ensemble if name == "fedensemble" else {}),
+        **algorithms.settings_read(
+          name, ensemble_size=k, local_objective=objective, member_delivery=delivery
+        ),
       )
       times, cpu_times, peak, transfers[i] = time_alone(build, on_worker, datasets, FLAGS.rounds)
       wall[i] += times

@@ -28,9 +28,9 @@ import report
 from tasks import femnist
 from tff_ens import algorithms
 from tff_ens.execution import runtime
-from tff_ens.program import experiment
 from tff_ens.program import simulation
 from tff_ens.server import server_data as server_data_lib
+from tff_ens.templates import client_work
 
 SECTION = "## State on the worker and worker memory"
 PLACES = (
@@ -50,23 +50,20 @@ FLAGS = flags.FLAGS
 
 def run_rounds(name: str, place: str, data, datasets):
   """(worker RSS bytes after each round, seconds of each round)."""
-  config = experiment.ExperimentConfig(
-    task="femnist", algorithm=name, distill_steps=FLAGS.distill_steps
-  )
-  server_data = server_config = None
-  if name in algorithms.SERVER_DATA_ALGORITHMS:
+  server_data = None
+  if algorithms.REGISTRY[name].server_data:
     server_data = server_data_lib.server_split(data, femnist, seed=0)
-    server_config = config.server_distillation_config()
   with runtime.execution_context():
     (worker,) = [c for c in psutil.Process().children() if "worker_binary" in " ".join(c.cmdline())]
     algorithm = algorithms.build_algorithm(
       name,
       lambda k=0: femnist.build_model("cnn", seed=k),
       simulation.batch_element_spec(femnist),
-      config.local_training_config(),
-      ensemble_size=5,
+      client_work.LocalTrainingConfig(learning_rate=0.05),
       server_data=server_data,
-      server_config=server_config,
+      num_clients=len(datasets),
+      clients_per_round=len(datasets),
+      **algorithms.settings_read(name, ensemble_size=5, distill_steps=FLAGS.distill_steps),
     )
     state = algorithm.process.initialize()
     if place != "python":

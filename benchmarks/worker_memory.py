@@ -63,7 +63,7 @@ def measure(data, factory: str) -> list[int | str]:
         lambda k=0: femnist.build_model("cnn", seed=k),
         simulation.batch_element_spec(femnist),
         client_work.LocalTrainingConfig(learning_rate=0.05),
-        ensemble_size=5,
+        **algorithms.settings_read(FLAGS.algorithm, ensemble_size=5),
       )
       state = algorithm.process.initialize()
       worker = _worker(psutil.Process())

@@ -141,3 +141,15 @@ def test_help_lists_every_flag_under_the_algorithms_that_read_it():
     assert f"  --{field.name}: " in shown, field.name
   section = shown[shown.index("--algorithm=fedavgm (") :]
   assert section.index("--server_momentum:") < section.index("\n\n")
+
+
+def test_settings_read_keeps_what_each_algorithm_declares():
+  shared = dict(ensemble_size=5, local_objective="feddyn", distill_steps=20)
+  assert algorithms.settings_read("fedavg", **shared) == {}
+  assert algorithms.settings_read("fedensemble", **shared) == {
+    "ensemble_size": 5,
+    "local_objective": "feddyn",
+  }
+  assert algorithms.settings_read("fedbe", **shared) == {"distill_steps": 20}
+  with pytest.raises(ValueError, match="unknown algorithm 'fedsgd'"):
+    algorithms.settings_read("fedsgd", **shared)

@@ -76,6 +76,15 @@ def build(name: str, context: algorithm.BuildContext) -> algorithm.FederatedAlgo
   return spec.build(context)
 
 
+def settings_read(name: str, **flags) -> dict:
+  """The `flags` (by their command-line names) that algorithm `name` reads: one set of
+  settings for several algorithms, each given what it declares."""
+  if name not in REGISTRY:
+    raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
+  declared = {flag for group in REGISTRY[name].settings for flag in settings.flags_of(group)}
+  return {flag: value for flag, value in flags.items() if flag in declared}
+
+
 def groups_of(name: str, **flags) -> tuple:
   """The settings groups algorithm `name` reads, with `flags` (by their command-line names,
   e.g. `ensemble_size=3`) and the defaults elsewhere.

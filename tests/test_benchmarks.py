@@ -1,0 +1,57 @@
+"""The round-time and memory benchmarks run against the current algorithm API: each at its
+smallest size on the FEMNIST slice, its section written to a scratch results file with a
+row per variant."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout_seconds(1800)]
+
+
+def _run(script: str, results: pathlib.Path, *flags: str) -> str:
+  subprocess.run(
+    [sys.executable, f"benchmarks/{script}", f"--results={results}", *flags],
+    cwd=REPO_ROOT,
+    check=True,
+    capture_output=True,
+  )
+  return results.read_text()
+
+
+def test_ensemble_round_times_both_deliveries_and_the_client_states(tmp_path):
+  text = _run(
+    "ensemble_round.py",
+    tmp_path / "results.md",
+    "--rounds=1",
+    "--passes=1",
+    "--sizes=2",
+    "--feddyn_sizes=",
+    "--places=worker",
+  )
+  assert "| fedavg, state on the worker (CLI) |" in text
+  assert "| fedensemble, K=2, select, state on the worker (CLI) |" in text
+  assert "| fedensemble, K=2, broadcast, state on the worker (CLI) |" in text
+  assert "FedDyn's g) from Python to the clients" in text
+
+
+def test_resident_memory_runs_a_one_model_and_a_server_data_algorithm(tmp_path):
+  text = _run(
+    "resident_memory.py",
+    tmp_path / "results.md",
+    "--rounds=1",
+    "--algorithms=fedavg,fedbe",
+    "--distill_steps=25",
+  )
+  assert "fedavg" in text and "fedbe" in text
+
+
+def test_worker_memory_runs_fedavg(tmp_path):
+  text = _run(
+    "worker_memory.py", tmp_path / "results.md", "--rounds=2", "--algorithm=fedavg", "--cohorts=2,3"
+  )
+  assert "fedavg" in text

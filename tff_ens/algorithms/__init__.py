@@ -52,6 +52,13 @@ def having(capability: str) -> tuple[str, ...]:
   return tuple(name for name, spec in REGISTRY.items() if getattr(spec, capability))
 
 
+def _spec(name: str) -> algorithm.Algorithm:
+  """The registered algorithm `name`; ValueError naming the choices if there is none."""
+  if name not in REGISTRY:
+    raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
+  return REGISTRY[name]
+
+
 def build(name: str, context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   """Builds the registered algorithm `name` for `context`.
 
@@ -59,9 +66,7 @@ def build(name: str, context: algorithm.BuildContext) -> algorithm.FederatedAlgo
     ValueError: an unknown algorithm, or a context it cannot take (server data it needs,
       DP, devices or recalibration it does not support).
   """
-  if name not in REGISTRY:
-    raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
-  spec = REGISTRY[name]
+  spec = _spec(name)
   for capability, given in (
     ("dp", context.dp is not None),
     ("recalibrates", context.recalibration_images is not None),
@@ -76,12 +81,15 @@ def build(name: str, context: algorithm.BuildContext) -> algorithm.FederatedAlgo
   return spec.build(context)
 
 
+def _declared_flags(name: str) -> set[str]:
+  """The flags of the settings groups algorithm `name` reads."""
+  return {flag for group in _spec(name).settings for flag in settings.flags_of(group)}
+
+
 def settings_read(name: str, **flags) -> dict:
   """The `flags` (by their command-line names) that algorithm `name` reads: one set of
   settings for several algorithms, each given what it declares."""
-  if name not in REGISTRY:
-    raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
-  declared = {flag for group in REGISTRY[name].settings for flag in settings.flags_of(group)}
+  declared = _declared_flags(name)
   return {flag: value for flag, value in flags.items() if flag in declared}
 
 
@@ -92,10 +100,8 @@ def groups_of(name: str, **flags) -> tuple:
   Raises:
     ValueError: a flag none of its groups declares.
   """
-  if name not in REGISTRY:
-    raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
+  declared = _declared_flags(name)
   groups = REGISTRY[name].settings
-  declared = {flag for group in groups for flag in settings.flags_of(group)}
   unknown = sorted(set(flags) - declared)
   if unknown:
     raise ValueError(f"{name} reads no setting {', '.join(unknown)}: it reads {sorted(declared)}")

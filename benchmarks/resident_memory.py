@@ -43,7 +43,9 @@ report.define_flags()
 flags.DEFINE_integer("rounds", 16, "Rounds per algorithm and state place.")
 flags.DEFINE_list("algorithms", ["fedensemble", "vdistill"], "Algorithms to run.")
 flags.DEFINE_integer(
-  "distill_steps", 20, "Server distillation steps a round (vdistill, fedbe, feddf)."
+  "distill_steps",
+  25,
+  "Server distillation steps a round (vdistill, fedbe, feddf); FedBE's SWA needs 25 or more.",
 )
 FLAGS = flags.FLAGS
 

@@ -217,26 +217,19 @@ def distribution_seconds(
 
   seconds = {}
   indices = [np.int32(i) for i in range(clients)]
-  held = runtime.ResidentState(client_states_through, initial_members())
   states = [tuple(np.asarray(t) for t in model_fn(i).trainable_weights) for i in range(clients)]
-  held.next(states)  # Untimed: compiles.
-  times = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    held.next(states)
-    times.append(time.perf_counter() - start)
-  seconds["client_states"] = statistics.median(times)
-  for name, comp in [
-    ("select", selecting(select_member, first_sum_of_selected)),
-    ("select_first_tensor", selecting(select_first_tensor, sum_of_selected_tensor)),
-    ("broadcast", broadcast),
+  for name, comp, argument in [
+    ("select", selecting(select_member, first_sum_of_selected), indices),
+    ("select_first_tensor", selecting(select_first_tensor, sum_of_selected_tensor), indices),
+    ("broadcast", broadcast, indices),
+    ("client_states", client_states_through, states),
   ]:
     held = runtime.ResidentState(comp, initial_members())
-    held.next(indices)  # Untimed: uploads the models, compiles.
+    held.next(argument)  # Untimed: uploads the models, compiles.
     times = []
     for _ in range(rounds):
       start = time.perf_counter()
-      held.next(indices)
+      held.next(argument)
       times.append(time.perf_counter() - start)
     seconds[name] = statistics.median(times)
   return seconds

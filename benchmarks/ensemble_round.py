@@ -2,7 +2,7 @@ r"""Round time and worker memory of Fed-ensemble against FedAvg.
 
   uv run python benchmarks/ensemble_round.py [--rounds=5] [--passes=2] \
       [--sizes=1,5] [--feddyn_sizes=5] [--deliveries=select,broadcast] \
-      [--places=worker,python]
+      [--transports=files,values] [--places=worker,python]
 
 The same 10 FEMNIST writers, LEAF CNN, 1 epoch, batch 20, SGD 0.05: the
 median wall time of a round (after one untimed round) of `fedavg` and of
@@ -26,8 +26,9 @@ this benchmark splits the difference into its parts. Each client trains one
 model in every variant, so the difference is the server side: K models in
 the state, the per-client `federated_select` and the K-slot
 `federated_aggregate`; with FedDyn also its clients' states (one model-sized
-vector each), which go from Python to the worker and back every round, as in
-the CLI (which also writes them to disk).
+vector each), kept on disk as the CLI keeps them (`ClientStateStore`) and
+moved with each `--client_state_transport` of `--transports`: files the
+worker reads and writes, or values from Python to the worker and back.
 Last, it times TFF's two ways of sending a model to the 10 clients, with the
 models on the worker: `federated_select` of one of K LEAF CNNs per client
 (Fed-ensemble's distributor) and `federated_broadcast` of one (FedAvg's);
@@ -40,6 +41,7 @@ Writes the section "## Fed-ensemble round time" of `--results`.
 
 import functools
 import statistics
+import tempfile
 import threading
 import time
 
@@ -54,6 +56,7 @@ import report
 from tasks import femnist
 from tff_ens import algorithms
 from tff_ens.execution import runtime
+from tff_ens.program import client_states
 from tff_ens.program import simulation
 from tff_ens.templates import client_work
 
@@ -66,6 +69,9 @@ flags.DEFINE_list("sizes", ["1", "5"], "Ensemble sizes K to time.")
 flags.DEFINE_list("feddyn_sizes", ["5"], "Ensemble sizes K to time with --local_objective=feddyn.")
 flags.DEFINE_list(
   "deliveries", ["select", "broadcast"], "Fed-ensemble's --member_delivery values to time."
+)
+flags.DEFINE_list(
+  "transports", ["files", "values"], "--client_state_transport values to time with FedDyn."
 )
 flags.DEFINE_list(
   "places", ["worker", "python"], "Where the state stays between rounds: worker (the CLI), python."
@@ -101,23 +107,37 @@ class PeakMemory:
 
 
 class Rounds:
-  """Runs an algorithm's rounds with its state on the worker or in Python."""
+  """Runs an algorithm's rounds with its state on the worker or in Python, and its clients'
+  states (FedDyn's) in a `ClientStateStore` under `directory`, as the CLI does."""
 
-  def __init__(self, algorithm, on_worker: bool):
+  def __init__(self, algorithm, on_worker: bool, directory: str):
     self._algorithm = algorithm
     state = algorithm.process.initialize()
     self._held = runtime.ResidentState(algorithm.process.next, state)
     self._state = None if on_worker else state
-    self._client_states = None  # FedDyn's, fed back as the CLI does.
+    self._key_state = state["distributor"]
+    self._round = 0
+    self._store = None
+    if algorithm.client_states is not None:
+      self._store = client_states.ClientStateStore(directory, algorithm.client_states)
 
   def next(self, datasets):
-    args = self._algorithm.next_args(datasets, np.arange(len(datasets)), states=self._client_states)
+    self._round += 1
+    cohort = np.arange(len(datasets))
+    keys = states = None
+    if self._store is not None:
+      keys = self._algorithm.client_states.keys_of(cohort, self._key_state)
+      states = self._store.round_inputs(self._round, cohort, keys)
+    args = self._algorithm.next_args(datasets, cohort, states=states)
     if self._state is None:
       outputs = self._held.next(*args)
     else:
       self._state, *outputs = runtime.state_first(self._algorithm.process.next(self._state, *args))
       outputs = tuple(outputs)
-    self._client_states = self._algorithm.result(outputs).client_states
+    result = self._algorithm.result(outputs)
+    self._key_state = result.metrics["distributor"]
+    if self._store is not None:
+      self._store.round_outputs(self._round, cohort, keys, result.client_states)
 
 
 def time_alone(build, on_worker: bool, datasets, rounds: int):
@@ -128,9 +148,13 @@ def time_alone(build, on_worker: bool, datasets, rounds: int):
   and up per client and round.
   """
   wall, cpu = [], []
-  with runtime.execution_context(), PeakMemory() as memory:
+  with (
+    runtime.execution_context(),
+    PeakMemory() as memory,
+    tempfile.TemporaryDirectory() as directory,
+  ):
     algorithm = build()
-    run = Rounds(algorithm, on_worker)
+    run = Rounds(algorithm, on_worker, directory)
     run.next(datasets)
     for _ in range(rounds):
       start, start_cpu = time.perf_counter(), report.cpu_seconds()
@@ -246,14 +270,19 @@ def main(argv):
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
   variants = [
-    (on_worker, name, k, objective, delivery)
+    (on_worker, name, k, objective, delivery, transport)
     for on_worker in [place == "worker" for place in FLAGS.places]
-    for name, k, objective, delivery in [("fedavg", 1, "sgd", "select")]
+    for name, k, objective, delivery, transport in [("fedavg", 1, "sgd", "select", None)]
     + [
-      ("fedensemble", int(k), objective, delivery)
-      for objective, sizes in (("sgd", FLAGS.sizes), ("feddyn", FLAGS.feddyn_sizes))
-      for k in sizes
+      ("fedensemble", int(k), "sgd", delivery, None)
+      for k in FLAGS.sizes
       for delivery in FLAGS.deliveries
+    ]
+    + [
+      ("fedensemble", int(k), "feddyn", delivery, transport)
+      for k in FLAGS.feddyn_sizes
+      for delivery in FLAGS.deliveries
+      for transport in FLAGS.transports
     ]
   ]
   wall = [[] for _ in variants]
@@ -261,7 +290,7 @@ def main(argv):
   peaks = [0] * len(variants)
   transfers = [None] * len(variants)
   for _ in range(FLAGS.passes):
-    for i, (on_worker, name, k, objective, delivery) in enumerate(variants):
+    for i, (on_worker, name, k, objective, delivery, transport) in enumerate(variants):
       build = functools.partial(
         algorithms.build_algorithm,
         name,
@@ -269,6 +298,7 @@ def main(argv):
         simulation.batch_element_spec(femnist),
         config,
         num_clients=len(writers),
+        client_state_files=transport == "files",
         **algorithms.settings_read(
           name, ensemble_size=k, local_objective=objective, member_delivery=delivery
         ),
@@ -283,15 +313,14 @@ def main(argv):
     moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
   print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  for (on_worker, name, k, objective, delivery), times, cpu_times, peak, (down, up) in zip(
-    variants, wall, cpu, peaks, transfers
-  ):
+  for variant, times, cpu_times, peak, (down, up) in zip(variants, wall, cpu, peaks, transfers):
+    on_worker, name, k, objective, delivery, transport = variant
     rows.append(
       (
         on_worker,
         f"{name}"
         + (f", K={k}" if name == "fedensemble" else "")
-        + (", FedDyn" if objective == "feddyn" else "")
+        + (f", FedDyn (states as {transport})" if objective == "feddyn" else "")
         + (f", {delivery}" if name == "fedensemble" else "")
         + (", state on the worker (CLI)" if on_worker else ", state through Python"),
         statistics.median(times),

@@ -30,12 +30,14 @@ def test_ensemble_round_times_both_deliveries_and_the_client_states(tmp_path):
     "--rounds=1",
     "--passes=1",
     "--sizes=2",
-    "--feddyn_sizes=",
+    "--feddyn_sizes=2",
     "--places=worker",
   )
   assert "| fedavg, state on the worker (CLI) |" in text
   assert "| fedensemble, K=2, select, state on the worker (CLI) |" in text
   assert "| fedensemble, K=2, broadcast, state on the worker (CLI) |" in text
+  for transport in ("files", "values"):
+    assert f"| fedensemble, K=2, FedDyn (states as {transport}), select, state on" in text
   assert "FedDyn's g) from Python to the clients" in text
 
 

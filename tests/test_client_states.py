@@ -1,9 +1,11 @@
 """Tests of `tff_ens.program.client_states`: FedDyn's per-client states on disk."""
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tff_ens.algorithms import algorithm
 from tff_ens.program import client_states
@@ -43,8 +45,8 @@ def test_rewind_forgets_states_written_after_the_checkpoint(tmp_path):
   assert stored_value(store, 0, 0) == 4.0
   assert stored_value(store, 1, 0) == 0.0  # Its only state was after 4.
   assert sorted(os.listdir(tmp_path)) == [
-    "client000000_model000_round0000002.npy",
-    "client000000_model000_round0000004.npy",
+    "client000000_model000_round0000002.pb",
+    "client000000_model000_round0000004.pb",
   ]
 
 
@@ -55,8 +57,8 @@ def test_prune_keeps_what_a_resume_can_need(tmp_path):
   store.prune(4)
   # The newest at or before the checkpoint (3) and the later one (5).
   assert sorted(os.listdir(tmp_path)) == [
-    "client000000_model000_round0000003.npy",
-    "client000000_model000_round0000005.npy",
+    "client000000_model000_round0000003.pb",
+    "client000000_model000_round0000005.pb",
   ]
   store.rewind(4)
   assert stored_value(store, 0, 0) == 3.0
@@ -65,14 +67,14 @@ def test_prune_keeps_what_a_resume_can_need(tmp_path):
 def test_a_half_written_file_is_dropped_and_a_damaged_one_is_named(tmp_path):
   store = client_states.ClientStateStore(str(tmp_path), SPEC)
   store.save(1, 2, 0, state(1.0))
-  (tmp_path / "client000002_model000_round0000002.tmp.npy").write_bytes(b"x")
+  (tmp_path / "client000002_model000_round0000002.pb.tmp").write_bytes(b"x")
   store = client_states.ClientStateStore(str(tmp_path), SPEC)
   assert stored_value(store, 2, 0) == 1.0
-  assert not any(name.endswith(".tmp.npy") for name in os.listdir(tmp_path))
-  path = tmp_path / "client000002_model000_round0000001.npy"
-  path.write_bytes(b"not a numpy file")
+  assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path))
+  path = tmp_path / "client000002_model000_round0000001.pb"
+  path.write_bytes(b"not a tensor")
   with pytest.raises(
-    client_states.ClientStateError, match="client000002_model000_round0000001.npy.*new --output_dir"
+    client_states.ClientStateError, match="client000002_model000_round0000001.pb.*new --output_dir"
   ):
     store.load(2, 0)
 
@@ -82,3 +84,41 @@ def test_a_state_of_another_model_is_refused(tmp_path):
   store.save(1, 0, 0, np.zeros((5,), np.float32))
   with pytest.raises(client_states.ClientStateError, match="another model"):
     store.load(0, 0)
+
+
+def test_a_store_of_numpy_files_is_converted_when_opened(tmp_path):
+  # The format of earlier versions: one `.npy` file per state.
+  np.save(tmp_path / "client000003_model001_round0000004.npy", state(4.0))
+  store = client_states.ClientStateStore(str(tmp_path), SPEC)
+  assert stored_value(store, 3, 1) == 4.0
+  assert os.listdir(tmp_path) == ["client000003_model001_round0000004.pb"]
+
+
+def test_in_files_the_round_names_each_clients_state_and_the_one_it_writes(tmp_path):
+  spec = dataclasses.replace(SPEC, initial=lambda: state(7.0), in_files=True)
+  store = client_states.ClientStateStore(str(tmp_path), spec)
+  store.save(2, 4, 1, state(2.0))
+  first, second = store.round_inputs(5, [4, 6], [1, 0])
+  assert list(first) == [
+    str(tmp_path / "client000004_model001_round0000002.pb"),
+    str(tmp_path / "client000004_model001_round0000005.pb"),
+  ]
+  # A client with no state yet reads the initial one, which the store wrote.
+  assert list(second) == [
+    str(tmp_path / "initial.pb"),
+    str(tmp_path / "client000006_model000_round0000005.pb"),
+  ]
+  assert tf.io.parse_tensor(tf.io.read_file(second[0]), tf.float32).numpy()[0] == 7.0
+  # The clients' computations write the new states (`through_files`); the store then finds them.
+  for path, value in ((first[1], 5.0), (second[1], 9.0)):
+    tf.io.write_file(path, tf.io.serialize_tensor(state(value)))
+  store.round_outputs(5, [4, 6], [1, 0], [first[1], second[1]])
+  assert stored_value(store, 4, 1) == 5.0 and stored_value(store, 6, 0) == 9.0
+  store.rewind(4)
+  assert stored_value(store, 4, 1) == 2.0 and stored_value(store, 6, 0) == 7.0
+
+
+def test_in_files_a_store_of_another_model_is_refused_when_opened(tmp_path):
+  client_states.ClientStateStore(str(tmp_path), SPEC).save(1, 0, 0, np.zeros(5, np.float32))
+  with pytest.raises(client_states.ClientStateError, match="another model"):
+    client_states.ClientStateStore(str(tmp_path), dataclasses.replace(SPEC, in_files=True))

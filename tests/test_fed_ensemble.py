@@ -17,6 +17,7 @@ from tff_ens import algorithms
 from tff_ens.algorithms import algorithm
 from tff_ens.algorithms import fed_ensemble
 from tff_ens.math import member_updates
+from tff_ens.program import client_states
 from tff_ens.templates import client_work
 from tff_ens.templates import feddyn
 from tff_ens.templates import keyed_stages
@@ -448,7 +449,8 @@ def test_feddyn_server_correction_hand_example():
   np.testing.assert_array_equal(new_members[1].trainable[0], [3.0, 3.0])
 
 
-def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
+@pytest.mark.parametrize("state_files", [False, True], ids=["values", "files"])
+def test_feddyn_rounds_match_algorithm_1_computed_client_by_client(state_files, tmp_path):
   seed, k, alpha, m = 4, 2, 0.2, 5
   indices = [0, 1, 3]
   built = fed_ensemble.build_fed_ensemble(
@@ -459,6 +461,12 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
     options=fed_ensemble.Settings(local_objective="feddyn", feddyn_alpha=alpha),
     seed=seed,
     num_clients=m,
+    state_files=state_files,
+  )
+  # The clients' g as the CLI keeps them: passed as values, or in files the worker reads and
+  # writes (`stateful_client_work.through_files`).
+  store = client_states.ClientStateStore(
+    str(tmp_path), algorithm.ClientStates.of(built.client_state_type, in_files=state_files)
   )
   optimizer = tff.learning.optimizers.build_sgdm(learning_rate=LR)
   state = built.process.initialize()
@@ -474,9 +482,14 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client():
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   for round_num in range(2):
     keys = [assign(seed, c, round_num, k) for c in indices]
-    state, metrics, new_g = built.process.next(
-      state, datasets, [np.int32(c) for c in indices], [g[c, j] for c, j in zip(indices, keys)]
+    state, metrics, outputs = built.process.next(
+      state,
+      datasets,
+      [np.int32(c) for c in indices],
+      store.round_inputs(round_num, indices, keys),
     )
+    store.round_outputs(round_num, indices, keys, outputs)
+    new_g = [store.load(c, j) for c, j in zip(indices, keys)]
     # Expected: each client's FedDyn update from its model and its own g,
     # then the unweighted per-model mean and h's correction.
     updates = {}

@@ -52,6 +52,9 @@ class BuildContext:
       prototypes, FedPPD's student); None where no algorithm needs another model.
     task: the run's task (a `tasks` module: its models, its constants), else None.
     model: the name of the run's model (`model_fn`'s).
+    client_state_files: the states clients keep between their rounds stay in files that their
+      computations read and write (`stateful_client_work.through_files`), not values passed
+      to `next`: the worker must see the program's run directory.
   """
 
   model_fn: Callable[..., tf.keras.Model]
@@ -68,6 +71,7 @@ class BuildContext:
   build_model: Callable[[str, int], tf.keras.Model] | None = None
   task: Any = None
   model: str = ""
+  client_state_files: bool = False
 
   def __post_init__(self):
     if not isinstance(self.groups, Mapping):
@@ -127,6 +131,8 @@ class ClientStates:
     model: `(state, global models) -> ModelWeights`, the client's own model for evaluation on
       its own examples (Ditto's personal model, LG-FedAvg's local layers under the global
       ones); None: the clients have none.
+    in_files: `next` takes each client's paths to read and write its state
+      (`BuildContext.client_state_files`), not the state.
   """
 
   shape: tuple[int, ...]
@@ -134,6 +140,7 @@ class ClientStates:
   keys: Callable[[Sequence[int], Any], list[int]] | None = None
   initial: Callable[[], np.ndarray] | None = None
   model: Callable[[np.ndarray, list[ModelWeights]], ModelWeights] | None = None
+  in_files: bool = False
 
   @classmethod
   def of(cls, state_type: tff.Type, **fields) -> "ClientStates":
@@ -207,7 +214,11 @@ class FederatedAlgorithm:
   @classmethod
   def of(cls, name: str, built: built_lib.BuiltProcess, context: BuildContext, **fields):
     """The algorithm `name` of a process builder's result; `fields` are the others."""
+    states = fields.pop("client_states", None)
+    if states is not None:
+      states = dataclasses.replace(states, in_files=context.client_state_files)
     return cls(
+      client_states=states,
       name=name,
       process=built.process,
       download_type=built.download_type,

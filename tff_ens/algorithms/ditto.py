@@ -80,9 +80,10 @@ def train_personal(
   return tf.nest.map_structure(tf.subtract, personal, result.update), metrics
 
 
-def build_client_work(model_fn, element_spec, config, options: Settings):
+def build_client_work(model_fn, element_spec, config, options: Settings, state_files=False):
   """Ditto's client work: FedAvg's local training of the global model, then the personal
-  model's (`train_personal`), whose weights are the client's state (one float32 vector)."""
+  model's (`train_personal`), whose weights are the client's state (one float32 vector; in a
+  file with `state_files`)."""
   client_work_lib.check_data_fits_model(model_fn, element_spec)
   weights_type = client_work_lib.weights_type_of(model_fn)
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
@@ -118,14 +119,18 @@ def build_client_work(model_fn, element_spec, config, options: Settings):
     measured["personal_train_accuracy"] = sums["personal_correct"] / n
     return measured
 
-  return stateful_client_work.build(client_update, config, finalize)
+  return stateful_client_work.build(client_update, config, finalize, state_files)
 
 
 def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   model_fn = lambda: context.model_fn(0)
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = build_client_work(
-    model_fn, context.element_spec, context.local, context.group(Settings)
+    model_fn,
+    context.element_spec,
+    context.local,
+    context.group(Settings),
+    context.client_state_files,
   )
   rate = fedavg.server_learning_rate(context, fedavg.LEARNING_RATE)
   process = composition.compose(
@@ -136,7 +141,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
       weights_type, tff.TensorType(np.float32)
     ),
     server_optimizer.build_finalizer(server_optimizer.build_server_optimizer(rate), weights_type),
-    client_state_type=client_work.client_state_type,
+    client_state_type=client_work.next_state_type,
   )
   update = client_work.client_update.type_signature
   built = built_lib.BuiltProcess(

@@ -125,6 +125,7 @@ def build_fed_ensemble(
   num_clients: int = 0,
   on_device: bool = False,
   keys_given: bool = False,
+  state_files: bool = False,
 ) -> built_lib.BuiltProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
@@ -153,6 +154,8 @@ def build_fed_ensemble(
       (`client_work.build_device_client_work`), so no FedDyn.
     keys_given: the int32 each client passes after its data is the member it trains (a
       random walk's walker), not its index in the population.
+    state_files: FedDyn's clients read and write their g in files (`next` takes each
+      client's two paths, `stateful_client_work.through_files`).
   """
   if ensemble_size < 1:
     raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
@@ -172,7 +175,7 @@ def build_fed_ensemble(
   weights_type = client_work_lib.weights_type_of(architecture_fn)
   if uses_feddyn:
     client_work = feddyn.build_feddyn_client_work(
-      architecture_fn, element_spec, local_config, feddyn_alpha
+      architecture_fn, element_spec, local_config, feddyn_alpha, state_files
     )
     work_stage = client_work
   else:
@@ -209,7 +212,7 @@ def build_fed_ensemble(
     aggregator,
     finalizer,
     keyed=True,
-    client_state_type=client_work.client_state_type if uses_feddyn else None,
+    client_state_type=client_work.next_state_type if uses_feddyn else None,
   )
   client_update_type = client_work.client_update.type_signature
   sent_model = distributor.next.type_signature.result.result[0].member
@@ -389,6 +392,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     dp=context.dp,
     num_clients=context.num_clients,
     on_device=context.on_device,
+    state_files=context.client_state_files,
   )
   members = lambda clients, key_state: assigned_models(key_state, clients, k, options.assignment)
   states = None

@@ -110,7 +110,9 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     )
     return update, metrics, stateful_client_work.flatten(part(trained, masks, False))
 
-  client_work = stateful_client_work.build(client_update, context.local)
+  client_work = stateful_client_work.build(
+    client_update, context.local, state_files=context.client_state_files
+  )
 
   @tff.tensorflow.computation
   def initial_global():
@@ -125,7 +127,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
       global_type, tff.TensorType(np.float32)
     ),
     server_optimizer.build_finalizer(server_optimizer.build_server_optimizer(rate), global_type),
-    client_state_type=state_type,
+    client_state_type=client_work.next_state_type,
   )
   initial_local = tf.nest.map_structure(np.asarray, part(initial, masks, False))
   update = client_update.type_signature

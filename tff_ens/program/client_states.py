@@ -6,25 +6,35 @@ Fed-ensemble one per model (the state's key); Ditto's clients their personal mod
 devices it stays on the device. In simulation it has to outlive the round, the Python
 process and a resume, and for 105 FEMNIST writers and five LEAF CNNs it is 105 x 5 x 26 MB
 = 13.7 GB, more than this machine can keep in memory next to TFF's worker. So
-`ClientStateStore` keeps it on disk, in the run's directory: one `.npy` file
-per (client, key, round it was written), written to a temporary name and
-renamed, so a killed run never leaves half a file.
+`ClientStateStore` keeps it on disk, in the run's directory: one file per (client, key,
+round it was written), a serialized `TensorProto` (`tf.io.serialize_tensor`'s format), which
+the program reads and writes (written to a temporary name and renamed, so a killed run never
+leaves half a file) or, with `ClientStates.in_files`, the clients' computations in TFF's
+worker (`stateful_client_work.through_files`): the program then only names the files
+(`round_inputs`). A worker killed mid-write leaves half a file only in a round after the last
+checkpoint, which a resume deletes.
 
 A resumed run restarts at its last checkpoint, so states written after that
 round are stale: `rewind` deletes them and the versions written at or before
 the checkpoint take over. `prune`, after each checkpoint, deletes the versions
 no resume can need: all but the newest at or before the oldest checkpoint kept (a resume
-starts there when the newest checkpoint is unreadable and deleted).
+starts there when the newest checkpoint is unreadable and deleted). Stores written as `.npy`
+files by earlier versions are converted when opened.
 """
 
 import collections
 import os
 import re
 
+from google.protobuf import message
 import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import tensor_pb2
 
 DIRECTORY = "client_states"
-_NAME = re.compile(r"^client(\d+)_model(\d+)_round(\d+)\.npy$")
+_NAME = re.compile(r"^client(\d+)_model(\d+)_round(\d+)\.pb$")
+_NUMPY_NAME = re.compile(r"^(client\d+_model\d+_round\d+)\.npy$")
+_INITIAL = "initial.pb"
 
 
 class ClientStateError(RuntimeError):
@@ -35,38 +45,51 @@ class ClientStateStore:
   """The clients' states of one run, on disk under `directory`."""
 
   def __init__(self, directory: str, spec):
-    """`spec`: what a client keeps (its `shape`, `dtype` and `initial_value()`)."""
-    self._dir = directory
+    """`spec`: what a client keeps (`algorithms.algorithm.ClientStates`)."""
+    self._dir = os.path.abspath(directory)  # TFF's worker may run in another directory.
     self._spec = spec
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(self._dir, exist_ok=True)
     # (client, model) -> rounds it was written at, ascending.
     self._rounds = collections.defaultdict(list)
-    for name in sorted(os.listdir(directory)):
+    for name in sorted(os.listdir(self._dir)):
+      path = os.path.join(self._dir, name)
+      if ".tmp" in name:  # Left by a run killed mid-write.
+        os.remove(path)
+        continue
+      numpy_name = _NUMPY_NAME.match(name)
+      if numpy_name:  # Written by an earlier version.
+        name = numpy_name.group(1) + ".pb"
+        self._write(os.path.join(self._dir, name), self._read(path))
+        os.remove(path)
       match = _NAME.match(name)
       if match:
         client, model, round_num = map(int, match.groups())
         self._rounds[(client, model)].append(round_num)
-      elif name.endswith(".tmp.npy"):  # Left by a run killed mid-write.
-        os.remove(os.path.join(directory, name))
     for rounds in self._rounds.values():
       rounds.sort()
+    if spec.in_files:
+      self._write(os.path.join(self._dir, _INITIAL), spec.initial_value())
+      if self._rounds:  # The clients read them in TFF's worker: check one here.
+        self.load(*min(self._rounds))
 
   def _path(self, client: int, model: int, round_num: int) -> str:
-    return os.path.join(self._dir, f"client{client:06d}_model{model:03d}_round{round_num:07d}.npy")
+    return os.path.join(self._dir, f"client{client:06d}_model{model:03d}_round{round_num:07d}.pb")
 
-  def stored(self, client: int, model: int) -> bool:
-    """Whether (client, model) has a stored state (it trained in a round since the start)."""
-    return bool(self._rounds.get((client, model)))
+  @staticmethod
+  def _write(path: str, value: np.ndarray) -> None:
+    temporary = path + ".tmp"
+    with open(temporary, "wb") as f:
+      f.write(tf.make_tensor_proto(np.asarray(value)).SerializeToString())
+    os.replace(temporary, path)
 
-  def load(self, client: int, model: int) -> np.ndarray:
-    """The newest state of (client, model); its initial value if it has none yet."""
-    rounds = self._rounds.get((client, model))
-    if not rounds:
-      return self._spec.initial_value()
-    path = self._path(client, model, rounds[-1])
+  def _read(self, path: str) -> np.ndarray:
     try:
-      stored = np.load(path)
-    except (OSError, ValueError) as e:
+      if path.endswith(".npy"):
+        stored = np.load(path)
+      else:
+        with open(path, "rb") as f:
+          stored = tf.make_ndarray(tensor_pb2.TensorProto.FromString(f.read()))
+    except (OSError, ValueError, TypeError, message.DecodeError) as e:
       raise ClientStateError(
         f"cannot read client state {path} ({' '.join(str(e).split())[:200]})"
         ": the run's client_states directory is damaged; start the run "
@@ -82,16 +105,49 @@ class ClientStateStore:
       )
     return stored
 
+  def stored(self, client: int, model: int) -> bool:
+    """Whether (client, model) has a stored state (it trained in a round since the start)."""
+    return bool(self._rounds.get((client, model)))
+
+  def load(self, client: int, model: int) -> np.ndarray:
+    """The newest state of (client, model); its initial value if it has none yet."""
+    rounds = self._rounds.get((client, model))
+    if not rounds:
+      return self._spec.initial_value()
+    return self._read(self._path(client, model, rounds[-1]))
+
   def save(self, round_num: int, client: int, model: int, value: np.ndarray) -> None:
     """Stores (client, model)'s state as written in round `round_num`."""
-    path = self._path(client, model, round_num)
-    temporary = path[: -len(".npy")] + ".tmp.npy"
-    np.save(temporary, np.asarray(value))
-    os.replace(temporary, path)
+    self._write(self._path(client, model, round_num), value)
+    self._record(round_num, client, model)
+
+  def _record(self, round_num: int, client: int, model: int) -> None:
     rounds = self._rounds[(client, model)]
     if round_num not in rounds:
       rounds.append(round_num)
       rounds.sort()
+
+  def round_inputs(self, round_num: int, clients, models) -> list:
+    """What `next` takes for each (client, model) of round `round_num`: its newest state,
+    or with `in_files` the paths of that state (the initial one's before its first round)
+    and of the state the round writes."""
+    if not self._spec.in_files:
+      return [self.load(int(c), int(m)) for c, m in zip(clients, models)]
+    inputs = []
+    for c, m in zip(clients, models):
+      rounds = self._rounds.get((int(c), int(m)))
+      read = self._path(int(c), int(m), rounds[-1]) if rounds else os.path.join(self._dir, _INITIAL)
+      inputs.append(np.array([read, self._path(int(c), int(m), round_num)]))
+    return inputs
+
+  def round_outputs(self, round_num: int, clients, models, outputs) -> None:
+    """Stores the states `next` returned for round `round_num` (`round_inputs`' clients), or
+    with `in_files` records the files the clients wrote."""
+    for c, m, output in zip(clients, models, outputs):
+      if self._spec.in_files:
+        self._record(round_num, int(c), int(m))
+      else:
+        self.save(round_num, int(c), int(m), output)
 
   def rewind(self, round_num: int) -> None:
     """Forgets the states written after round `round_num` (a resume's start)."""

@@ -239,11 +239,10 @@ def _next_round(held, algorithm, store, datasets, cohort, slots, round_num, last
   states = keys = None
   if store is not None:
     keys = algorithm.client_states.keys_of(cohort, last.key_state)
-    states = [store.load(int(c), k) for c, k in zip(cohort, keys)]
+    states = store.round_inputs(round_num, cohort, keys)
   result = algorithm.result(held.next(*algorithm.next_args(datasets, cohort, slots, states)))
   if store is not None:
-    for c, k, client_state in zip(cohort, keys, result.client_states):
-      store.save(round_num, int(c), k, client_state)
+    store.round_outputs(round_num, cohort, keys, result.client_states)
   metrics = result.metrics
   # train_loss, train_accuracy, num_examples, rejected_updates (and
   # FedPPD's student_loss).

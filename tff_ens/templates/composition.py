@@ -40,7 +40,8 @@ def compose(
       `keyed_stages.build_slot_aggregator`).
     finalizer: `next(state, model, aggregate) -> MeasuredProcessOutput(state, new model, ...)`.
     keyed: `next` takes the cohort's client indices (int32 at CLIENTS) after its data.
-    client_state_type: what each client keeps between its rounds, or None.
+    client_state_type: what `next` takes for each client's state (the state, or the paths of
+      its files: `StatefulClientWork.next_state_type`), or None.
   """
 
   @tff.federated_computation

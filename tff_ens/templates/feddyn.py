@@ -58,11 +58,12 @@ def build_feddyn_client_work(
   element_spec,
   config: client_work_lib.LocalTrainingConfig,
   alpha: float,
+  state_files: bool = False,
 ) -> stateful_client_work.StatefulClientWork:
   """FedDyn's client work (`train_feddyn`) with coefficient `alpha`.
 
   A client's state is its g, one value per trainable weight of the model, flattened into one
-  float32 vector (`stateful_client_work.flatten`).
+  float32 vector (`stateful_client_work.flatten`); in a file with `state_files`.
   """
   if alpha <= 0:
     raise ValueError(f"FedDyn's alpha must be > 0, got {alpha}")
@@ -83,4 +84,4 @@ def build_feddyn_client_work(
     )
     return result, metrics, stateful_client_work.flatten(new_g)
 
-  return stateful_client_work.build(client_update, config)
+  return stateful_client_work.build(client_update, config, state_files=state_files)

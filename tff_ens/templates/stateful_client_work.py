@@ -5,6 +5,13 @@ TFF's `ClientWorkProcess.next` takes exactly (state, weights, data), so such cli
 stage of its own (`StatefulClientWork`), which `composition.compose` composes with
 `client_state_type`. A client's state stays on the client: it is neither downloaded nor
 uploaded, and the program stores it between rounds (`program.client_states`).
+
+In simulation the state either passes through TFF's executor with the round's other values
+or, with `state_files`, stays in files: each client gets the path of its state and the path
+to write its new one, and its computation reads and writes them with `tf.io` in the worker
+(`through_files`). A model-sized state moved as a value costs about a FedAvg round for ten
+clients (benchmarks/RESULTS.md, "Fed-ensemble round time"); as files it never leaves the
+worker's disk.
 """
 
 import dataclasses
@@ -27,26 +34,58 @@ class StatefulClientWork:
   initialize: tff.Computation
   next: tff.Computation
   client_update: tff.Computation
+  state_files: bool = False
 
   @property
   def client_state_type(self) -> tff.Type:
+    """What a client keeps between its rounds."""
     return self.client_update.type_signature.parameter[3]
+
+  @property
+  def next_state_type(self) -> tff.Type:
+    """What `next` takes for each client's state: the state, or with `state_files` the paths
+    to read it from and to write the new one to (`PATHS_TYPE`)."""
+    return PATHS_TYPE if self.state_files else self.client_state_type
+
+
+# A client's (state to read, new state to write) with `state_files`.
+PATHS_TYPE = tff.TensorType(np.str_, [2])
+
+
+def through_files(client_update: tff.Computation) -> tff.Computation:
+  """`client_update(download, data, learning rate, state) -> (result, metrics, new state)`
+  as `(download, data, learning rate, paths) -> (result, metrics, paths[1])`: the state is
+  read from the file `paths[0]` and the new one written to `paths[1]`, each a serialized
+  `TensorProto` (`tf.io.serialize_tensor`), before the result is returned."""
+  download_type, data_type, rate_type, state_type = client_update.type_signature.parameter
+
+  @tff.tensorflow.computation(download_type, data_type, rate_type, PATHS_TYPE)
+  def update(download, data, learning_rate, paths):
+    state = tf.io.parse_tensor(tf.io.read_file(paths[0]), state_type.dtype)
+    state = tf.ensure_shape(state, state_type.shape)
+    result, metrics, new_state = client_update(download, data, learning_rate, state)
+    written = tf.io.write_file(paths[1], tf.io.serialize_tensor(new_state))
+    with tf.control_dependencies([written]):
+      return tf.nest.map_structure(tf.identity, (result, metrics, paths[1]))
+
+  return update
 
 
 def build(
   client_update: tff.Computation,
   config: client_work_lib.LocalTrainingConfig,
   finalize: tff.Computation | None = None,
+  state_files: bool = False,
 ) -> StatefulClientWork:
   """The stage of local SGD's `client_update(download, data, learning rate, client state) ->
   (ClientResult, metric sums, new client state)`, whose state is the round (its learning
   rate, `client_work.learning_rate_at`); `finalize` turns the summed metrics into the
-  round's (default: `client_work.finalize_train_metrics`)."""
+  round's (default: `client_work.finalize_train_metrics`); `state_files`: the clients' states
+  are files (`through_files`)."""
   learning_rate, train_metrics = client_work_lib.sgd_round_fns(client_update, config)
-  init_fn, run = client_work_lib.round_stage(
-    client_update, learning_rate, finalize or train_metrics
-  )
-  download_type, data_type, _, state_type = client_update.type_signature.parameter
+  work = through_files(client_update) if state_files else client_update
+  init_fn, run = client_work_lib.round_stage(work, learning_rate, finalize or train_metrics)
+  download_type, data_type, _, state_type = work.type_signature.parameter
 
   @tff.federated_computation(
     init_fn.type_signature.result,
@@ -58,7 +97,7 @@ def build(
     state, outputs, measurements = run(state, downloads, client_data, client_states)
     return state, outputs[0], outputs[2], measurements
 
-  return StatefulClientWork(init_fn, next_fn, client_update)
+  return StatefulClientWork(init_fn, next_fn, client_update, state_files)
 
 
 def flat_size(specs) -> int:

@@ -27,7 +27,7 @@ model in every variant, so the difference is the server side: K models in
 the state, the per-client `federated_select` and the K-slot
 `federated_aggregate`; with FedDyn also its clients' states (one model-sized
 vector each), kept on disk as the CLI keeps them (`ClientStateStore`) and
-moved with each `--client_state_transport` of `--transports`: files the
+moved with each `--client_transport` of `--transports`: files the
 worker reads and writes, or values from Python to the worker and back.
 Last, it times TFF's two ways of sending a model to the 10 clients, with the
 models on the worker: `federated_select` of one of K LEAF CNNs per client
@@ -71,7 +71,7 @@ flags.DEFINE_list(
   "deliveries", ["select", "broadcast"], "Fed-ensemble's --member_delivery values to time."
 )
 flags.DEFINE_list(
-  "transports", ["files", "values"], "--client_state_transport values to time with FedDyn."
+  "transports", ["files", "values"], "--client_transport values to time with FedDyn."
 )
 flags.DEFINE_list(
   "places", ["worker", "python"], "Where the state stays between rounds: worker (the CLI), python."
@@ -115,11 +115,11 @@ class Rounds:
     state = algorithm.process.initialize()
     self._held = runtime.ResidentState(algorithm.process.next, state)
     self._state = None if on_worker else state
-    self._key_state = state["distributor"]
     self._round = 0
     self._store = None
     if algorithm.client_states is not None:
       self._store = client_states.ClientStateStore(directory, algorithm.client_states)
+      self._key_state = state["distributor"]  # Which of its states each client trains.
 
   def next(self, datasets):
     self._round += 1
@@ -135,9 +135,9 @@ class Rounds:
       self._state, *outputs = runtime.state_first(self._algorithm.process.next(self._state, *args))
       outputs = tuple(outputs)
     result = self._algorithm.result(outputs)
-    self._key_state = result.metrics["distributor"]
     if self._store is not None:
       self._store.round_outputs(self._round, cohort, keys, result.client_states)
+      self._key_state = result.metrics["distributor"]
 
 
 def time_alone(build, on_worker: bool, datasets, rounds: int):
@@ -298,7 +298,7 @@ def main(argv):
         simulation.batch_element_spec(femnist),
         config,
         num_clients=len(writers),
-        client_state_files=transport == "files",
+        client_files=transport == "files",
         **algorithms.settings_read(
           name, ensemble_size=k, local_objective=objective, member_delivery=delivery
         ),

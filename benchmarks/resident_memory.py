@@ -1,7 +1,8 @@
 r"""Worker memory with the state held on the worker between rounds.
 
   uv run python benchmarks/resident_memory.py [--rounds=16] \
-      [--algorithms=fedensemble,vdistill] [--distill_steps=20]
+      [--algorithms=fedensemble,vdistill] [--distill_steps=20] \
+      [--places=python,uncut,cli] [--transports=files,values]
 
 TFF's worker keeps the per-client values of a call alive for as long as a
 state derived from that call is held there, back to the last state uploaded
@@ -10,13 +11,17 @@ fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05; K = 5 for
 Fed-ensemble), each way in a fresh worker: the state through Python every
 round; held on the worker without a cut (`runtime.ResidentState` with no
 memory budget); and held as the CLI holds it (`ResidentState`'s default
-budget, after which the state is uploaded again every N rounds). It prints
+budget, after which the state is uploaded again every N rounds), each in the
+`--places` given; and with each `--client_transport` of `--transports` where
+it matters (a server step's collected updates, clients' states). It prints
 the worker's resident memory after rounds 1, 5, 10 and the last, its peak,
-and the median seconds of a round. Writes the section "## State on the
-worker and worker memory" of `--results`.
+this process' (the driver's) peak, and the median seconds of a round. Writes
+the section "## State on the worker and worker memory" of `--results`.
 """
 
 import statistics
+import tempfile
+import threading
 import time
 
 from absl import app
@@ -28,6 +33,7 @@ import report
 from tasks import femnist
 from tff_ens import algorithms
 from tff_ens.execution import runtime
+from tff_ens.program import client_states
 from tff_ens.program import simulation
 from tff_ens.server import server_data as server_data_lib
 from tff_ens.templates import client_work
@@ -42,6 +48,13 @@ PLACES = (
 report.define_flags()
 flags.DEFINE_integer("rounds", 16, "Rounds per algorithm and state place.")
 flags.DEFINE_list("algorithms", ["fedensemble", "vdistill"], "Algorithms to run.")
+flags.DEFINE_list("places", [place for place, _ in PLACES], "Where the state stays between rounds.")
+flags.DEFINE_list(
+  "transports",
+  ["files", "values"],
+  "--client_transport values, for algorithms whose clients keep states or whose server step "
+  "collects their updates.",
+)
 flags.DEFINE_integer(
   "distill_steps",
   25,
@@ -50,12 +63,44 @@ flags.DEFINE_integer(
 FLAGS = flags.FLAGS
 
 
-def run_rounds(name: str, place: str, data, datasets):
-  """(worker RSS bytes after each round, seconds of each round)."""
+class DriverPeak:
+  """This process' peak resident memory while it is entered, sampled every 0.2 s."""
+
+  def __init__(self):
+    self.peak = 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+
+  def _sample(self):
+    me = psutil.Process()
+    while not self._stop.wait(0.2):
+      self.peak = max(self.peak, me.memory_info().rss)
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+
+
+def moves_client_data(name: str) -> bool:
+  """Whether `--client_transport` changes how `name` runs: its server step collects the
+  clients' updates, or its clients keep states."""
+  return algorithms.REGISTRY[name].server_data or name in ("ditto", "lg_fedavg")
+
+
+def run_rounds(name: str, place: str, transport: str, data, datasets):
+  """(worker RSS bytes after each round, seconds of each round, driver peak RSS bytes)."""
   server_data = None
   if algorithms.REGISTRY[name].server_data:
     server_data = server_data_lib.server_split(data, femnist, seed=0)
-  with runtime.execution_context():
+  with (
+    runtime.execution_context(),
+    DriverPeak() as driver,
+    tempfile.TemporaryDirectory() as directory,
+  ):
     (worker,) = [c for c in psutil.Process().children() if "worker_binary" in " ".join(c.cmdline())]
     algorithm = algorithms.build_algorithm(
       name,
@@ -65,28 +110,38 @@ def run_rounds(name: str, place: str, data, datasets):
       server_data=server_data,
       num_clients=len(datasets),
       clients_per_round=len(datasets),
+      client_files=transport == "files",
       **algorithms.settings_read(name, ensemble_size=5, distill_steps=FLAGS.distill_steps),
     )
+    store = None
+    if algorithm.client_states is not None:
+      store = client_states.ClientStateStore(directory, algorithm.client_states)
     state = algorithm.process.initialize()
     if place != "python":
       held = runtime.ResidentState(
         algorithm.process.next, state, **({"max_growth_bytes": 2**60} if place == "uncut" else {})
       )
-    args = algorithm.next_args(datasets, np.arange(len(datasets)))
+    cohort = np.arange(len(datasets))
     rss, seconds = [], []
-    for _ in range(FLAGS.rounds):
+    for round_num in range(1, FLAGS.rounds + 1):
+      keys = [0] * len(cohort)  # One state per client (Ditto, LG-FedAvg).
+      states = store.round_inputs(round_num, cohort, keys) if store is not None else None
+      args = algorithm.next_args(datasets, cohort, states=states)
       start = time.perf_counter()
       if place == "python":
-        state, _ = runtime.state_and_metrics(algorithm.process.next(state, *args))
+        state, *outputs = runtime.state_first(algorithm.process.next(state, *args))
       else:
-        held.next(*args)
+        outputs = held.next(*args)
+      if store is not None:
+        store.round_outputs(round_num, cohort, keys, algorithm.result(tuple(outputs)).client_states)
       seconds.append(time.perf_counter() - start)
       rss.append(worker.memory_info().rss)
       print(
-        f"{name}, {place}: round {len(rss)} worker {rss[-1] / 2**30:.2f} GiB, {seconds[-1]:.2f} s",
+        f"{name}, {place}, {transport}: round {len(rss)} worker {rss[-1] / 2**30:.2f} GiB, "
+        f"{seconds[-1]:.2f} s",
         flush=True,
       )
-    return rss, seconds
+  return rss, seconds, driver.peak
 
 
 def main(argv):
@@ -98,14 +153,17 @@ def main(argv):
   ]
   marks = sorted({r for r in (1, 5, 10, FLAGS.rounds) if r <= FLAGS.rounds})
   rows = []
+  descriptions = dict(PLACES)
   for name in FLAGS.algorithms:
-    for place, description in PLACES:
-      rss, seconds = run_rounds(name, place, data, datasets)
-      rows.append(
-        f"| {name} | {description} | "
-        + " | ".join(f"{rss[r - 1] / 2**30:.2f}" for r in marks)
-        + f" | {max(rss) / 2**30:.2f} | {statistics.median(seconds):.2f} |"
-      )
+    for place in FLAGS.places:
+      for transport in FLAGS.transports if moves_client_data(name) else ["-"]:
+        rss, seconds, driver_peak = run_rounds(name, place, transport, data, datasets)
+        rows.append(
+          f"| {name} | {descriptions[place]} | {transport} | "
+          + " | ".join(f"{rss[r - 1] / 2**30:.2f}" for r in marks)
+          + f" | {max(rss) / 2**30:.2f} | {driver_peak / 2**30:.2f} | "
+          f"{statistics.median(seconds):.2f} |"
+        )
   lines = [
     SECTION,
     "",
@@ -117,10 +175,10 @@ def main(argv):
     "",
     *report.run_facts(run, "benchmarks/resident_memory.py"),
     "",
-    "| algorithm | state | "
+    "| algorithm | state | client transport | "
     + " | ".join(f"worker GiB after round {r}" for r in marks)
-    + " | peak GiB | median s/round |",
-    "| --- | --- |" + " ---: |" * (len(marks) + 2),
+    + " | worker peak GiB | driver peak GiB | median s/round |",
+    "| --- | --- | --- |" + " ---: |" * (len(marks) + 3),
     *rows,
   ]
   report.publish(SECTION, lines)

@@ -44,7 +44,7 @@ def _config(drop_worst=True, keep_initial_student=False):
   )
 
 
-def _build(drop_worst=True, keep_initial_student=False):
+def _build(drop_worst=True, keep_initial_student=False, upload_files=False):
   return mp.build_heterogeneous_feddf(
     MODEL_FNS,
     NAMES,
@@ -53,6 +53,7 @@ def _build(drop_worst=True, keep_initial_student=False):
     SERVER,
     _config(drop_worst, keep_initial_student),
     clients_per_round=4,
+    upload_files=upload_files,
   )
 
 
@@ -116,6 +117,18 @@ def test_one_round_distills_every_prototype_from_all_clients():
     )
   again, *_ = process.next(state, datasets, [0, 1, 2])
   for a, b in zip(tf.nest.flatten(again["model"]), tf.nest.flatten(new_state["model"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_packed_updates_collected_as_files_give_the_round_values_give():
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
+  states = []
+  for files in (False, True):
+    process = _build(drop_worst=False, upload_files=files).process
+    state, metrics, _ = process.next(process.initialize(), datasets, [0, 1, 2])
+    assert metrics["aggregator"]["clients_collected"] == 3
+    states.append(state)
+  for a, b in zip(tf.nest.flatten(states[1]), tf.nest.flatten(states[0]), strict=True):
     np.testing.assert_array_equal(a, b)
 
 

@@ -450,3 +450,44 @@ def test_config_rejects_unknown_values():
     sd.ServerDistillationConfig(method="fedbe", distill=_fedbe(25), sharpen_temperature=0.0)
   with pytest.raises(ValueError, match="unknown rule=chance"):
     drop_worst.DropWorst(rule="chance")
+
+
+@pytest.mark.parametrize(
+  "method, options",
+  [
+    ("fedbe", dict(fedbe_samples=2)),
+    ("feddf", dict(drop_worst=False)),
+    ("vdistill", {}),
+  ],
+)
+def test_updates_collected_as_files_give_the_round_values_give(method, options):
+  # Two clients of three slots: the empty slot is zeros either way.
+  local = client_work.LocalTrainingConfig(learning_rate=0.5)
+  build = lambda files: algorithms.build_algorithm(
+    method,
+    lambda k=0: tiny_model(),
+    SPEC,
+    local,
+    server_data=SERVER,
+    clients_per_round=3,
+    seed=3,
+    client_files=files,
+    distill_steps=25,
+    distill_batch_size=8,
+    distill_curve_every=0,
+    **options,
+  )
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA[:2]]
+  rounds = []
+  for files in (False, True):
+    process = build(files).process
+    state, metrics, teachers = process.next(process.initialize(), datasets)
+    rounds.append((state, metrics, teachers.predict(SERVER.validation_x)["probabilities"]))
+  (values_state, values_metrics, values_teachers), (files_state, files_metrics, files_teachers) = (
+    rounds
+  )
+  assert files_metrics["aggregator"]["clients_collected"] == 2
+  for a, b in zip(tf.nest.flatten(files_state), tf.nest.flatten(values_state), strict=True):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(files_teachers, values_teachers)
+  assert files_metrics["finalizer"]["distill_steps"] == values_metrics["finalizer"]["distill_steps"]

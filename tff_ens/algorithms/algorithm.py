@@ -52,9 +52,10 @@ class BuildContext:
       prototypes, FedPPD's student); None where no algorithm needs another model.
     task: the run's task (a `tasks` module: its models, its constants), else None.
     model: the name of the run's model (`model_fn`'s).
-    client_state_files: the states clients keep between their rounds stay in files that their
-      computations read and write (`stateful_client_work.through_files`), not values passed
-      to `next`: the worker must see the program's run directory.
+    client_files: the states clients keep between their rounds stay in files that their
+      computations read and write (`stateful_client_work.through_files`), and the updates a
+      server step collects reach the driver as files (`server_step.build_collect`), instead
+      of values through TFF's executor: TFF's worker must see this machine's files.
   """
 
   model_fn: Callable[..., tf.keras.Model]
@@ -71,7 +72,7 @@ class BuildContext:
   build_model: Callable[[str, int], tf.keras.Model] | None = None
   task: Any = None
   model: str = ""
-  client_state_files: bool = False
+  client_files: bool = False
 
   def __post_init__(self):
     if not isinstance(self.groups, Mapping):
@@ -132,7 +133,7 @@ class ClientStates:
       its own examples (Ditto's personal model, LG-FedAvg's local layers under the global
       ones); None: the clients have none.
     in_files: `next` takes each client's paths to read and write its state
-      (`BuildContext.client_state_files`), not the state.
+      (`BuildContext.client_files`), not the state.
   """
 
   shape: tuple[int, ...]
@@ -216,7 +217,7 @@ class FederatedAlgorithm:
     """The algorithm `name` of a process builder's result; `fields` are the others."""
     states = fields.pop("client_states", None)
     if states is not None:
-      states = dataclasses.replace(states, in_files=context.client_state_files)
+      states = dataclasses.replace(states, in_files=context.client_files)
     return cls(
       client_states=states,
       name=name,

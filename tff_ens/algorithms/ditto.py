@@ -130,7 +130,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     context.element_spec,
     context.local,
     context.group(Settings),
-    context.client_state_files,
+    context.client_files,
   )
   rate = fedavg.server_learning_rate(context, fedavg.LEARNING_RATE)
   process = composition.compose(

@@ -392,7 +392,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     dp=context.dp,
     num_clients=context.num_clients,
     on_device=context.on_device,
-    state_files=context.client_state_files,
+    state_files=context.client_files,
   )
   members = lambda clients, key_state: assigned_models(key_state, clients, k, options.assignment)
   states = None

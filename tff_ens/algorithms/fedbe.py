@@ -93,6 +93,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     server_config(context),
     clients_per_round=context.clients_per_round,
     recalibration_images=context.recalibration_images,
+    upload_files=context.client_files,
   )
   return algorithm.FederatedAlgorithm.of("fedbe", built, context)
 

@@ -72,6 +72,7 @@ def build_fedppd_distill(
   *,
   clients_per_round: int,
   teacher_server_config: (server_distillation.ServerDistillationConfig | None) = None,
+  upload_files: bool = False,
 ) -> built_lib.BuiltProcess:
   """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
 
@@ -83,7 +84,8 @@ def build_fedppd_distill(
   with `teacher_server_config`, distilled the same way into the global
   teacher as the authors' code does (train_femnist.py); that step's
   measurements are prefixed `teacher_`. Aggregator FedBE's, client work
-  FedPPD's; the step runs in the driver (`server_step.DriverProcess`).
+  FedPPD's; the step runs in the driver (`server_step.DriverProcess`), to which
+  `upload_files` sends the clients' models as files (`server_step.build_collect`).
   """
   teacher_sizes = fedppd.count_teacher_tensors(teacher_fn)
   weights_type = fedppd.joint_weights_type(teacher_fn, student_fn)
@@ -92,7 +94,8 @@ def build_fedppd_distill(
     fedppd.build_initial_weights_fn(teacher_fn, student_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
-    server_step.build_collect_aggregator(weights_type, clients_per_round),
+    clients_per_round,
+    upload_files=upload_files,
   )
   step = FedPPDDistillStep(
     teacher_sizes,
@@ -104,7 +107,14 @@ def build_fedppd_distill(
     ),
   )
   return fedppd.built_fedppd(
-    server_step.DriverProcess(initialize_fn, collect, step), client_work, teacher_fn
+    server_step.DriverProcess(
+      initialize_fn,
+      collect,
+      step,
+      update_specs=tff.types.type_to_tf_tensor_specs(weights_type) if upload_files else None,
+    ),
+    client_work,
+    teacher_fn,
   )
 
 
@@ -135,6 +145,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     server_config,
     clients_per_round=context.clients_per_round,
     teacher_server_config=teacher_config,
+    upload_files=context.client_files,
   )
   return algorithm.FederatedAlgorithm.of(
     "fedppd_distill", built, context, evaluation_model_fn=student

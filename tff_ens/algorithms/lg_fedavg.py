@@ -111,7 +111,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     return update, metrics, stateful_client_work.flatten(part(trained, masks, False))
 
   client_work = stateful_client_work.build(
-    client_update, context.local, state_files=context.client_state_files
+    client_update, context.local, state_files=context.client_files
   )
 
   @tff.tensorflow.computation

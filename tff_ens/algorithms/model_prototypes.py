@@ -328,6 +328,7 @@ def build_heterogeneous_feddf(
   config: server_distillation.ServerDistillationConfig,
   *,
   clients_per_round: int,
+  upload_files: bool = False,
 ) -> built_lib.BuiltProcess:
   """Builds FedDF over P prototypes as a `server_step.DriverProcess`.
 
@@ -345,6 +346,7 @@ def build_heterogeneous_feddf(
     data: the server's unlabeled and validation data.
     config: FedDF's server step (`method="feddf"`).
     clients_per_round: the largest cohort.
+    upload_files: the clients' updates reach the driver as files (`server_step.build_collect`).
   """
   if len(model_fns) < 2 or len(names) != len(model_fns):
     raise ValueError(
@@ -367,7 +369,6 @@ def build_heterogeneous_feddf(
   client_update = client_work.client_update
   download_type = client_update.type_signature.parameter[0]
   update_type = client_update.type_signature.result[0].update
-  aggregator = server_step.build_collect_aggregator(update_type, clients_per_round)
   prototypes_type = tff.StructWithPythonType(weights_types, tuple)
 
   @tff.tensorflow.computation
@@ -394,7 +395,12 @@ def build_heterogeneous_feddf(
     prototypes_type, (), prototype_of, select_packed, to_download
   )
   initialize_fn, collect = server_step.build_collect(
-    initial_prototypes, distributor, client_work.process, aggregator, keyed=True
+    initial_prototypes,
+    distributor,
+    client_work.process,
+    clients_per_round,
+    keyed=True,
+    upload_files=upload_files,
   )
   step = PrototypeStep(model_fns, names, data, config)
   client_type = client_update.type_signature
@@ -402,7 +408,13 @@ def build_heterogeneous_feddf(
     [("model", download_type), ("learning_rate", client_type.parameter.learning_rate)]
   )
   return built_lib.BuiltProcess(
-    server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities),
+    server_step.DriverProcess(
+      initialize_fn,
+      collect,
+      step,
+      step.teacher_probabilities,
+      tff.types.type_to_tf_tensor_specs(update_type) if upload_files else None,
+    ),
     download,
     client_type.result,
     lambda state: [state["model"][0]],

@@ -124,13 +124,14 @@ class RunSettings:
     "Run on TFF worker services at host:port,host:port (each started with `python -m "
     "tff_ens.worker --port=PORT`), clients split across them; empty: a local worker.",
   )
-  client_state_transport: str = setting(
+  client_transport: str = setting(
     "files",
-    "How the states clients keep between rounds (FedDyn's g, Ditto's personal models, "
-    "LG-FedAvg's local layers) reach TFF's worker: files (the worker reads and writes them in "
-    "OUTPUT_DIR/client_states, so it must see that directory: a local worker, or --workers on "
-    "a shared filesystem), or values (sent with the round's data through TFF's executor: "
-    "any worker, about a FedAvg round slower for ten model-sized states).",
+    "How what clients keep between rounds (FedDyn's g, Ditto's personal models, LG-FedAvg's "
+    "local layers) and the models a server step collects (FedBE, FedDF, FedPPD+Distill) pass "
+    "between this program and TFF's worker: files (the worker reads and writes them in "
+    "OUTPUT_DIR/client_states and this machine's temporary directory, so it must run on this "
+    "machine), or values through TFF's executor (any worker; slower for states, and a "
+    "collect holds about ten copies of each client's model in the worker).",
     choices=("files", "values"),
   )
   client_runtime: str = setting(

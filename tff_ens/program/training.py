@@ -96,7 +96,7 @@ def run_experiment(config) -> dict:
     build_model=build_model,
     task=task,
     model=config.model,
-    client_state_files=config.client_state_transport == "files",
+    client_files=config.client_transport == "files",
   )
   with _execution_context(run):
     algorithm = algorithms.build(config.algorithm, context)

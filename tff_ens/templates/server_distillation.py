@@ -451,6 +451,7 @@ def build_server_distillation(
   *,
   clients_per_round: int,
   recalibration_images: np.ndarray | None = None,
+  upload_files: bool = False,
 ) -> built_lib.BuiltProcess:
   """Builds FedBE, FedDF or v-Distillation (`config.method`) as a
   `server_step.DriverProcess`, whose rounds give their teachers.
@@ -464,6 +465,7 @@ def build_server_distillation(
     clients_per_round: the largest cohort (slots of the collect aggregator).
     recalibration_images: server images on which every teacher and the weight average
       measure their batch-norm statistics (`teachers`), or None to keep the clients'.
+    upload_files: the clients' updates reach the driver as files (`server_step.build_collect`).
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = client_work_lib.build_client_work(model_fn, element_spec, local_config)
@@ -471,8 +473,15 @@ def build_server_distillation(
     server_optimizer.build_initial_weights_fn(model_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
-    server_step.build_collect_aggregator(weights_type, clients_per_round),
+    clients_per_round,
+    upload_files=upload_files,
   )
   step = DistillationStep(model_fn, data, config, recalibration_images)
-  process = server_step.DriverProcess(initialize_fn, collect, step, step.teacher_probabilities)
+  process = server_step.DriverProcess(
+    initialize_fn,
+    collect,
+    step,
+    step.teacher_probabilities,
+    tff.types.type_to_tf_tensor_specs(weights_type) if upload_files else None,
+  )
   return built_lib.built_from_client_work(process, client_work)

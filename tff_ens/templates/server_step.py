@@ -8,7 +8,11 @@ moved out of TFF:
 
 * `collect`, a TFF computation: the distributor, the client work and the aggregator, which
   returns every client's update (`build_collect_aggregator`: a `tff.federated_aggregate`
-  places the i-th client's update into slot i of `capacity` slots);
+  places the i-th client's update into slot i of `capacity` slots). TFF's C++ worker keeps
+  about ten copies of an update per client in that aggregation (benchmarks/RESULTS.md,
+  "FedPPD+Distill's worker memory"), so with `upload_files` each client writes its update to
+  a file instead (`write_update`) and the slots collect the files' paths, which the driver
+  reads (`read_updates`);
 * `step`, the finalizer: Python over `tf.function`s in this process, on `/GPU:0` when
   TensorFlow sees one (`distillation.choose_device`), its data streamed by `tf.data`.
 
@@ -22,10 +26,13 @@ output of the round, which the loop keeps for evaluation until the next one.
 import collections
 import dataclasses
 import functools
+import os
+import tempfile
 from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import tensor_pb2
 import tensorflow_federated as tff
 
 from tff_ens.templates import keyed_stages
@@ -61,12 +68,15 @@ class DriverProcess:
     step: the finalizer (`ServerStep`).
     teachers: `(model, collected, round, images) -> OrderedDict(probabilities,
       mean_entropy)`, the teacher ensemble `step` distills from; None if there is none.
+    update_specs: with `collect` built with `upload_files` (it then takes each client's
+      path to write its update to, last), the update's `tf.TensorSpec`s; else None.
   """
 
   initialize_fn: tff.Computation
   collect: tff.Computation
   step: ServerStep
   teachers: Callable[..., dict] | None = None
+  update_specs: Any = None
 
   def initialize(self) -> collections.OrderedDict:
     state = collections.OrderedDict(self.initialize_fn())
@@ -78,7 +88,13 @@ class DriverProcess:
     state, the metrics and the round's teachers."""
     round_num = int(state["round"])
     stages = collections.OrderedDict((k, v) for k, v in state.items() if k != "round")
-    stage_states, collected, measurements = self.collect(stages, *client_args)
+    if self.update_specs is None:
+      stage_states, collected, measurements = self.collect(stages, *client_args)
+    else:
+      with tempfile.TemporaryDirectory(prefix="tff_ens_updates_") as directory:
+        paths = [os.path.join(directory, f"client{i}.pb") for i in range(len(client_args[0]))]
+        stage_states, (written, weights), measurements = self.collect(stages, *client_args, paths)
+        collected = (read_updates(written, self.update_specs), weights)
     model, step_measurements = self.step(state["model"], collected, round_num)
     step_measurements = collections.OrderedDict(step_measurements)
     device = step_measurements.pop("server_device", None)
@@ -110,18 +126,27 @@ def build_collect(
   initial_model_fn: tff.Computation,
   distributor: tff.templates.MeasuredProcess,
   client_work: tff.templates.MeasuredProcess,
-  aggregator: tff.templates.AggregationProcess,
+  capacity: int,
   *,
   keyed: bool = False,
+  upload_files: bool = False,
 ) -> tuple[tff.Computation, tff.Computation]:
   """`(initialize_fn, collect)` of a `DriverProcess` from TFF stages.
 
   As `tff.learning.templates.compose_learning_process` composes them, the
   finalizer left out: the distributor sends the state's model, the clients
-  train, and the aggregator's result (every client's update) is returned. With
-  `keyed`, the distributor is `keyed_stages.build_keyed_distributor`'s: `collect`
-  takes the cohort's client indices after its data and passes them to it.
+  train, and every client's update is collected into `capacity` slots
+  (`build_collect_aggregator`) and returned. With `keyed`, the distributor is
+  `keyed_stages.build_keyed_distributor`'s: `collect` takes the cohort's client indices
+  after its data and passes them to it. With `upload_files`, `collect` takes each client's
+  path last, the client writes its update there (`write_update`) and the slots hold the
+  paths.
   """
+  update_type = client_work.next.type_signature.result.result.member.update
+  write = write_update(update_type) if upload_files else None
+  aggregator = build_collect_aggregator(
+    tff.TensorType(np.str_) if upload_files else update_type, capacity
+  )
 
   @tff.federated_computation
   def initialize_fn():
@@ -137,9 +162,12 @@ def build_collect(
   state_type = initialize_fn.type_signature.result
   data_type = client_work.next.type_signature.parameter[2]
 
-  def collect_round(state, sent, downloads, client_data):
+  def collect_round(state, sent, downloads, client_data, paths=None):
     work = client_work.next(state.client_work, downloads, client_data)
-    collected = aggregator.next(state.aggregator, work.result.update, work.result.update_weight)
+    update = work.result.update
+    if paths is not None:
+      update = tff.federated_map(write, (update, paths))
+    collected = aggregator.next(state.aggregator, update, work.result.update_weight)
     stage_states = tff.federated_zip(
       collections.OrderedDict(
         distributor=sent.state, client_work=work.state, aggregator=collected.state
@@ -154,12 +182,26 @@ def build_collect(
     )
     return stage_states, collected.result, measurements
 
-  if keyed:
+  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
+  paths_type = tff.FederatedType(np.str_, tff.CLIENTS)
+  if keyed and upload_files:
 
-    @tff.federated_computation(state_type, data_type, tff.FederatedType(np.int32, tff.CLIENTS))
+    @tff.federated_computation(state_type, data_type, indices_type, paths_type)
+    def collect(state, client_data, client_indices, paths):
+      sent = distributor.next(state.distributor, state.model, client_indices)
+      return collect_round(state, sent, sent.result[0], client_data, paths)
+  elif keyed:
+
+    @tff.federated_computation(state_type, data_type, indices_type)
     def collect(state, client_data, client_indices):
       sent = distributor.next(state.distributor, state.model, client_indices)
       return collect_round(state, sent, sent.result[0], client_data)
+  elif upload_files:
+
+    @tff.federated_computation(state_type, data_type, paths_type)
+    def collect(state, client_data, paths):
+      sent = distributor.next(state.distributor, state.model)
+      return collect_round(state, sent, sent.result, client_data, paths)
   else:
 
     @tff.federated_computation(state_type, data_type)
@@ -168,6 +210,36 @@ def build_collect(
       return collect_round(state, sent, sent.result, client_data)
 
   return initialize_fn, collect
+
+
+def write_update(update_type: tff.Type) -> tff.Computation:
+  """`(update, path) -> path`, which writes the update to the file `path`: a serialized string
+  tensor (`tf.io.serialize_tensor`) of each of its tensors serialized, in `tf.nest` order."""
+
+  @tff.tensorflow.computation(update_type, np.str_)
+  def write(update, path):
+    tensors = tf.stack([tf.io.serialize_tensor(t) for t in tf.nest.flatten(update)])
+    written = tf.io.write_file(path, tf.io.serialize_tensor(tensors))
+    with tf.control_dependencies([written]):
+      return tf.identity(path)
+
+  return write
+
+
+def read_updates(paths, specs):
+  """The updates `write_update` wrote to `paths` (empty: a slot no client filled, zeros) as
+  `build_collect_aggregator`'s result: a structure of `specs` whose tensors are stacked
+  [len(paths), ...]."""
+  flat_specs = tf.nest.flatten(specs)
+  stacked = [np.zeros([len(paths), *s.shape], s.dtype.as_numpy_dtype) for s in flat_specs]
+  for i, path in enumerate(paths):
+    if not path:
+      continue
+    with open(path, "rb") as f:
+      tensors = tf.make_ndarray(tensor_pb2.TensorProto.FromString(f.read()))
+    for leaf, tensor in zip(stacked, tensors, strict=True):
+      leaf[i] = tf.make_ndarray(tensor_pb2.TensorProto.FromString(tensor))
+  return tf.nest.pack_sequence_as(specs, stacked)
 
 
 def placed_device(tensor) -> str:

@@ -42,13 +42,11 @@ Writes the section "## Fed-ensemble round time" of `--results`.
 import functools
 import statistics
 import tempfile
-import threading
 import time
 
 from absl import app
 from absl import flags
 import numpy as np
-import psutil
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -78,32 +76,6 @@ flags.DEFINE_list(
 )
 
 FLAGS = flags.FLAGS
-
-
-class PeakMemory:
-  """Samples the resident memory of this process' children (the worker)."""
-
-  def __init__(self):
-    self.peak = 0
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._sample, daemon=True)
-
-  def _sample(self):
-    me = psutil.Process()
-    while not self._stop.wait(0.2):
-      try:
-        rss = sum(c.memory_info().rss for c in me.children(recursive=True))
-      except psutil.Error:
-        continue
-      self.peak = max(self.peak, rss)
-
-  def __enter__(self):
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
 
 
 class Rounds:
@@ -150,7 +122,7 @@ def time_alone(build, on_worker: bool, datasets, rounds: int):
   wall, cpu = [], []
   with (
     runtime.execution_context(),
-    PeakMemory() as memory,
+    report.PeakMemory(children=True) as memory,
     tempfile.TemporaryDirectory() as directory,
   ):
     algorithm = build()

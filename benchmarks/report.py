@@ -7,6 +7,7 @@ import platform
 import re
 import shlex
 import sys
+import threading
 
 from absl import app
 from absl import flags
@@ -120,3 +121,32 @@ def publish(section: str, lines: list[str]) -> None:
   print(text)
   if flags.FLAGS.results:
     write_section(flags.FLAGS.results, section, text)
+
+
+class PeakMemory:
+  """The peak resident memory, sampled every 0.2 s while entered, of this process or (with
+  `children`) of its child processes together (TFF's worker)."""
+
+  def __init__(self, children: bool = False):
+    self.peak = 0
+    self._children = children
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+
+  def _sample(self):
+    me = psutil.Process()
+    while not self._stop.wait(0.2):
+      try:
+        processes = me.children(recursive=True) if self._children else [me]
+        rss = sum(p.memory_info().rss for p in processes)
+      except psutil.Error:
+        continue
+      self.peak = max(self.peak, rss)
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()

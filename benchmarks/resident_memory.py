@@ -21,7 +21,6 @@ the section "## State on the worker and worker memory" of `--results`.
 
 import statistics
 import tempfile
-import threading
 import time
 
 from absl import app
@@ -63,28 +62,6 @@ flags.DEFINE_integer(
 FLAGS = flags.FLAGS
 
 
-class DriverPeak:
-  """This process' peak resident memory while it is entered, sampled every 0.2 s."""
-
-  def __init__(self):
-    self.peak = 0
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._sample, daemon=True)
-
-  def _sample(self):
-    me = psutil.Process()
-    while not self._stop.wait(0.2):
-      self.peak = max(self.peak, me.memory_info().rss)
-
-  def __enter__(self):
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
-
-
 def moves_client_data(name: str) -> bool:
   """Whether `--client_transport` changes how `name` runs: its server step collects the
   clients' updates, or its clients keep states."""
@@ -98,7 +75,7 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
     server_data = server_data_lib.server_split(data, femnist, seed=0)
   with (
     runtime.execution_context(),
-    DriverPeak() as driver,
+    report.PeakMemory() as driver,
     tempfile.TemporaryDirectory() as directory,
   ):
     (worker,) = [c for c in psutil.Process().children() if "worker_binary" in " ".join(c.cmdline())]
@@ -107,12 +84,19 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
       lambda k=0: femnist.build_model("cnn", seed=k),
       simulation.batch_element_spec(femnist),
       client_work.LocalTrainingConfig(learning_rate=0.05),
+      build_model=lambda model, seed: femnist.build_model(model, seed=seed),
+      model="cnn",
+      task=femnist,
       server_data=server_data,
       num_clients=len(datasets),
       clients_per_round=len(datasets),
       client_files=transport == "files",
       **algorithms.settings_read(name, ensemble_size=5, distill_steps=FLAGS.distill_steps),
     )
+    # The CLI's evaluator builds its model here, eagerly; so does this. Keras swaps a model
+    # class's bases to the mode of its newest instance, and the clients' models built in
+    # TFF's graphs would otherwise leave the server step's eager models unusable.
+    algorithm.evaluation_model_fn()
     store = None
     if algorithm.client_states is not None:
       store = client_states.ClientStateStore(directory, algorithm.client_states)

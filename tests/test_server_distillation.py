@@ -375,10 +375,27 @@ def test_the_rows_read_are_labelled_once_and_the_whole_set_when_all_are_read():
 # ------------------------------------------------------------------ process
 
 
+def _algorithm(method, **flags):
+  """`method` on the tiny model, three clients a round, seed 3; `flags` are its settings and
+  the build context's other fields."""
+  local = client_work.LocalTrainingConfig(learning_rate=0.5)
+  return algorithms.build_algorithm(
+    method,
+    lambda k=0: tiny_model(),
+    SPEC,
+    local,
+    server_data=SERVER,
+    clients_per_round=3,
+    seed=3,
+    distill_batch_size=8,
+    distill_curve_every=0,
+    **flags,
+  )
+
+
 @pytest.mark.parametrize("method", sd.METHODS)
 def test_one_round_distills_from_the_cohort(method):
-  local = client_work.LocalTrainingConfig(learning_rate=0.5)
-  student = dict(distill_batch_size=8, distill_curve_every=0)
+  student = {}
   if method == "feddf":
     # Without drop-worst: these tiny clients are at chance level, and a round
     # of only such clients skips distillation (test above).
@@ -387,17 +404,7 @@ def test_one_round_distills_from_the_cohort(method):
     student.update(distill_steps=25)
   if method == "fedbe":
     student.update(fedbe_samples=2)
-  algorithm = algorithms.build_algorithm(
-    method,
-    lambda k=0: tiny_model(),
-    SPEC,
-    local,
-    server_data=SERVER,
-    clients_per_round=3,
-    seed=3,
-    **student,
-  )
-  process = algorithm.process
+  process = _algorithm(method, **student).process
   state = process.initialize()
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   state_after, metrics, teachers = process.next(state, datasets)
@@ -462,25 +469,10 @@ def test_config_rejects_unknown_values():
 )
 def test_updates_collected_as_files_give_the_round_values_give(method, options):
   # Two clients of three slots: the empty slot is zeros either way.
-  local = client_work.LocalTrainingConfig(learning_rate=0.5)
-  build = lambda files: algorithms.build_algorithm(
-    method,
-    lambda k=0: tiny_model(),
-    SPEC,
-    local,
-    server_data=SERVER,
-    clients_per_round=3,
-    seed=3,
-    client_files=files,
-    distill_steps=25,
-    distill_batch_size=8,
-    distill_curve_every=0,
-    **options,
-  )
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA[:2]]
   rounds = []
   for files in (False, True):
-    process = build(files).process
+    process = _algorithm(method, client_files=files, distill_steps=25, **options).process
     state, metrics, teachers = process.next(process.initialize(), datasets)
     rounds.append((state, metrics, teachers.predict(SERVER.validation_x)["probabilities"]))
   (values_state, values_metrics, values_teachers), (files_state, files_metrics, files_teachers) = (

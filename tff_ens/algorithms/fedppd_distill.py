@@ -90,7 +90,7 @@ def build_fedppd_distill(
   teacher_sizes = fedppd.count_teacher_tensors(teacher_fn)
   weights_type = fedppd.joint_weights_type(teacher_fn, student_fn)
   client_work = fedppd.build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
-  initialize_fn, collect = server_step.build_collect(
+  initialize_fn, collect, update_specs = server_step.build_collect(
     fedppd.build_initial_weights_fn(teacher_fn, student_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
@@ -111,7 +111,7 @@ def build_fedppd_distill(
       initialize_fn,
       collect,
       step,
-      update_specs=tff.types.type_to_tf_tensor_specs(weights_type) if upload_files else None,
+      update_specs=update_specs,
     ),
     client_work,
     teacher_fn,

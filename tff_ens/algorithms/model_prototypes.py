@@ -368,7 +368,6 @@ def build_heterogeneous_feddf(
   client_work = build_prototype_client_work(model_fns, element_spec, local_config, size)
   client_update = client_work.client_update
   download_type = client_update.type_signature.parameter[0]
-  update_type = client_update.type_signature.result[0].update
   prototypes_type = tff.StructWithPythonType(weights_types, tuple)
 
   @tff.tensorflow.computation
@@ -394,7 +393,7 @@ def build_heterogeneous_feddf(
   distributor = keyed_stages.build_keyed_distributor(
     prototypes_type, (), prototype_of, select_packed, to_download
   )
-  initialize_fn, collect = server_step.build_collect(
+  initialize_fn, collect, update_specs = server_step.build_collect(
     initial_prototypes,
     distributor,
     client_work.process,
@@ -413,7 +412,7 @@ def build_heterogeneous_feddf(
       collect,
       step,
       step.teacher_probabilities,
-      tff.types.type_to_tf_tensor_specs(update_type) if upload_files else None,
+      update_specs,
     ),
     download,
     client_type.result,

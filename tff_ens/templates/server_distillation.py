@@ -469,7 +469,7 @@ def build_server_distillation(
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = client_work_lib.build_client_work(model_fn, element_spec, local_config)
-  initialize_fn, collect = server_step.build_collect(
+  initialize_fn, collect, update_specs = server_step.build_collect(
     server_optimizer.build_initial_weights_fn(model_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
@@ -482,6 +482,6 @@ def build_server_distillation(
     collect,
     step,
     step.teacher_probabilities,
-    tff.types.type_to_tf_tensor_specs(weights_type) if upload_files else None,
+    update_specs,
   )
   return built_lib.built_from_client_work(process, client_work)

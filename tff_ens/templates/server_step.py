@@ -69,7 +69,8 @@ class DriverProcess:
     teachers: `(model, collected, round, images) -> OrderedDict(probabilities,
       mean_entropy)`, the teacher ensemble `step` distills from; None if there is none.
     update_specs: with `collect` built with `upload_files` (it then takes each client's
-      path to write its update to, last), the update's `tf.TensorSpec`s; else None.
+      path to write its update to, last), the update's `tf.TensorSpec`s (`build_collect`'s);
+      else None.
   """
 
   initialize_fn: tff.Computation
@@ -130,8 +131,8 @@ def build_collect(
   *,
   keyed: bool = False,
   upload_files: bool = False,
-) -> tuple[tff.Computation, tff.Computation]:
-  """`(initialize_fn, collect)` of a `DriverProcess` from TFF stages.
+) -> tuple[tff.Computation, tff.Computation, Any]:
+  """`(initialize_fn, collect, update_specs)` of a `DriverProcess` from TFF stages.
 
   As `tff.learning.templates.compose_learning_process` composes them, the
   finalizer left out: the distributor sends the state's model, the clients
@@ -139,8 +140,8 @@ def build_collect(
   (`build_collect_aggregator`) and returned. With `keyed`, the distributor is
   `keyed_stages.build_keyed_distributor`'s: `collect` takes the cohort's client indices
   after its data and passes them to it. With `upload_files`, `collect` takes each client's
-  path last, the client writes its update there (`write_update`) and the slots hold the
-  paths.
+  path last, the client writes its update there (`write_update`), the slots hold the
+  paths, and `update_specs` are the update's `tf.TensorSpec`s to read them with (else None).
   """
   update_type = client_work.next.type_signature.result.result.member.update
   write = write_update(update_type) if upload_files else None
@@ -209,7 +210,8 @@ def build_collect(
       sent = distributor.next(state.distributor, state.model)
       return collect_round(state, sent, sent.result, client_data)
 
-  return initialize_fn, collect
+  update_specs = tff.types.type_to_tf_tensor_specs(update_type) if upload_files else None
+  return initialize_fn, collect, update_specs
 
 
 def write_update(update_type: tff.Type) -> tff.Computation:

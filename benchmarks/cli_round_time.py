@@ -38,19 +38,6 @@ flags.DEFINE_list(
 
 FLAGS = flags.FLAGS
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def variant_flags(variant: str) -> list[str]:
-  """The CLI flags of `ALGORITHM[:K[:OBJECTIVE]]`."""
-  algorithm, *rest = variant.split(":")
-  args = [f"--algorithm={algorithm}"]
-  if rest:
-    args.append(f"--ensemble_size={rest[0]}")
-  if len(rest) > 1:
-    args.append(f"--local_objective={rest[1]}")
-  return args
-
 
 def round_seconds(variant: str, output_dir: str) -> list[float]:
   """Runs the CLI for `variant`; the `seconds` of each of its rounds."""
@@ -64,10 +51,10 @@ def round_seconds(variant: str, output_dir: str) -> list[float]:
     f"--eval_every={FLAGS.rounds}",
     f"--checkpoint_every={FLAGS.rounds}",
     f"--output_dir={output_dir}",
-    *variant_flags(variant),
+    *report.variant_flags(variant),
   ]
   with open(output_dir + ".log", "w") as log:
-    subprocess.run(command, cwd=_REPO_ROOT, stdout=log, stderr=log, check=True)
+    subprocess.run(command, cwd=report.REPO_ROOT, stdout=log, stderr=log, check=True)
   with open(os.path.join(output_dir, "metrics.csv")) as f:
     return [float(row["seconds"]) for row in csv.DictReader(f)]
 
@@ -104,7 +91,7 @@ def main(argv):
     ]
     median, mean = statistics.median(times), statistics.mean(times)
     lines.append(
-      f"| {variant} | `{' '.join(variant_flags(variant))}` | "
+      f"| {variant} | `{' '.join(report.variant_flags(variant))}` | "
       f"{median:.2f} | {median / baseline:.2f} | "
       f"{', '.join(f'{t:.2f}' for t in per_run)} | "
       f"{mean:.2f} | {mean / baseline_mean:.2f} |"

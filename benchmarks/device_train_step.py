@@ -32,8 +32,7 @@ from tasks import femnist
 from tff_ens.execution import runtime  # noqa: F401
 
 SECTION = "## On-device training step"
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEVICE_PYTHON = os.path.join(REPO_ROOT, "device", ".venv", "bin", "python")
+DEVICE_PYTHON = os.path.join(report.REPO_ROOT, "device", ".venv", "bin", "python")
 LEARNING_RATE = 0.05
 WARMUP = 3
 
@@ -107,7 +106,7 @@ def main(argv):
       np.savez(batch, x=x, y=y)
       out = subprocess.run(
         [DEVICE_PYTHON, "-c", _DEVICE_TIMING, path, batch, str(FLAGS.repeats), str(WARMUP)],
-        cwd=REPO_ROOT,
+        cwd=report.REPO_ROOT,
         check=True,
         capture_output=True,
         text=True,

@@ -13,19 +13,19 @@ from absl import app
 from absl import flags
 import psutil
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def define_flags():
   """`--data_dir` (the FEMNIST slice) and `--results` (RESULTS.md)."""
   flags.DEFINE_string(
     "data_dir",
-    os.path.join(_REPO_ROOT, "..", "shared", "data", "femnist"),
+    os.path.join(REPO_ROOT, "..", "shared", "data", "femnist"),
     "LEAF FEMNIST directory.",
   )
   flags.DEFINE_string(
     "results",
-    os.path.join(_REPO_ROOT, "benchmarks", "RESULTS.md"),
+    os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md"),
     "Markdown file to write the section to; empty to only print.",
   )
 
@@ -150,3 +150,14 @@ class PeakMemory:
   def __exit__(self, *exc):
     self._stop.set()
     self._thread.join()
+
+
+def variant_flags(variant: str) -> list[str]:
+  """The CLI flags of a variant `ALGORITHM[:K[:OBJECTIVE]]` (e.g. `fedensemble:5:feddyn`)."""
+  algorithm, *rest = variant.split(":")
+  args = [f"--algorithm={algorithm}"]
+  if rest:
+    args.append(f"--ensemble_size={rest[0]}")
+  if len(rest) > 1:
+    args.append(f"--local_objective={rest[1]}")
+  return args

@@ -62,14 +62,10 @@ flags.DEFINE_integer(
 FLAGS = flags.FLAGS
 
 
-def moves_client_data(name: str) -> bool:
-  """Whether `--client_transport` changes how `name` runs: its server step collects the
-  clients' updates, or its clients keep states."""
-  return algorithms.REGISTRY[name].server_data or name in ("ditto", "lg_fedavg")
-
-
 def run_rounds(name: str, place: str, transport: str, data, datasets):
-  """(worker RSS bytes after each round, seconds of each round, driver peak RSS bytes)."""
+  """(worker RSS bytes after each round, seconds of each round, driver peak RSS bytes, whether
+  `--client_transport` changes how `name` runs: its server step collects the clients'
+  updates, or its clients keep states)."""
   server_data = None
   if algorithms.REGISTRY[name].server_data:
     server_data = server_data_lib.server_split(data, femnist, seed=0)
@@ -93,10 +89,6 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
       client_files=transport == "files",
       **algorithms.settings_read(name, ensemble_size=5, distill_steps=FLAGS.distill_steps),
     )
-    # The CLI's evaluator builds its model here, eagerly; so does this. Keras swaps a model
-    # class's bases to the mode of its newest instance, and the clients' models built in
-    # TFF's graphs would otherwise leave the server step's eager models unusable.
-    algorithm.evaluation_model_fn()
     store = None
     if algorithm.client_states is not None:
       store = client_states.ClientStateStore(directory, algorithm.client_states)
@@ -125,7 +117,8 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
         f"{seconds[-1]:.2f} s",
         flush=True,
       )
-  return rss, seconds, driver.peak
+  moves = algorithm.client_states is not None or algorithms.REGISTRY[name].server_data
+  return rss, seconds, driver.peak, moves
 
 
 def main(argv):
@@ -140,14 +133,16 @@ def main(argv):
   descriptions = dict(PLACES)
   for name in FLAGS.algorithms:
     for place in FLAGS.places:
-      for transport in FLAGS.transports if moves_client_data(name) else ["-"]:
-        rss, seconds, driver_peak = run_rounds(name, place, transport, data, datasets)
+      for transport in FLAGS.transports:
+        rss, seconds, driver_peak, moves = run_rounds(name, place, transport, data, datasets)
         rows.append(
-          f"| {name} | {descriptions[place]} | {transport} | "
+          f"| {name} | {descriptions[place]} | {transport if moves else '-'} | "
           + " | ".join(f"{rss[r - 1] / 2**30:.2f}" for r in marks)
           + f" | {max(rss) / 2**30:.2f} | {driver_peak / 2**30:.2f} | "
           f"{statistics.median(seconds):.2f} |"
         )
+        if not moves:  # The other transports would run the same rounds.
+          break
   lines = [
     SECTION,
     "",

@@ -52,6 +52,14 @@ def test_resident_memory_runs_a_one_model_and_a_server_data_algorithm(tmp_path):
   assert "fedavg" in text and "fedbe" in text
 
 
+def test_cli_memory_measures_a_cli_run(tmp_path):
+  text = _run("cli_memory.py", tmp_path / "results.md", "--rounds=1", "--variants=fedavg")
+  (row,) = [line for line in text.splitlines() if line.startswith("| fedavg |")]
+  worker_peak, driver_peak, total_peak = (float(c) for c in row.split("|")[3:6])
+  assert 0 < worker_peak < total_peak and 0 < driver_peak < total_peak
+  assert total_peak <= worker_peak + driver_peak
+
+
 def test_worker_memory_runs_fedavg(tmp_path):
   text = _run(
     "worker_memory.py", tmp_path / "results.md", "--rounds=2", "--algorithm=fedavg", "--cohorts=2,3"

@@ -372,6 +372,32 @@ def test_the_rows_read_are_labelled_once_and_the_whole_set_when_all_are_read():
   assert every.images is x  # Every row read: the set itself, no copy.
 
 
+# --------------------------------------------------- Keras' graph and eager classes
+
+
+def test_the_step_runs_after_its_model_class_was_built_in_a_graph():
+  """TFF traces the clients' models in a `tf.compat.v1.Graph` after the step built its
+  model; Keras then gives Sequential its graph bases, and the step's eager model fails
+  unless the step restores them. The round must equal a step's that saw no graph."""
+  global_weights = tf.nest.map_structure(
+    tf.convert_to_tensor, ModelWeights.from_model(tiny_model(0))
+  )
+  updates = [
+    tf.nest.map_structure(tf.subtract, global_weights, ModelWeights.from_model(tiny_model(seed=s)))
+    for s in (4, 5)
+  ]
+  collected = _collected(updates, [1.0, 2.0])
+  config = sd.ServerDistillationConfig(method="feddf", distill=_feddf(4, batch_size=4), seed=7)
+  untouched = sd.DistillationStep(tiny_model, MANY, config)(global_weights, collected, 1)
+  step = sd.DistillationStep(tiny_model, MANY, config)
+  with tf.Graph().as_default():
+    tiny_model(1)
+  new_weights, metrics = step(global_weights, collected, 1)
+  for a, b in zip(tf.nest.flatten(new_weights), tf.nest.flatten(untouched[0])):
+    np.testing.assert_array_equal(a, b)
+  assert metrics["distill_steps"] == untouched[1]["distill_steps"] == 4
+
+
 # ------------------------------------------------------------------ process
 
 

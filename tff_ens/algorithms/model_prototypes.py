@@ -182,6 +182,7 @@ class PrototypeStep:
   def __call__(self, global_prototypes, collected, round_num: int):
     start = time.perf_counter()
     config = self.config
+    student_lib.restore_eager_classes(*self._models)
     with tf.device(config.device):
       seed = server_distillation.round_seed(config, round_num)
       clients, client_weights, keep, informative, received = self._teachers(
@@ -263,6 +264,7 @@ class PrototypeStep:
     mean_entropy)`, the softmax of its AVGLOGITS and the kept clients' mean
     entropy (the same kept clients as the step distills from)."""
     del round_num  # FedDF's teachers are the clients; nothing is sampled.
+    student_lib.restore_eager_classes(*self._models)
     with tf.device(self.config.device):
       clients, _, keep, _, _ = self._teachers(global_prototypes, collected)
       probabilities, entropies = [], []

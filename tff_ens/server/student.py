@@ -17,6 +17,11 @@ import collections
 import contextlib
 from typing import Optional
 
+from keras.src.engine import base_layer
+from keras.src.engine import base_layer_v1
+from keras.src.engine import training
+from keras.src.engine import training_v1
+from keras.src.utils import version_utils
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -128,6 +133,22 @@ def recompute_batch_norm(model: tf.keras.Model, x, batch_size: int) -> None:
 ADAM_BETA_1 = 0.9
 ADAM_BETA_2 = 0.999
 ADAM_EPSILON = 1e-7
+
+
+def restore_eager_classes(*models: tf.keras.Model) -> None:
+  """Gives the classes of `models` and of their layers Keras' eager (v2) bases again.
+
+  Keras 2 swaps a layer class's bases to their graph (v1) versions whenever an
+  instance is built in a `tf.compat.v1.Graph` (keras/src/utils/version_utils.py),
+  as when TFF traces the clients' models; a model the driver built eagerly before
+  then fails ("Your Layer or Model is in an invalid state") until an eager instance
+  of its classes is built again. Steps call this before running their models.
+  """
+  for model in models:
+    for layer in (model, *model.submodules):
+      if isinstance(layer, tf.keras.layers.Layer):
+        version_utils.swap_class(type(layer), training.Model, training_v1.Model, use_v2=True)
+        version_utils.swap_class(type(layer), base_layer.Layer, base_layer_v1.Layer, use_v2=True)
 
 
 def _snapshot(model_weights: ModelWeights) -> ModelWeights:

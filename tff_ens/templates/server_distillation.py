@@ -346,6 +346,7 @@ class DistillationStep:
   def __call__(self, global_weights, collected, round_num: int):
     start = time.perf_counter()
     config = self.config
+    student_lib.restore_eager_classes(self._model)  # The recalibration model's too.
     received = bool(np.any(np.asarray(collected[1]) > 0))
     with tf.device(config.device):
       seed = round_seed(config, round_num)
@@ -417,6 +418,7 @@ class DistillationStep:
     softmax of AVGLOGITS), its members' mean entropy and the predictions of the
     clients' weight average (the student's start); the same teachers as the step
     distills from, for `ensemble_test_accuracy` and the teachers' uncertainty."""
+    student_lib.restore_eager_classes(self._model)
     with tf.device(self.config.device):
       stack, teacher_weights, average, _, _ = self._teachers(
         global_weights, collected, round_seed(self.config, round_num)

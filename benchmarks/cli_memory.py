@@ -1,0 +1,138 @@
+r"""Peak memory of each algorithm's default CLI run: the driver's and TFF's worker's.
+
+  uv run python benchmarks/cli_memory.py [--rounds=10] [--variants=fedavg,fedppd_distill]
+
+Runs `python -m tff_ens.main --task=femnist --rounds=N` as a user does (every
+other flag at its default), once per variant (`ALGORITHM[:K[:OBJECTIVE]]`, as
+in `cli_round_time.py`; by default every registered algorithm and
+FedDyn-ensemble), one run at a time. Every 0.2 s it samples the resident memory
+of the driver (the CLI's Python process) and of its children (TFF's worker), and
+counts the rounds in `metrics.csv`. It prints each one's peak, the peak of their
+sum, both after round 5 and after the last round (the first sample once that
+round's row is written), the worker's growth between the two, and the median
+`seconds` of a round. Writes the section "## Memory of the CLI's default runs"
+of `--results`.
+"""
+
+import csv
+import os
+import statistics
+import sys
+import tempfile
+import threading
+
+from absl import app
+from absl import flags
+import psutil
+
+import report
+from tff_ens import algorithms
+
+SECTION = "## Memory of the CLI's default runs"
+GROWTH_FROM = 5  # The round after which growth is measured.
+
+report.define_flags()
+flags.DEFINE_integer("rounds", 10, "Rounds of each run.")
+flags.DEFINE_list(
+  "variants",
+  [*algorithms.ALGORITHMS, "fedensemble:5:feddyn"],
+  "ALGORITHM[:K[:OBJECTIVE]] of each run.",
+)
+
+FLAGS = flags.FLAGS
+
+
+def _rows(path: str) -> int:
+  """The rounds in the metrics file at `path` so far."""
+  try:
+    with open(path) as f:
+      return max(sum(1 for _ in f) - 1, 0)
+  except FileNotFoundError:
+    return 0
+
+
+def measure(variant: str, output_dir: str) -> dict:
+  """Runs the CLI for `variant`, sampling its memory; the peaks (bytes), the memory after
+  each round (`after[r] = (driver, worker)`) and the seconds of each round."""
+  command = [
+    sys.executable,
+    "-m",
+    "tff_ens.main",
+    "--task=femnist",
+    f"--data_dir={FLAGS.data_dir}",
+    f"--rounds={FLAGS.rounds}",
+    f"--output_dir={output_dir}",
+    *report.variant_flags(variant),
+  ]
+  metrics = os.path.join(output_dir, "metrics.csv")
+  result = dict(driver=0, worker=0, total=0, after={})
+  with open(output_dir + ".log", "w") as log:
+    driver = psutil.Popen(command, cwd=report.REPO_ROOT, stdout=log, stderr=log)
+    done = threading.Event()
+
+    def sample():
+      while not done.wait(0.2):
+        try:
+          own = driver.memory_info().rss
+          worker = sum(c.memory_info().rss for c in driver.children(recursive=True))
+        except psutil.Error:
+          continue
+        result["driver"] = max(result["driver"], own)
+        result["worker"] = max(result["worker"], worker)
+        result["total"] = max(result["total"], own + worker)
+        result["after"].setdefault(_rows(metrics), (own, worker))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    code = driver.wait()
+    done.set()
+    sampler.join()
+  if code:
+    raise SystemExit(f"{variant}: the run failed (exit {code}); its log: {output_dir}.log")
+  with open(metrics) as f:
+    result["seconds"] = [float(row["seconds"]) for row in csv.DictReader(f)]
+  return result
+
+
+def main(argv):
+  run = report.start(argv)
+  gib = lambda b: f"{b / 2**30:.2f}"
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for i, variant in enumerate(FLAGS.variants):
+      m = measure(variant, os.path.join(tmp, f"run{i}"))
+      after = m["after"]
+      last = after.get(FLAGS.rounds, (0, 0))
+      mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
+      growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
+      rows.append(
+        f"| {variant} | `{' '.join(report.variant_flags(variant))}` | "
+        f"{gib(m['worker'])} | {gib(m['driver'])} | {gib(m['total'])} | "
+        f"{gib(mid[1])} | {gib(last[1])} | {growth} | {gib(mid[0])} | {gib(last[0])} | "
+        f"{statistics.median(m['seconds']):.1f} |"
+      )
+      print(rows[-1], flush=True)
+  r5, rn = min(GROWTH_FROM, FLAGS.rounds), FLAGS.rounds
+  lines = [
+    SECTION,
+    "",
+    f"`python -m tff_ens.main --task=femnist --rounds={FLAGS.rounds}` with the variant's "
+    "flags and every other at its default (seed 0, 10 clients a round of the slice's 105 "
+    "writers, 1 epoch, batch 20, LEAF CNN; evaluation and a checkpoint at the end), one run "
+    "at a time; resident memory sampled every 0.2 s: the driver (the CLI's process), its "
+    "TFF worker (its children), the peak of their sum, each after a round (once the round's "
+    "row is in `metrics.csv`), and the median `seconds` of a round.",
+    "",
+    *report.run_facts(run, "benchmarks/cli_memory.py"),
+    "",
+    "| variant | flags | worker peak GiB | driver peak GiB | worker + driver peak GiB | "
+    f"worker after round {r5} | worker after round {rn} | worker growth | "
+    f"driver after round {r5} | driver after round {rn} | median s/round |",
+    "| --- | --- |" + " ---: |" * 9,
+    *rows,
+  ]
+  report.publish(SECTION, lines)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -22,6 +22,7 @@ from tff_ens import algorithms
 from tff_ens import run_files
 from tff_ens.algorithms import ditto
 from tff_ens.program import client_states
+from tff_ens.program import simulation
 from tff_ens.program import training
 from tff_ens.templates import client_work
 from tff_ens.templates import stateful_client_work
@@ -116,6 +117,46 @@ def test_a_round_is_fedavgs_for_the_global_model_and_keeps_each_personal_model()
   assert (down, up) == (fedavg_down, fedavg_up + 3 * 4)
 
 
+def test_on_shuffled_data_the_global_pass_is_fedavgs_and_the_personal_pass_the_next_shuffle():
+  """Four clients of six examples, two epochs of batch 2, reshuffled each pass: the global
+  model must read the first pass (FedAvg's order) and each personal model the second, in
+  every round, whatever order TensorFlow would run two independent passes in."""
+  rng = np.random.default_rng(3)
+  data = [
+    (rng.random((6, 2, 2, 1), dtype=np.float32), rng.integers(0, 3, 6).astype(np.int32))
+    for _ in range(4)
+  ]
+  datasets = [
+    simulation.client_dataset(x, y, epochs=2, batch_size=2, seed=c) for c, (x, y) in enumerate(data)
+  ]
+  built = algorithms.build_algorithm(
+    "ditto", lambda k=0: tiny_model(), SPEC, Config(learning_rate=LR), ditto_lambda=LAMBDA
+  )
+  fedavg = algorithms.build_algorithm("fedavg", lambda k=0: tiny_model(), SPEC, Config(LR))
+  state = built.process.initialize()
+  personal = [built.client_states.initial_value()] * len(data)
+  new_state, _, new_personal = built.process.next(state, datasets, personal)
+  fedavg_state = fedavg.process.next(fedavg.process.initialize(), datasets).state
+  for got, want in zip(
+    _numpy(new_state["model"]), _numpy(fedavg.process.get_model_weights(fedavg_state))
+  ):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  config = Config(learning_rate=LR, proximal_mu=LAMBDA)
+  for dataset, start, got in zip(datasets, personal, new_personal):
+    for _ in dataset:  # The first pass, the global model's.
+      pass
+    want, _ = ditto.train_personal(
+      tiny_model(),
+      client_work.local_optimizer(config),
+      stateful_client_work.unflatten_numpy(start, state["model"]),
+      state["model"],
+      dataset,
+      LR,
+      config,
+    )
+    np.testing.assert_allclose(got, stateful_client_work.flatten(want), rtol=1e-5, atol=1e-6)
+
+
 def test_personal_steps_can_be_fewer_than_the_global_ones():
   x, y = CLIENT_DATA[1]
   three_batches = tf.data.Dataset.from_tensor_slices(
@@ -137,7 +178,7 @@ def test_a_run_evaluates_each_writer_with_its_own_model_and_resumes(tmp_path):
   )
   summary = training.run_experiment(config)
   stored = os.listdir(tmp_path / "run" / client_states.DIRECTORY)
-  sampled = {name.split("_")[0] for name in stored}
+  sampled = {name.split("_")[0] for name in stored if name.startswith("client")}
   assert summary["clients_with_own_model"] == len(sampled) <= 8
   assert summary["clients_with_own_model"] + summary["clients_without_own_model"] == 105
   assert 0 <= summary["personalized_accuracy"] <= 1

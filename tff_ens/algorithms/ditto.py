@@ -11,9 +11,10 @@ personal model starts from the initial global model w^0, as in the authors' code
 (litian96/ditto, `fedbase.py`); a client never sampled has none and uses the global model.
 
 The authors' code takes the personal and the global steps on the same minibatches, one of
-each in turn; the two chains do not interact within a round, so the personal steps here run
-after the global ones on the same stream (`ditto_personal_steps` 0), or on that many of its
-batches.
+each in turn; the two chains do not interact within a round, so here the personal steps run
+after the global ones, on a second pass over the client's dataset (`ditto_personal_steps` 0)
+or on that many of its batches: the same examples and epochs, in the dataset's next seeded
+shuffle, while the global pass is FedAvg's exactly.
 """
 
 import collections
@@ -100,9 +101,11 @@ def build_client_work(model_fn, element_spec, config, options: Settings, state_f
     personal = stateful_client_work.unflatten(personal_state, specs)
     if options.ditto_personal_steps:
       dataset = dataset.repeat().take(options.ditto_personal_steps)
-    personal, personal_metrics = train_personal(
-      model_fn(), optimizer, personal, download, dataset, learning_rate, personal_config
-    )
+    # After the global pass: the first pass over a reshuffling dataset gets FedAvg's order.
+    with tf.control_dependencies(tf.nest.flatten((result, metrics))):
+      personal, personal_metrics = train_personal(
+        model_fn(), optimizer, personal, download, dataset, learning_rate, personal_config
+      )
     metrics = collections.OrderedDict(
       metrics,
       personal_loss=personal_metrics["loss"],

@@ -17,7 +17,6 @@ of `--results`.
 import csv
 import os
 import statistics
-import sys
 import tempfile
 import threading
 
@@ -54,16 +53,7 @@ def _rows(path: str) -> int:
 def measure(variant: str, output_dir: str) -> dict:
   """Runs the CLI for `variant`, sampling its memory; the peaks (bytes), the memory after
   each round (`after[r] = (driver, worker)`) and the seconds of each round."""
-  command = [
-    sys.executable,
-    "-m",
-    "tff_ens.main",
-    "--task=femnist",
-    f"--data_dir={FLAGS.data_dir}",
-    f"--rounds={FLAGS.rounds}",
-    f"--output_dir={output_dir}",
-    *report.variant_flags(variant),
-  ]
+  command = report.cli_command(variant, FLAGS.rounds, output_dir)
   metrics = os.path.join(output_dir, "metrics.csv")
   result = dict(driver=0, worker=0, total=0, after={})
   with open(output_dir + ".log", "w") as log:

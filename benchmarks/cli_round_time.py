@@ -19,7 +19,6 @@ import csv
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 
 from absl import app
@@ -41,18 +40,13 @@ FLAGS = flags.FLAGS
 
 def round_seconds(variant: str, output_dir: str) -> list[float]:
   """Runs the CLI for `variant`; the `seconds` of each of its rounds."""
-  command = [
-    sys.executable,
-    "-m",
-    "tff_ens.main",
-    "--task=femnist",
-    f"--data_dir={FLAGS.data_dir}",
-    f"--rounds={FLAGS.rounds}",
+  command = report.cli_command(
+    variant,
+    FLAGS.rounds,
+    output_dir,
     f"--eval_every={FLAGS.rounds}",
     f"--checkpoint_every={FLAGS.rounds}",
-    f"--output_dir={output_dir}",
-    *report.variant_flags(variant),
-  ]
+  )
   with open(output_dir + ".log", "w") as log:
     subprocess.run(command, cwd=report.REPO_ROOT, stdout=log, stderr=log, check=True)
   with open(os.path.join(output_dir, "metrics.csv")) as f:

@@ -152,6 +152,21 @@ class PeakMemory:
     self._thread.join()
 
 
+def cli_command(variant: str, rounds: int, output_dir: str, *more_flags: str) -> list[str]:
+  """The command of a CLI run of `variant` on the FEMNIST slice of `--data_dir`."""
+  return [
+    sys.executable,
+    "-m",
+    "tff_ens.main",
+    "--task=femnist",
+    f"--data_dir={flags.FLAGS.data_dir}",
+    f"--rounds={rounds}",
+    f"--output_dir={output_dir}",
+    *variant_flags(variant),
+    *more_flags,
+  ]
+
+
 def variant_flags(variant: str) -> list[str]:
   """The CLI flags of a variant `ALGORITHM[:K[:OBJECTIVE]]` (e.g. `fedensemble:5:feddyn`)."""
   algorithm, *rest = variant.split(":")

@@ -57,7 +57,7 @@ def test_cli_memory_measures_a_cli_run(tmp_path):
   (row,) = [line for line in text.splitlines() if line.startswith("| fedavg |")]
   worker_peak, driver_peak, total_peak = (float(c) for c in row.split("|")[3:6])
   assert 0 < worker_peak < total_peak and 0 < driver_peak < total_peak
-  assert total_peak <= worker_peak + driver_peak
+  assert total_peak <= worker_peak + driver_peak + 0.01  # Each printed to 0.01 GiB.
 
 
 def test_worker_memory_runs_fedavg(tmp_path):

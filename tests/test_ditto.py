@@ -119,8 +119,8 @@ def test_a_round_is_fedavgs_for_the_global_model_and_keeps_each_personal_model()
 
 def test_on_shuffled_data_the_global_pass_is_fedavgs_and_the_personal_pass_the_next_shuffle():
   """Four clients of six examples, two epochs of batch 2, reshuffled each pass: the global
-  model must read the first pass (FedAvg's order) and each personal model the second, in
-  every round, whatever order TensorFlow would run two independent passes in."""
+  model must read the first pass (FedAvg's order) and each personal model the second,
+  whatever order TensorFlow would run two independent passes in."""
   rng = np.random.default_rng(3)
   data = [
     (rng.random((6, 2, 2, 1), dtype=np.float32), rng.integers(0, 3, 6).astype(np.int32))

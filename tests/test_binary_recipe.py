@@ -30,27 +30,38 @@ def recipe(**flags):
 @pytest.mark.parametrize("model", ["resnet8_binary", "resnet20_binary"])
 @pytest.mark.parametrize("algorithm", ["fedavg", "feddf", "fedbe"])
 def test_a_binarized_run_takes_the_whole_recipe(model, algorithm):
-  assert recipe(model=model, algorithm=algorithm) == resnet.BINARY_RECIPE
+  expected = {**resnet.BINARY_RECIPE, **algorithms.REGISTRY[algorithm].binary_recipe}
+  assert recipe(model=model, algorithm=algorithm) == expected
+
+
+def test_feddf_keeps_the_weight_average_for_binarized_models_only():
+  assert recipe(model="resnet8_binary", algorithm="feddf")["distill_keep_initial"] is True
+  assert "distill_keep_initial" not in recipe(model="resnet8_binary", algorithm="fedbe")
+  assert recipe(model="resnet8", algorithm="feddf") == {}
 
 
 def test_a_flag_given_is_kept():
   got = recipe(model="resnet8_binary", client_lr="0.01", recalibrate_batch_norm="0")
   assert got == {"client_optimizer": "adam"}
+  got = recipe(model="resnet8_binary", algorithm="feddf", distill_keep_initial="false")
+  assert "distill_keep_initial" not in got
 
 
 @pytest.mark.parametrize(
   "flags, expected",
   [
-    ({"algorithm": "feddf", "prototypes": "resnet8_binary,cnn"}, ["client_optimizer", "client_lr"]),
+    (
+      {"algorithm": "feddf", "prototypes": "resnet8_binary,cnn"},
+      ["client_optimizer", "client_lr", "distill_keep_initial"],
+    ),
     ({"algorithm": "fedppd"}, ["client_optimizer", "client_lr"]),
     ({"norm": "group"}, ["client_optimizer", "client_lr"]),
     ({"client_runtime": "litert"}, ["recalibrate_batch_norm"]),
   ],
 )
 def test_only_what_the_run_uses(flags, expected):
-  assert recipe(model="resnet8_binary", **flags) == {
-    name: resnet.BINARY_RECIPE[name] for name in expected
-  }
+  whole = {**resnet.BINARY_RECIPE, **algorithms.REGISTRY["feddf"].binary_recipe}
+  assert recipe(model="resnet8_binary", **flags) == {name: whole[name] for name in expected}
 
 
 @pytest.mark.parametrize("model", ["cnn", "resnet8"])

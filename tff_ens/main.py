@@ -72,18 +72,19 @@ def usage() -> str:
 
 
 def _binary_recipe(values: dict) -> dict:
-  """`resnet.BINARY_RECIPE`'s flags that a run of a binarized model takes by default: those
-  it did not give, and that its algorithm and client runtime use."""
+  """`resnet.BINARY_RECIPE`'s flags and its algorithm's (`Algorithm.binary_recipe`) that a
+  run of a binarized model takes by default: those it did not give, and that its algorithm
+  and client runtime use."""
   try:
     task = tasks.get_task(values["task"], values["classes"])
   except ValueError:  # The config's validation says so.
     return {}
   if values["model"] not in task.BINARY_MODEL_NAMES:
     return {}
-  recipe = dict(resnet.BINARY_RECIPE)
+  spec = algorithms.REGISTRY[values["algorithm"]]
+  recipe = {**resnet.BINARY_RECIPE, **spec.binary_recipe}
   if values["client_runtime"] != "tff":  # The device file trains with SGD.
     del recipe["client_optimizer"], recipe["client_lr"]
-  spec = algorithms.REGISTRY[values["algorithm"]]
   # A distillation step measures each teacher's statistics (FedDF's on the Dirichlet split:
   # benchmarks/RESULTS.md); prototypes have no one model's statistics to measure.
   if not spec.recalibrates or values["norm"] != "batch" or values.get("prototypes"):

@@ -103,6 +103,8 @@ class Algorithm:
       distillation step each teacher's and the weight average's.
     on_device: its clients run plain local SGD(M), which devices can.
     variant_flags: flags that name its variant, shown by `compare` even at their defaults.
+    binary_recipe: its flags' values that a run of a binarized model takes by default,
+      besides the model's own recipe (`tasks.resnet.BINARY_RECIPE`).
   """
 
   name: str
@@ -115,6 +117,7 @@ class Algorithm:
   recalibrates: bool = False
   on_device: bool = False
   variant_flags: tuple[str, ...] = ()
+  binary_recipe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

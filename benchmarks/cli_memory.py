@@ -1,6 +1,7 @@
 r"""Peak memory of each algorithm's default CLI run: the driver's and TFF's worker's.
 
   uv run python benchmarks/cli_memory.py [--rounds=10] [--variants=fedavg,fedppd_distill]
+      [--environments=,GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4194304]
 
 Runs `python -m tff_ens.main --task=femnist --rounds=N` as a user does (every
 other flag at its default), once per variant (`ALGORITHM[:K[:OBJECTIVE]]`, as
@@ -10,8 +11,10 @@ of the driver (the CLI's Python process) and of its children (TFF's worker), and
 counts the rounds in `metrics.csv`. It prints each one's peak, the peak of their
 sum, both after round 5 and after the last round (the first sample once that
 round's row is written), the worker's growth between the two, and the median
-`seconds` of a round. Writes the section "## Memory of the CLI's default runs"
-of `--results`.
+`seconds` of a round. With `--environments`, each variant runs once per environment
+setting (`NAME=VALUE`, the worker inherits it; empty: this process' environment), one
+after the other, and the table gives each run's median round against the variant's first
+setting. Writes the section "## Memory of the CLI's default runs" of `--results`.
 """
 
 import csv
@@ -37,6 +40,11 @@ flags.DEFINE_list(
   [*algorithms.ALGORITHMS, "fedensemble:5:feddyn"],
   "ALGORITHM[:K[:OBJECTIVE]] of each run.",
 )
+flags.DEFINE_list(
+  "environments",
+  [""],
+  "NAME=VALUE set for each variant's runs, one run per entry (empty: none).",
+)
 
 FLAGS = flags.FLAGS
 
@@ -50,14 +58,27 @@ def _rows(path: str) -> int:
     return 0
 
 
-def measure(variant: str, output_dir: str) -> dict:
-  """Runs the CLI for `variant`, sampling its memory; the peaks (bytes), the memory after
-  each round (`after[r] = (driver, worker)`) and the seconds of each round."""
+def _environment(setting: str) -> dict[str, str]:
+  """This process' environment with `setting` (`NAME=VALUE`, or empty) added."""
+  if not setting:
+    return dict(os.environ)
+  name, equals, value = setting.partition("=")
+  if not equals or not name:
+    raise app.UsageError(f"--environments entry {setting!r} is not NAME=VALUE")
+  return {**os.environ, name: value}
+
+
+def measure(variant: str, output_dir: str, environment: str = "") -> dict:
+  """Runs the CLI for `variant` with `environment` (`NAME=VALUE` or empty), sampling its
+  memory; the peaks (bytes), the memory after each round (`after[r] = (driver, worker)`)
+  and the seconds of each round."""
   command = report.cli_command(variant, FLAGS.rounds, output_dir)
   metrics = os.path.join(output_dir, "metrics.csv")
   result = dict(driver=0, worker=0, total=0, after={})
   with open(output_dir + ".log", "w") as log:
-    driver = psutil.Popen(command, cwd=report.REPO_ROOT, stdout=log, stderr=log)
+    driver = psutil.Popen(
+      command, cwd=report.REPO_ROOT, stdout=log, stderr=log, env=_environment(environment)
+    )
     done = threading.Event()
 
     def sample():
@@ -87,21 +108,28 @@ def measure(variant: str, output_dir: str) -> dict:
 def main(argv):
   run = report.start(argv)
   gib = lambda b: f"{b / 2**30:.2f}"
+  for setting in FLAGS.environments:
+    _environment(setting)  # A bad entry fails before the first run.
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for i, variant in enumerate(FLAGS.variants):
-      m = measure(variant, os.path.join(tmp, f"run{i}"))
-      after = m["after"]
-      last = after.get(FLAGS.rounds, (0, 0))
-      mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
-      growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
-      rows.append(
-        f"| {variant} | `{' '.join(report.variant_flags(variant))}` | "
-        f"{gib(m['worker'])} | {gib(m['driver'])} | {gib(m['total'])} | "
-        f"{gib(mid[1])} | {gib(last[1])} | {growth} | {gib(mid[0])} | {gib(last[0])} | "
-        f"{statistics.median(m['seconds']):.1f} |"
-      )
-      print(rows[-1], flush=True)
+      first_median = None
+      for j, setting in enumerate(FLAGS.environments):
+        m = measure(variant, os.path.join(tmp, f"run{i}_{j}"), setting)
+        after = m["after"]
+        last = after.get(FLAGS.rounds, (0, 0))
+        mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
+        growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
+        median = statistics.median(m["seconds"])
+        first_median = first_median or median
+        rows.append(
+          f"| {variant} | `{' '.join(report.variant_flags(variant))}` | "
+          f"{f'`{setting}`' if setting else '-'} | "
+          f"{gib(m['worker'])} | {gib(m['driver'])} | {gib(m['total'])} | "
+          f"{gib(mid[1])} | {gib(last[1])} | {growth} | {gib(mid[0])} | {gib(last[0])} | "
+          f"{median:.1f} | {median / first_median:.2f} |"
+        )
+        print(rows[-1], flush=True)
   r5, rn = min(GROWTH_FROM, FLAGS.rounds), FLAGS.rounds
   lines = [
     SECTION,
@@ -115,10 +143,11 @@ def main(argv):
     "",
     *report.run_facts(run, "benchmarks/cli_memory.py"),
     "",
-    "| variant | flags | worker peak GiB | driver peak GiB | worker + driver peak GiB | "
-    f"worker after round {r5} | worker after round {rn} | worker growth | "
-    f"driver after round {r5} | driver after round {rn} | median s/round |",
-    "| --- | --- |" + " ---: |" * 9,
+    "| variant | flags | environment | worker peak GiB | driver peak GiB | "
+    f"worker + driver peak GiB | worker after round {r5} | worker after round {rn} | "
+    f"worker growth | driver after round {r5} | driver after round {rn} | median s/round | "
+    "round time against the variant's first environment |",
+    "| --- | --- | --- |" + " ---: |" * 10,
     *rows,
   ]
   report.publish(SECTION, lines)

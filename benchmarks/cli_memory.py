@@ -68,17 +68,15 @@ def _environment(setting: str) -> dict[str, str]:
   return {**os.environ, name: value}
 
 
-def measure(variant: str, output_dir: str, environment: str = "") -> dict:
-  """Runs the CLI for `variant` with `environment` (`NAME=VALUE` or empty), sampling its
-  memory; the peaks (bytes), the memory after each round (`after[r] = (driver, worker)`)
-  and the seconds of each round."""
+def measure(variant: str, output_dir: str, environment: dict[str, str]) -> dict:
+  """Runs the CLI for `variant` in `environment`, sampling its memory; the peaks (bytes),
+  the memory after each round (`after[r] = (driver, worker)`) and the seconds of each
+  round."""
   command = report.cli_command(variant, FLAGS.rounds, output_dir)
   metrics = os.path.join(output_dir, "metrics.csv")
   result = dict(driver=0, worker=0, total=0, after={})
   with open(output_dir + ".log", "w") as log:
-    driver = psutil.Popen(
-      command, cwd=report.REPO_ROOT, stdout=log, stderr=log, env=_environment(environment)
-    )
+    driver = psutil.Popen(command, cwd=report.REPO_ROOT, stdout=log, stderr=log, env=environment)
     done = threading.Event()
 
     def sample():
@@ -108,14 +106,14 @@ def measure(variant: str, output_dir: str, environment: str = "") -> dict:
 def main(argv):
   run = report.start(argv)
   gib = lambda b: f"{b / 2**30:.2f}"
-  for setting in FLAGS.environments:
-    _environment(setting)  # A bad entry fails before the first run.
+  # Parsed once, so a bad entry fails before the first run.
+  environments = [(setting, _environment(setting)) for setting in FLAGS.environments]
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for i, variant in enumerate(FLAGS.variants):
       first_median = None
-      for j, setting in enumerate(FLAGS.environments):
-        m = measure(variant, os.path.join(tmp, f"run{i}_{j}"), setting)
+      for j, (setting, environment) in enumerate(environments):
+        m = measure(variant, os.path.join(tmp, f"run{i}_{j}"), environment)
         after = m["after"]
         last = after.get(FLAGS.rounds, (0, 0))
         mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))

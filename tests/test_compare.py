@@ -101,6 +101,18 @@ def test_rows_are_the_runs_own_numbers(run_dirs, runs):
   assert rows[1]["personalized_accuracy"] is not None  # Fed-ensemble's.
 
 
+def test_personalized_accuracy_of_each_writer_is_written_beside_the_summary(run_dirs):
+  name = run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE
+  assert not os.path.exists(os.path.join(run_dirs["fedavg"], name))
+  with open(os.path.join(run_dirs["fedensemble"], name)) as f:
+    per_writer = json.load(f)
+  with open(os.path.join(run_dirs["fedensemble"], run_files.PER_CLIENT_ACCURACY_FILE)) as f:
+    assert set(per_writer) <= set(json.load(f))
+  assert np.mean(list(per_writer.values())) == pytest.approx(
+    read_summary(run_dirs["fedensemble"])["personalized_accuracy"]
+  )
+
+
 def test_printed_table_shows_the_summaries(run_dirs, runs):
   cells = table_cells(compare.table(runs))
   assert len(cells) == len(run_dirs)

@@ -182,6 +182,12 @@ def test_a_run_evaluates_each_writer_with_its_own_model_and_resumes(tmp_path):
   assert summary["clients_with_own_model"] == len(sampled) <= 8
   assert summary["clients_with_own_model"] + summary["clients_without_own_model"] == 105
   assert 0 <= summary["personalized_accuracy"] <= 1
+  # Each writer's personal accuracy is in its own file; the summary has their mean.
+  with open(tmp_path / "run" / run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE) as f:
+    per_writer = json.load(f)
+  assert 0 < len(per_writer) <= 105
+  assert np.mean(list(per_writer.values())) == pytest.approx(summary["personalized_accuracy"])
+  assert "personalized_per_client_accuracy" not in summary
   # Resumed from round 1, the run ends where the uninterrupted one did.
   os.remove(tmp_path / "run" / run_files.SUMMARY_FILE)
   checkpoints = tmp_path / "run" / run_files.CHECKPOINT_DIR

@@ -129,6 +129,9 @@ def test_fedensemble_run_reports_ensemble_metrics(tmp_path):
   for key in ("personalized_accuracy", "entropy_error_auroc", "personalization_temperature"):
     assert key in summary
   assert sorted(os.listdir(tmp_path / "members")) == ["member_0.keras", "member_1.keras"]
+  with open(tmp_path / run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE) as f:
+    per_writer = json.load(f)
+  assert np.mean(list(per_writer.values())) == pytest.approx(summary["personalized_accuracy"])
 
 
 @pytest.mark.slow

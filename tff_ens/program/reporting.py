@@ -2,8 +2,9 @@
 
 `Evaluator` predicts with the process' model(s) on a task split; `progress` reports each
 round on a terminal or in the log; `write_summary` evaluates the final model(s), saves them
-and writes `summary.json` and `per_client_accuracy.json`, with the keys of uncertainty,
-privacy, server distillation and FedDF's prototypes.
+and writes `summary.json`, `per_client_accuracy.json` and, for a personalized model,
+`personalized_per_client_accuracy.json`, with the keys of uncertainty, privacy, server
+distillation and FedDF's prototypes.
 """
 
 import contextlib
@@ -24,6 +25,10 @@ from tff_ens.program import experiment
 from tff_ens.program import plots
 from tff_ens.program import run_outputs
 from tff_ens.templates import privacy
+
+# The key of each writer's personalized accuracy in the summaries below; `write_summary` moves
+# it to `run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE`.
+PERSONALIZED_PER_CLIENT = "personalized_per_client_accuracy"
 
 
 class Evaluator:
@@ -64,20 +69,21 @@ class Evaluator:
       temperature = personalization.choose_temperature(member_train, data.train.y, seed=seed)
     all_members = np.concatenate([member_test[c] for c in clients], axis=1)
     y = np.concatenate([data.test.y[c] for c in clients])
-    personalized, personalized_nll = [], []
+    personalized, personalized_nll = {}, []
     for c in clients:
       alpha = personalization.personalization_weights(
         ensemble_math.member_losses(member_train[c], data.train.y[c]), temperature
       )
       probs = ensemble_math.mixture(member_test[c], alpha)
-      personalized.append(metrics.accuracy(probs, data.test.y[c]))
+      personalized[c] = metrics.accuracy(probs, data.test.y[c])
       personalized_nll.append(metrics.negative_log_likelihood(probs, data.test.y[c]))
     uncertainty = metrics.ensemble_uncertainty(all_members)
     wrong = uncertainty["probabilities"].argmax(-1) != y
     return {
       "ensemble_size": len(models),
       "member_test_accuracy": [metrics.accuracy(p, y) for p in all_members],
-      "personalized_accuracy": float(np.mean(personalized)),
+      "personalized_accuracy": float(np.mean(list(personalized.values()))),
+      PERSONALIZED_PER_CLIENT: personalized,
       "personalized_test_loss": float(np.mean(personalized_nll)),
       "personalization_temperature": temperature,
       "entropy_error_auroc": metrics.auroc(uncertainty["entropy"], wrong),
@@ -183,6 +189,11 @@ def write_summary(run, data, algorithm, state, outputs, evaluator, last, pool=No
     os.path.join(outputs.dir, run_files.PER_CLIENT_ACCURACY_FILE),
     {c: metrics.accuracy(member_test[c].mean(0), data.test.y[c]) for c in data.test.client_ids},
   )
+  if PERSONALIZED_PER_CLIENT in summary:
+    run_files.write_json_atomically(
+      os.path.join(outputs.dir, run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE),
+      summary.pop(PERSONALIZED_PER_CLIENT),
+    )
   run_files.write_json_atomically(os.path.join(outputs.dir, run_files.SUMMARY_FILE), summary)
   return summary
 
@@ -351,11 +362,14 @@ def personalized_summary(algorithm, models, store, data, evaluator, output_dir: 
     evaluation.assign_weights(evaluator.model, weights)
     probabilities[c] = evaluation.predict_probabilities(evaluator.model, data.test.x[c])
   pooled = metrics.classification_summary(probabilities, data.test.y, "personalized_test")
-  writers = [c for c in probabilities if len(data.test.y[c])]
+  accuracies = {
+    c: metrics.accuracy(probabilities[c], data.test.y[c])
+    for c in probabilities
+    if len(data.test.y[c])
+  }
   return {
-    "personalized_accuracy": float(
-      np.mean([metrics.accuracy(probabilities[c], data.test.y[c]) for c in writers])
-    ),
+    "personalized_accuracy": float(np.mean(list(accuracies.values()))),
+    PERSONALIZED_PER_CLIENT: accuracies,
     "personalized_test_accuracy": pooled["personalized_test_accuracy"],
     "personalized_test_loss": pooled["personalized_test_loss"],
     "clients_with_own_model": own,

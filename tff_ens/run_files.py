@@ -15,7 +15,7 @@ SUMMARY_FILE = "summary.json"
 # Each test writer's accuracy of the final model(s) (`per_client_accuracy` is
 # their mean), for `tff_ens.compare`.
 PER_CLIENT_ACCURACY_FILE = "per_client_accuracy.json"
-# Each training writer's accuracy with personalization (`personalized_accuracy` is their
+# Each test writer's accuracy with personalization (`personalized_accuracy` is their
 # mean): its own model (Ditto, LG-FedAvg) or its ensemble weights (Fed-ensemble).
 PERSONALIZED_PER_CLIENT_ACCURACY_FILE = "personalized_per_client_accuracy.json"
 # The server step's learning curves by round (`RunOutputs.release_curves`).

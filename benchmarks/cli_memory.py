@@ -111,7 +111,6 @@ def main(argv):
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for i, variant in enumerate(FLAGS.variants):
-      first_median = None
       for j, (setting, environment) in enumerate(environments):
         m = measure(variant, os.path.join(tmp, f"run{i}_{j}"), environment)
         after = m["after"]
@@ -119,7 +118,8 @@ def main(argv):
         mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
         growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
         median = statistics.median(m["seconds"])
-        first_median = first_median or median
+        if j == 0:
+          first_median = median  # The ratio's base: the variant's first environment.
         rows.append(
           f"| {variant} | `{' '.join(report.variant_flags(variant))}` | "
           f"{f'`{setting}`' if setting else '-'} | "

@@ -23,7 +23,9 @@ load_data and build_model:
     clients). SERVER_EXAMPLES: the default (unlabeled, validation) examples
     a split sets aside for the server.
   build_model(name, *, seed=0, norm="batch") -> an un-compiled Keras model
-    to logits.
+    to logits. A model over a sequence that predicts its next element (Shakespeare's
+    LSTM) names the layer of every position's logits PER_POSITION_LOGITS: the
+    clients can then learn from every position of a window (`--train_positions`).
   TRAIN_AUGMENTATION: None, or `(x, y, seed) -> (x, y)` applied to each
     training example of a client (`seed`: int64 [2]); never to evaluation or
     server data.
@@ -60,6 +62,10 @@ def task_settings(name: str):
   module, attribute = TASK_SETTINGS[name]
   return getattr(importlib.import_module(f"tasks.{module}"), attribute)
 
+
+# The layer of a sequence model's logits at every position: [batch, length, classes], where
+# position i predicts the input's element i + 1 and the last position the label.
+PER_POSITION_LOGITS = "per_position_logits"
 
 # The error every task raises for missing or malformed data.
 DataError = data.DataError

@@ -20,6 +20,7 @@ label in 0..80); the model reads the ids as int32 (INPUT_DTYPE). `encode` and
 import numpy as np
 import tensorflow as tf
 
+import tasks
 from tasks import plays
 from tasks import resnet
 from tasks.plays import context_ids  # noqa: F401
@@ -62,12 +63,16 @@ TRAIN_AUGMENTATION = None
 SETTINGS = plays.ShakespeareConfig
 
 
-def _build_lstm(seed: int) -> tf.keras.Model:
+def lstm(seed: int, units: int = 256) -> tf.keras.Model:
   """LEAF's Shakespeare model (models/shakespeare/stacked_lstm.py; McMahan et al. 2017):
-  an 8-dimensional embedding of the ids, two LSTM layers of 256 units, logits of the
-  next character from the last step. Keras' LSTM with its default activations and
-  unroll=False converts to TFLite's fused UNIDIRECTIONAL_SEQUENCE_LSTM (for a fixed
-  batch size: convert the inference function of one sample, as `export.convert` does)."""
+  an 8-dimensional embedding of the ids, two LSTM layers of `units` units (256), logits of
+  the next character from the last step.
+
+  The dense layer maps every step's output to logits (the layer `tasks.PER_POSITION_LOGITS`,
+  which client training reads to learn from every position of a window); the model's output
+  is its last step's, LEAF's logits. Keras' LSTM with its default activations and
+  unroll=False converts to TFLite's fused UNIDIRECTIONAL_SEQUENCE_LSTM (for a fixed batch
+  size: convert the inference function of one sample, as `export.convert` does)."""
   seeds = resnet.seed_stream(seed)
   glorot = lambda: tf.keras.initializers.GlorotUniform(seed=next(seeds))
   orthogonal = lambda: tf.keras.initializers.Orthogonal(seed=next(seeds))
@@ -77,10 +82,20 @@ def _build_lstm(seed: int) -> tf.keras.Model:
       tf.keras.Input(shape=INPUT_SHAPE, dtype=tf.int32),
       layers.Embedding(NUM_CLASSES, 8, embeddings_initializer=glorot()),
       layers.LSTM(
-        256, return_sequences=True, kernel_initializer=glorot(), recurrent_initializer=orthogonal()
+        units,
+        return_sequences=True,
+        kernel_initializer=glorot(),
+        recurrent_initializer=orthogonal(),
       ),
-      layers.LSTM(256, kernel_initializer=glorot(), recurrent_initializer=orthogonal()),
-      layers.Dense(NUM_CLASSES, kernel_initializer=glorot()),
+      layers.LSTM(
+        units,
+        return_sequences=True,
+        kernel_initializer=glorot(),
+        recurrent_initializer=orthogonal(),
+      ),
+      layers.Dense(NUM_CLASSES, kernel_initializer=glorot(), name=tasks.PER_POSITION_LOGITS),
+      layers.Cropping1D((plays.SEQUENCE_LENGTH - 1, 0)),
+      layers.Flatten(),
     ],
     name="shakespeare_lstm",
   )
@@ -99,4 +114,4 @@ def build_model(name: str, *, seed: int = 0, norm: str = "batch") -> tf.keras.Mo
     raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}")
   if norm != "batch":
     raise ValueError(f"model {name!r} has no normalization layers: leave norm at 'batch'")
-  return _build_lstm(seed)
+  return lstm(seed)

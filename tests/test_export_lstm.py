@@ -64,17 +64,7 @@ def windows(prospero):
 
 def small_lstm(seed: int) -> tf.keras.Model:
   """The task's model with UNITS units per LSTM layer."""
-  init = lambda k: tf.keras.initializers.GlorotUniform(seed=seed + k)
-  layers = tf.keras.layers
-  return tf.keras.Sequential(
-    [
-      tf.keras.Input(shape=shakespeare.INPUT_SHAPE, dtype=tf.int32),
-      layers.Embedding(shakespeare.NUM_CLASSES, 8, embeddings_initializer=init(0)),
-      layers.LSTM(UNITS, return_sequences=True, kernel_initializer=init(1)),
-      layers.LSTM(UNITS, kernel_initializer=init(2)),
-      layers.Dense(shakespeare.NUM_CLASSES, kernel_initializer=init(3)),
-    ]
-  )
+  return shakespeare.lstm(seed, units=UNITS)
 
 
 def trained_lstm(seed: int, prospero) -> tf.keras.Model:

@@ -3,7 +3,10 @@ real excerpts against speeches written out by hand from the files, the vocabular
 samples and split computed by hand, the partitions, each bad-input message, and the model
 (its TFLite conversion to the fused LSTM op)."""
 
+import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +16,11 @@ import tasks
 from tasks import partition as partition_lib
 from tasks import plays
 from tasks import shakespeare
+from tests.femnist_runs import ROOT
+from tests.femnist_runs import read_metrics
+from tff_ens import run_files
 from tff_ens import settings
+from tff_ens.templates import client_work
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared/data/shakespeare"
 # A few plays for the loading tests (the whole corpus is read once, in `test_corpus_counts`).
@@ -392,12 +399,19 @@ def test_model_shape_and_seed():
     "LSTM",
     "LSTM",
     "Dense",
+    "Cropping1D",
+    "Flatten",
   ]
   # Embedding 81x8; an LSTM has 4 gates of 256 units over its inputs, state and a bias.
   lstms = 4 * 256 * (8 + 256 + 1) + 4 * 256 * (256 + 256 + 1)
   assert model.count_params() == 81 * 8 + lstms + (256 + 1) * 81
-  logits = model(np.zeros((2, 80), np.int32))
+  windows = np.random.default_rng(0).integers(0, 81, (2, 80)).astype(np.int32)
+  logits = model(windows)
   assert logits.shape == (2, 81)
+  # The output is the per-position logits' last position.
+  per_position = client_work.per_position_logits(model)(windows)
+  assert per_position.shape == (2, 80, 81)
+  np.testing.assert_array_equal(per_position[:, -1], logits)
   same, other = shakespeare.build_model("lstm", seed=0), shakespeare.build_model("lstm", seed=1)
   assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), same.get_weights()))
   assert not np.array_equal(model.get_weights()[0], other.get_weights()[0])
@@ -405,6 +419,91 @@ def test_model_shape_and_seed():
     shakespeare.build_model("lstm", norm="group")
   with pytest.raises(ValueError, match="unknown model 'gru'"):
     shakespeare.build_model("gru")
+
+
+def _prospero_windows(rows: slice):
+  text = plays.read_play(str(DATA_DIR / "tempest_gut.txt")).roles()["PROSPERO"]
+  x, y = plays.windows(shakespeare.encode(text))
+  return x[rows].astype(np.int32), y[rows]
+
+
+def test_per_position_targets_are_the_next_characters():
+  x, y = _prospero_windows(slice(100, 103))
+  targets = client_work.per_position_targets(tf.constant(x), tf.constant(y)).numpy()
+  # Window i + 1 is window i moved by one character, so its characters are window i's targets.
+  next_x, _ = _prospero_windows(slice(101, 104))
+  np.testing.assert_array_equal(targets, next_x)
+  np.testing.assert_array_equal(targets[:, -1], y)
+
+
+@pytest.mark.parametrize("positions", client_work.TRAIN_POSITIONS)
+def test_local_training_loss_is_over_every_position_or_the_last(positions):
+  """`train_locally`'s summed loss and accuracy on a role's windows, one batch so that the
+  weights are the initial ones, against Keras' cross-entropy of the same logits."""
+  x, y = _prospero_windows(slice(0, 300, 10))
+  model = shakespeare.lstm(seed=0, units=16)
+  initial = tf.nest.map_structure(
+    lambda v: tf.constant(v.numpy()), client_work.ModelWeights.from_model(model)
+  )
+  config = client_work.LocalTrainingConfig(learning_rate=0.1, train_positions=positions)
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(y))
+  _, metrics = client_work.train_locally(
+    shakespeare.lstm(seed=0, units=16),
+    client_work.local_optimizer(config),
+    initial,
+    dataset,
+    0.1,
+    config,
+  )
+  # [windows, positions] targets and their logits.
+  if positions == "every":
+    targets = np.concatenate([x[:, 1:], y[:, None]], 1)
+    logits = client_work.per_position_logits(model)(x)
+  else:
+    targets, logits = y[:, None], model(x)[:, None]
+  losses = tf.keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
+  hits = np.argmax(logits, -1) == targets
+  # Each window weighs 1: its loss and accuracy are means over its positions.
+  assert float(metrics["num_examples"]) == len(y)
+  np.testing.assert_allclose(float(metrics["loss"]), np.sum(np.mean(losses, -1)), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["correct"]), np.sum(np.mean(hits, -1)), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout_seconds(900)
+def test_two_rounds_on_every_position_learn(tmp_path):
+  """The command line on the Tempest's roles pooled over 3 clients: the LSTM's training loss
+  over every position falls from round 1 to round 2, and the run reports LEAF's accuracy."""
+  (tmp_path / "plays").mkdir()
+  (tmp_path / "plays" / "tempest_gut.txt").symlink_to(DATA_DIR / "tempest_gut.txt")
+  output_dir = tmp_path / "run"
+  command = [
+    sys.executable,
+    "-m",
+    "tff_ens.main",
+    "--task=shakespeare",
+    "--model=lstm",
+    f"--data_dir={tmp_path / 'plays'}",
+    "--partition=iid",
+    "--num_clients=3",
+    "--clients_per_round=3",
+    "--client_steps=3",
+    "--batch_size=16",
+    "--client_optimizer=adam",
+    "--client_lr=0.003",
+    "--eval_samples_per_role=5",
+    "--rounds=2",
+    "--eval_every=2",
+    f"--output_dir={output_dir}",
+  ]
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=850)
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows = read_metrics(str(output_dir))
+  assert float(rows[1]["train_loss"]) < float(rows[0]["train_loss"])
+  summary = json.loads((output_dir / run_files.SUMMARY_FILE).read_text())
+  assert json.loads((output_dir / run_files.CONFIG_FILE).read_text())["train_positions"] == "every"
+  # 3 clients x 5 test windows of the roles (LEAF's last-position accuracy).
+  assert summary["test_accuracy"] in {k / 15 for k in range(16)}
 
 
 @pytest.mark.slow
@@ -423,7 +522,13 @@ def test_tflite_fused_lstm():
   )
   interpreter.allocate_tensors()
   ops = {op["op_name"] for op in interpreter._get_ops_details()}
-  assert ops == {"GATHER", "UNIDIRECTIONAL_SEQUENCE_LSTM", "STRIDED_SLICE", "FULLY_CONNECTED"}
+  assert ops == {
+    "GATHER",
+    "UNIDIRECTIONAL_SEQUENCE_LSTM",
+    "FULLY_CONNECTED",
+    "STRIDED_SLICE",
+    "RESHAPE",
+  }
   (given,), (output,) = interpreter.get_input_details(), interpreter.get_output_details()
   assert given["dtype"] == np.int32
   prospero = plays.read_play(str(DATA_DIR / "tempest_gut.txt")).roles()["PROSPERO"]

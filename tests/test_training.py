@@ -318,6 +318,13 @@ def test_a_config_saved_before_teacher_labels_keeps_labelling_the_whole_set():
     assert saved.get("teacher_labels") == (None if algorithm == "fedavg" else "all")
 
 
+def test_a_config_saved_before_train_positions_keeps_shakespeares_last_position():
+  for task, resumed in (("shakespeare", "last"), ("femnist", None)):
+    old = dataclasses.asdict(experiment.ExperimentConfig(task=task))
+    del old["train_positions"]
+    assert experiment.saved_config(old).get("train_positions") == resumed
+
+
 def test_a_config_saved_before_fedadam_resumes_with_the_algorithms_server_lr():
   # Before FedAdam every config.json held server_lr, 1 by default, which FedBE never read.
   for algorithm, server_lr, resumed in (

@@ -62,7 +62,8 @@ def saved_config(saved: dict) -> dict:
   mean a pooled split: they become unset. Before FedAdam every run wrote `server_lr`,
   FedAvg's 1 by default: there it becomes unset (the algorithm's own). Before
   `--teacher_labels` the server distillation's teachers labelled every unlabeled image each
-  round: "all".
+  round: "all". Before `--train_positions` Shakespeare's clients trained on the last
+  position: "last".
   """
   upgraded = dict(saved)
   if "member_average" not in saved:
@@ -81,6 +82,8 @@ def saved_config(saved: dict) -> dict:
   spec = algorithms.REGISTRY.get(upgraded.get("algorithm"))
   if "teacher_labels" not in saved and spec and server_distillation.Settings in spec.settings:
     upgraded["teacher_labels"] = "all"
+  if "train_positions" not in saved and upgraded.get("task") == "shakespeare":
+    upgraded["train_positions"] = "last"
   return upgraded
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 import tensorflow as tf
 import tensorflow_federated as tff
 
+import tasks
 from tff_ens import settings
 from tff_ens.settings import setting
 
@@ -28,6 +29,7 @@ ModelWeights = tff.learning.models.ModelWeights
 
 LR_SCHEDULES = ("constant", "step")
 OPTIMIZERS = ("sgd", "adam")
+TRAIN_POSITIONS = ("every", "last")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,10 @@ class LocalTrainingConfig:
     total_rounds: number of rounds the schedule spans.
     max_update_norm: an update whose trainable part has a larger L2 norm is
       rejected (`reject_bad_update`); 0 accepts every finite update.
+    train_positions: for a sequence model (one with the layer `tasks.PER_POSITION_LOGITS`,
+      Shakespeare's LSTM), "every": the loss of a window is the mean over its positions of
+      predicting the next element (`per_position_targets`); "last": of its label only. Other
+      models train on their labels either way.
   """
 
   learning_rate: float = setting(0.05, "Client learning rate.", flag="client_lr", above=0)
@@ -72,6 +78,13 @@ class LocalTrainingConfig:
     "Reject a client update whose trainable weights moved by a larger L2 norm (counted in "
     "rejected_updates); 0: no limit. NaN/Inf updates are always rejected.",
     at_least=0,
+  )
+  train_positions: str = setting(
+    "every",
+    "A sequence model (Shakespeare's LSTM) learns the next character after every prefix of "
+    "a window (every; McMahan et al. 2017's unrolled LSTM) or after the whole window only "
+    "(last; LEAF's). Evaluation reads the last position either way.",
+    choices=TRAIN_POSITIONS,
   )
 
   def __post_init__(self):
@@ -139,6 +152,21 @@ def reject_bad_update(update: ModelWeights, weight, max_norm: float = 0.0):
   return update, weight, 1.0 - tf.cast(good, tf.float32)
 
 
+def per_position_logits(model: tf.keras.Model) -> tf.keras.Model | None:
+  """The model from its input to the logits of every position (its layer
+  `tasks.PER_POSITION_LOGITS`, sharing its weights), or None for a model without that layer."""
+  names = [layer.name for layer in model.layers]
+  if tasks.PER_POSITION_LOGITS not in names:
+    return None
+  return tf.keras.Model(model.input, model.get_layer(tasks.PER_POSITION_LOGITS).output)
+
+
+def per_position_targets(x, y):
+  """The next element after each position of windows `x` [batch, length]: x shifted left by
+  one, then the label `y` [batch] (McMahan et al. 2017's next-character targets)."""
+  return tf.concat([x[:, 1:], tf.cast(y, x.dtype)[:, tf.newaxis]], axis=1)
+
+
 @tf.function
 def train_locally(
   model: tf.keras.Model,
@@ -167,6 +195,10 @@ def train_locally(
     proximal_center: the trainable weights the proximal term pulls towards (Ditto's global
       model); None: `initial_weights`' (FedProx's).
 
+  With `config.train_positions` "every" and a sequence model (`per_position_logits`), an
+  example's loss and accuracy are its means over the window's positions
+  (`per_position_targets`).
+
   Returns:
     `(ClientResult(update=initial - final ModelWeights, update_weight=number
     of examples), metrics)` where metrics holds sums over examples:
@@ -183,16 +215,23 @@ def train_locally(
     from_logits=True, reduction=tf.keras.losses.Reduction.SUM
   )
 
+  per_position = per_position_logits(model) if config.train_positions == "every" else None
+
   linear = linear_term if linear_term is not None else [None] * len(trainable)
   center = proximal_center if proximal_center is not None else initial_weights.trainable
 
   def step(carry, batch):
     opt_state, loss_sum, correct, count = carry
     x, y = batch
+    n = tf.cast(tf.shape(y)[0], tf.float32)
+    # Labels per example: its positions' targets are averaged, so an example weighs 1.
+    positions = 1.0
+    if per_position is not None:
+      y = per_position_targets(x, y)
+      positions = float(y.shape[1])
     with tf.GradientTape() as tape:
-      logits = model(x, training=True)
-      batch_loss = loss_fn(y, logits)
-      n = tf.cast(tf.shape(y)[0], tf.float32)
+      logits = (per_position or model)(x, training=True)
+      batch_loss = loss_fn(y, logits) / positions
       mean_loss = batch_loss / n
     grads = tape.gradient(mean_loss, trainable)
     grads = [
@@ -204,10 +243,13 @@ def train_locally(
       # Keras applies a layer's kernel constraint after each optimizer step
       # (larq clips binarized layers' latent weights to [-1, 1] this way).
       v.assign(v.constraint(t) if v.constraint is not None else t)
-    hits = tf.reduce_sum(
-      tf.cast(
-        tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)), tf.float32
+    hits = (
+      tf.reduce_sum(
+        tf.cast(
+          tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)), tf.float32
+        )
       )
+      / positions
     )
     return opt_state, loss_sum + batch_loss, correct + hits, count + n
 

@@ -431,9 +431,11 @@ def test_max_update_norm_rejects_larger_updates(tmp_path):
   assert float(row["train_loss"]) == 0.0  # Rejected clients' metrics drop.
 
 
-def test_cli_missing_data_dir_is_one_line(tmp_path):
+# Without --model, Shakespeare's run takes its lstm (cnn would be refused before the data).
+@pytest.mark.parametrize("task", ["femnist", "shakespeare"])
+def test_cli_missing_data_dir_is_one_line(task, tmp_path):
   result = run_cli(
-    "--task=femnist", f"--data_dir={tmp_path}/nowhere", f"--output_dir={tmp_path}/out"
+    f"--task={task}", f"--data_dir={tmp_path}/nowhere", f"--output_dir={tmp_path}/out"
   )
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].startswith("error: ")

@@ -71,6 +71,18 @@ def usage() -> str:
   return "\n".join(lines)
 
 
+def _task_model(values: dict) -> dict:
+  """`--model` of a run that did not give it and whose task has no model of the default's
+  name: the task's first (Shakespeare's lstm)."""
+  try:
+    task = tasks.get_task(values["task"], values["classes"])
+  except ValueError:  # The config's validation says so.
+    return {}
+  if FLAGS["model"].present or values["model"] in task.MODEL_NAMES:
+    return {}
+  return {"model": task.MODEL_NAMES[0]}
+
+
 def _binary_recipe(values: dict) -> dict:
   """`resnet.BINARY_RECIPE`'s flags and its algorithm's (`Algorithm.binary_recipe`) that a
   run of a binarized model takes by default: those it did not give, and that its algorithm
@@ -108,6 +120,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING if sys.stderr.isatty() else logging.INFO)
   fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)}
   values = {name: FLAGS[name].value for name in fields}
+  values.update(_task_model(values))
   config = experiment.ExperimentConfig(**{**values, **_binary_recipe(values)})
   try:
     summary = training.run_experiment(config)

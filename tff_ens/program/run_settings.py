@@ -44,7 +44,8 @@ class RunSettings:
   algorithm: str = setting("fedavg", ALGORITHM_HELP, choices=algorithms.ALGORITHMS)
   model: str = setting(
     "cnn",
-    "Model: cnn (FEMNIST: LEAF CNN; CIFAR: FedBE's ConvNet), resnet8, resnet20, resnet32 (CIFAR).",
+    "Model: cnn (FEMNIST: LEAF CNN; CIFAR: FedBE's ConvNet), resnet8, resnet20, resnet32 "
+    "(CIFAR), lstm (Shakespeare, where it is the default).",
   )
   norm: str = setting("batch", "Normalization layers of ResNets.", choices=resnet.NORMS)
   rounds: int = setting(100, "Communication rounds.", above=0)

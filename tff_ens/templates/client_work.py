@@ -216,6 +216,7 @@ def train_locally(
   )
 
   per_position = per_position_logits(model) if config.train_positions == "every" else None
+  forward = model if per_position is None else per_position
 
   linear = linear_term if linear_term is not None else [None] * len(trainable)
   center = proximal_center if proximal_center is not None else initial_weights.trainable
@@ -224,13 +225,14 @@ def train_locally(
     opt_state, loss_sum, correct, count = carry
     x, y = batch
     n = tf.cast(tf.shape(y)[0], tf.float32)
-    # Labels per example: its positions' targets are averaged, so an example weighs 1.
+    # An example's targets: its label, or every position's next element; their loss and
+    # hits are averaged, so that an example weighs 1 either way.
     positions = 1.0
     if per_position is not None:
       y = per_position_targets(x, y)
       positions = float(y.shape[1])
     with tf.GradientTape() as tape:
-      logits = (per_position or model)(x, training=True)
+      logits = forward(x, training=True)
       batch_loss = loss_fn(y, logits) / positions
       mean_loss = batch_loss / n
     grads = tape.gradient(mean_loss, trainable)

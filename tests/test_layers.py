@@ -17,7 +17,13 @@ ALLOWED = {
   "tff_ens.server": (*FOUNDATIONS, "tasks", "tff_ens.math"),
   "tff_ens.execution": FOUNDATIONS,
   "export": (*FOUNDATIONS, "tasks", "tff_ens.math", "tff_ens.execution"),
-  "tff_ens.templates": (*FOUNDATIONS, "tff_ens.math", "tff_ens.server", "tff_ens.execution"),
+  "tff_ens.templates": (
+    *FOUNDATIONS,
+    "tasks",
+    "tff_ens.math",
+    "tff_ens.server",
+    "tff_ens.execution",
+  ),
   "tff_ens.algorithms": (
     *FOUNDATIONS,
     "tasks",

@@ -1,7 +1,8 @@
 """Tests of the Shakespeare task on Gutenberg's plays (../shared/data/shakespeare): parsing
 real excerpts against speeches written out by hand from the files, the vocabulary, the
-samples and split computed by hand, the partitions, each bad-input message, and the model
-(its TFLite conversion to the fused LSTM op)."""
+samples and split computed by hand, the partitions, each bad-input message, the model (its
+per-position logits, its TFLite conversion to the fused LSTM op), local training on every
+position against Keras' loss, and a two-round run."""
 
 import json
 import pathlib

@@ -27,7 +27,8 @@ from tff_ens.program import run_outputs
 from tff_ens.templates import privacy
 
 # The key of each writer's personalized accuracy in the summaries below; `write_summary` moves
-# it to `run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE`.
+# it to `run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE` and keeps its mean,
+# `personalized_accuracy`.
 PERSONALIZED_PER_CLIENT = "personalized_per_client_accuracy"
 
 
@@ -82,7 +83,6 @@ class Evaluator:
     return {
       "ensemble_size": len(models),
       "member_test_accuracy": [metrics.accuracy(p, y) for p in all_members],
-      "personalized_accuracy": float(np.mean(list(personalized.values()))),
       PERSONALIZED_PER_CLIENT: personalized,
       "personalized_test_loss": float(np.mean(personalized_nll)),
       "personalization_temperature": temperature,
@@ -190,9 +190,10 @@ def write_summary(run, data, algorithm, state, outputs, evaluator, last, pool=No
     {c: metrics.accuracy(member_test[c].mean(0), data.test.y[c]) for c in data.test.client_ids},
   )
   if PERSONALIZED_PER_CLIENT in summary:
+    personalized = summary.pop(PERSONALIZED_PER_CLIENT)
+    summary["personalized_accuracy"] = float(np.mean(list(personalized.values())))
     run_files.write_json_atomically(
-      os.path.join(outputs.dir, run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE),
-      summary.pop(PERSONALIZED_PER_CLIENT),
+      os.path.join(outputs.dir, run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE), personalized
     )
   run_files.write_json_atomically(os.path.join(outputs.dir, run_files.SUMMARY_FILE), summary)
   return summary
@@ -346,8 +347,8 @@ def personalized_summary(algorithm, models, store, data, evaluator, output_dir: 
   """Each training writer's own model (`ClientStates.model`: Ditto's personal model,
   LG-FedAvg's local layers under the global ones) on its own test examples, saved as
   `clients/<writer>.keras` (for `python -m export --client=WRITER`); a writer that never
-  trained has none and is predicted by the global model. Keys: `personalized_accuracy`
-  (the mean over writers), `personalized_test_accuracy` and `personalized_test_loss` (over
+  trained has none and is predicted by the global model. Keys: PERSONALIZED_PER_CLIENT
+  (each writer's accuracy), `personalized_test_accuracy` and `personalized_test_loss` (over
   the examples), `clients_with_own_model` and `clients_without_own_model`."""
   index = {c: i for i, c in enumerate(data.train.client_ids)}
   directory = os.path.join(output_dir, run_files.CLIENTS_DIR)
@@ -368,7 +369,6 @@ def personalized_summary(algorithm, models, store, data, evaluator, output_dir: 
     if len(data.test.y[c])
   }
   return {
-    "personalized_accuracy": float(np.mean(list(accuracies.values()))),
     PERSONALIZED_PER_CLIENT: accuracies,
     "personalized_test_accuracy": pooled["personalized_test_accuracy"],
     "personalized_test_loss": pooled["personalized_test_loss"],

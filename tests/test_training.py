@@ -668,3 +668,28 @@ def test_a_second_signal_or_the_grace_period_stops_a_round_in_its_server_step(se
   assert len(read_metrics(output_dir)) == 1  # Round 1's row, whole.
   assert not (output_dir / run_files.SUMMARY_FILE).exists()
   # --resume runs round 2 again from round 1's checkpoint (test_sigkill_then_resume...).
+
+
+@pytest.mark.slow
+def test_a_finished_run_resumed_with_more_rounds_ends_where_a_longer_run_does(fedavg_run, tmp_path):
+  config, summary = fedavg_run
+  shorter = dataclasses.replace(config, output_dir=str(tmp_path), rounds=2)
+  training.run_experiment(shorter)
+  longer = training.run_experiment(dataclasses.replace(shorter, rounds=4, resume=True))
+  assert [int(r["round"]) for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+  assert longer["rounds"] == 4
+  assert longer["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.005)
+
+
+def test_resume_refuses_a_checkpoint_past_rounds_and_a_schedule_over_other_rounds(tmp_path):
+  config = dataclasses.replace(QUICK, output_dir=str(tmp_path), resume=True)
+  outputs = run_outputs.RunOutputs(config, {"w": np.zeros((2,), np.float32)})
+  outputs.save_checkpoint(4, {"w": np.ones((2,), np.float32)})
+  outputs.close()
+  with pytest.raises(experiment.UsageError, match="of round 4, past --rounds=3: pass --rounds=4"):
+    run_outputs.RunOutputs(dataclasses.replace(config, rounds=3), {"w": np.zeros((2,), np.float32)})
+  assert json.loads((tmp_path / run_files.CONFIG_FILE).read_text())["rounds"] == 4
+  step = dataclasses.replace(config, output_dir=str(tmp_path / "step"), lr_schedule="step")
+  run_outputs.RunOutputs(step, None).close()
+  with pytest.raises(experiment.UsageError, match="--rounds=4; --rounds stays: --lr_schedule=step"):
+    run_outputs.RunOutputs(dataclasses.replace(step, rounds=8), None)

@@ -100,6 +100,20 @@ RESUME_FREE_KEYS = (
 )
 
 
+def fixed_rounds_reason(config) -> str | None:
+  """Why `--rounds` must stay as the run started it on `--resume`, or None.
+
+  Client sampling, data order and every algorithm's state depend on the seed and the
+  round only, so a resumed run may end at another round (a finished run continues to more
+  rounds) unless a schedule spans the rounds.
+  """
+  if config.lr_schedule != "constant":
+    return f"--lr_schedule={config.lr_schedule} spans them"
+  if config.active_learning_rounds:
+    return "--active_learning_rounds divides them into phases"
+  return None
+
+
 class UsageError(ValueError):
   """A bad flag value or output directory; the message names the fix."""
 

@@ -53,9 +53,9 @@ class RunOutputs:
     if os.path.exists(self.dir) and not os.path.isdir(self.dir):
       raise experiment.UsageError(f"--output_dir={self.dir} is a file: choose a directory")
     config_path = os.path.join(self.dir, run_files.CONFIG_FILE)
-    wanted = {
-      k: v for k, v in dataclasses.asdict(config).items() if k not in experiment.RESUME_FREE_KEYS
-    }
+    fixed_rounds = experiment.fixed_rounds_reason(config)
+    free = experiment.RESUME_FREE_KEYS + (() if fixed_rounds else ("rounds",))
+    wanted = {k: v for k, v in dataclasses.asdict(config).items() if k not in free}
     if os.path.exists(config_path):
       try:
         with open(config_path, "rb") as f:
@@ -67,20 +67,17 @@ class RunOutputs:
           f"{config_path} is not a run's config (a JSON object of its "
           "flags): restore it, or choose a new --output_dir"
         )
-      saved = {
-        k: v
-        for k, v in experiment.saved_config(saved).items()
-        if k not in experiment.RESUME_FREE_KEYS
-      }
+      saved = {k: v for k, v in experiment.saved_config(saved).items() if k not in free}
       if saved:
         # A flag added after the run started takes its default there.
         defaults = {f.name: f.default for f in dataclasses.fields(experiment.ExperimentConfig)}
         saved = {**{k: defaults[k] for k in wanted}, **saved}
       if saved != wanted:
         changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+        why = f"; --rounds stays: {fixed_rounds}" if "rounds" in changed else ""
         raise experiment.UsageError(
           f"--output_dir={self.dir} holds a different run (it has "
-          f"{' '.join(f'--{k}={saved.get(k)}' for k in changed)}): pass "
+          f"{' '.join(f'--{k}={saved.get(k)}' for k in changed)}{why}): pass "
           "those flags to continue it, or choose a new --output_dir"
         )
     checkpoints = os.path.join(self.dir, run_files.CHECKPOINT_DIR)
@@ -131,6 +128,11 @@ class RunOutputs:
     else:
       mismatch = state_mismatch(self._structure["state"], saved["state"])
       if mismatch is None:
+        if int(saved["round"]) > config.rounds:
+          raise experiment.UsageError(
+            f"checkpoint {path} is of round {int(saved['round'])}, past --rounds="
+            f"{config.rounds}: pass --rounds={int(saved['round'])} or more"
+          )
         return int(saved["round"]), saved["state"]
     raise experiment.UsageError(
       f"checkpoint {path} does not fit the state of --algorithm="

@@ -165,6 +165,27 @@ def test_seed_marker_only_when_seeds_differ(runs):
   assert all(c["vs #1"].endswith(compare.SEED_DIFFERS) for c in flipped[1:])
 
 
+def test_seed_table_is_the_mean_and_std_over_seeds_and_pairs_by_seed(run_dirs, runs):
+  fedavg, fedensemble = compare.seed_table_rows(runs)
+  seed3, seed4 = read_summary(run_dirs["fedavg"]), read_summary(run_dirs["fedavg_seed4"])
+  ensemble = read_summary(run_dirs["fedensemble"])
+  assert fedavg["seeds"] == [3, 4] and fedensemble["seeds"] == [3]
+  for key in ("test_accuracy", "per_client_accuracy"):
+    values = [seed3[key], seed4[key]]
+    assert fedavg[key] == pytest.approx((np.mean(values), np.std(values, ddof=1)))
+  assert fedavg["personalized_accuracy"] is None and fedavg["per_client_difference"] is None
+  # The ensemble's one seed is paired with FedAvg's run of that seed, not the mean of both.
+  assert fedensemble["per_client_difference"] == (
+    pytest.approx(ensemble["per_client_accuracy"] - seed3["per_client_accuracy"]),
+    None,
+  )
+  assert fedensemble["personalized_difference"][0] == pytest.approx(
+    ensemble["personalized_accuracy"] - seed3["per_client_accuracy"]
+  )
+  text = compare.seed_table(runs)
+  assert f"{fedavg['per_client_accuracy'][0]:.4f} ± {fedavg['per_client_accuracy'][1]:.4f}" in text
+
+
 def test_accuracy_curve_is_metrics_csv(run_dirs, runs):
   for run, path in zip(runs, run_dirs.values()):
     rows = read_metrics(path)
@@ -219,7 +240,7 @@ def test_cli_prints_table_and_writes_both_figures(run_dirs, runs, tmp_path):
   output = tmp_path / "figures"
   result = run_module("tff_ens.compare", *run_dirs.values(), f"--output={output}")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.startswith(compare.table(runs) + "\n")
+  assert result.stdout.startswith(compare.table(runs) + "\n\n" + compare.seed_table(runs) + "\n")
   assert result.stderr == ""
   assert_png(output / compare.ACCURACY_FIGURE)
   assert_png(output / compare.PER_WRITER_FIGURE)

@@ -5,7 +5,9 @@ r"""Command line: finished runs side by side, in one table and two figures.
 
 Prints a row per run (`table`: flags, final test metrics, time and bytes per
 round, and each run's accuracy difference to the first run, marked when their
-seeds differ). With --output, also writes `test_accuracy_by_round.png` (each
+seeds differ). Runs that differ only in their seed are also summarized over their seeds
+(`seed_table`: mean ± standard deviation, and the per-client accuracy's difference to the
+first configuration paired by seed). With --output, also writes `test_accuracy_by_round.png` (each
 run's test accuracy against the round, from metrics.csv) and
 `per_writer_accuracy.png` (each run's accuracy on every test writer). A run's
 per-writer accuracies are read from its `per_client_accuracy.json` when it has
@@ -38,6 +40,7 @@ import tasks
 from tff_ens import run_files
 from tff_ens.math import evaluation
 from tff_ens.math import metrics
+from tff_ens.program import experiment
 from tff_ens.program import finished_runs
 
 ACCURACY_FIGURE = "test_accuracy_by_round.png"
@@ -151,6 +154,118 @@ def table(runs: Sequence[finished_runs.Run]) -> str:
   return "\n".join(text)
 
 
+_SEEDS_HEADER = (
+  "#",
+  "algorithm",
+  "flags",
+  "rounds",
+  "seeds",
+  "accuracy",
+  "per-client",
+  "personalized",
+  "per-client vs #1",
+  "personalized vs #1",
+)
+
+
+def seed_groups(runs: Sequence[finished_runs.Run]) -> list[list[finished_runs.Run]]:
+  """The runs grouped by all they compute but the seed (algorithm, flags, rounds), in the
+  order in which each group first appears."""
+  groups = {}
+  for run in runs:
+    key = (run.config["algorithm"], run.key_flags(), run.summary["rounds"])
+    groups.setdefault(key, []).append(run)
+  return list(groups.values())
+
+
+def _mean_std(values: Sequence[float | None]) -> tuple[float, float | None] | None:
+  """Mean and sample standard deviation (None for one value) of `values`; None if any
+  value is missing."""
+  if not values or any(v is None for v in values):
+    return None
+  return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else None)
+
+
+def seed_table_rows(runs: Sequence[finished_runs.Run]) -> list[dict]:
+  """One row per group of `seed_groups`: its seeds and the mean and standard deviation over
+  them of the test accuracy, the per-client (averaged over writers) and the personalized
+  accuracy; `per_client_difference` and `personalized_difference`: the same of its
+  per-client and personalized accuracy minus the first group's per-client accuracy, paired
+  by seed over the seeds both have (None for the first group, or without a shared seed)."""
+  groups = seed_groups(runs)
+  reference = {r.summary["seed"]: r.summary.get("per_client_accuracy") for r in groups[0]}
+
+  def paired(summaries, key):
+    return _mean_std(
+      [
+        s[key] - reference[s["seed"]]
+        for s in summaries
+        if reference.get(s["seed"]) is not None and s.get(key) is not None
+      ]
+    )
+
+  rows = []
+  for index, group in enumerate(groups, 1):
+    summaries = [r.summary for r in group]
+    rows.append(
+      {
+        "index": index,
+        "algorithm": group[0].config["algorithm"],
+        "flags": group[0].key_flags(),
+        "rounds": group[0].summary["rounds"],
+        "seeds": [s["seed"] for s in summaries],
+        "test_accuracy": _mean_std([s["test_accuracy"] for s in summaries]),
+        "per_client_accuracy": _mean_std([s.get("per_client_accuracy") for s in summaries]),
+        "personalized_accuracy": _mean_std([s.get("personalized_accuracy") for s in summaries]),
+        "per_client_difference": None if index == 1 else paired(summaries, "per_client_accuracy"),
+        "personalized_difference": (
+          None if index == 1 else paired(summaries, "personalized_accuracy")
+        ),
+      }
+    )
+  return rows
+
+
+def _mean_std_cell(value, spec: str = ".4f") -> str:
+  if value is None:
+    return "-"
+  mean, std = value
+  return format(mean, spec) + ("" if std is None else f" ± {format(std, '.4f')}")
+
+
+def seed_table(runs: Sequence[finished_runs.Run]) -> str:
+  """The runs' mean ± standard deviation over seeds (see `seed_table_rows`)."""
+  rows = seed_table_rows(runs)
+  lines = [_SEEDS_HEADER] + [
+    [
+      str(r["index"]),
+      r["algorithm"],
+      r["flags"] or "-",
+      str(r["rounds"]),
+      ",".join(str(seed) for seed in r["seeds"]),
+      _mean_std_cell(r["test_accuracy"]),
+      _mean_std_cell(r["per_client_accuracy"]),
+      _mean_std_cell(r["personalized_accuracy"]),
+      _mean_std_cell(r["per_client_difference"], "+.4f"),
+      _mean_std_cell(r["personalized_difference"], "+.4f"),
+    ]
+    for r in rows
+  ]
+  widths = [max(len(line[i]) for line in lines) for i in range(len(_SEEDS_HEADER))]
+  text = [
+    "  ".join(
+      cell.ljust(w) if name in _LEFT else cell.rjust(w)
+      for name, cell, w in zip(_SEEDS_HEADER, line, widths)
+    ).rstrip()
+    for line in lines
+  ]
+  text.append(
+    "mean ± standard deviation over the seeds; vs #1: the per-client or personalized "
+    "accuracy minus #1's per-client accuracy of the same seed, over the seeds both have."
+  )
+  return "\n".join(text)
+
+
 def _label(index: int, run: finished_runs.Run) -> str:
   return " ".join(
     filter(
@@ -228,11 +343,22 @@ def per_writer_accuracies(
     if os.path.isfile(saved):
       accuracies.append(_read_accuracies(saved))
       continue
-    config = run.experiment_config()
-    task = config.task_module()
-    key = (task, data_dir or config.data_dir, config.partition_config(), config.seed)
+    try:
+      resolved = experiment.resolve(run.experiment_config())
+    except experiment.UsageError as e:
+      raise finished_runs.CompareError(
+        f"{run.path}: this version cannot load its data ({e})"
+      ) from None
+    config = resolved.config
+    key = (
+      resolved.task,
+      data_dir or config.data_dir,
+      resolved.partition,
+      repr(resolved.task_config),
+      config.seed,
+    )
     if key not in loaded:
-      loaded[key] = task.load_data(key[1], partition=key[2], seed=config.seed).test
+      loaded[key] = resolved.load_data(data_dir).test
     accuracies.append(writer_accuracies(finished_runs.load_models(run), loaded[key]))
   return accuracies
 
@@ -312,6 +438,9 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(table(runs))
+  if any(len(group) > 1 for group in seed_groups(runs)):
+    print()
+    print(seed_table(runs))
   if not FLAGS.output:
     return 0
   accuracy_path = os.path.join(FLAGS.output, ACCURACY_FIGURE)

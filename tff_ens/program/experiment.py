@@ -193,6 +193,13 @@ class Run:
   task_config: Any
   workers: list[str]
 
+  def load_data(self, data_dir: str | None = None):
+    """The task's data as the run splits it, from `data_dir` or else its `--data_dir`."""
+    own = {"config": self.task_config} if self.task_config is not None else {}
+    return self.task.load_data(
+      data_dir or self.config.data_dir, partition=self.partition, seed=self.config.seed, **own
+    )
+
 
 def flags_read(algorithm: str, task: str) -> set[str]:
   """The flags a run of `algorithm` on `task` reads: every run's, the task's own and the

@@ -58,8 +58,7 @@ def run_experiment(config) -> dict:
   """
   run = experiment.resolve(config)
   task = run.task
-  task_settings = {"config": run.task_config} if run.task_config is not None else {}
-  data = task.load_data(config.data_dir, partition=run.partition, seed=config.seed, **task_settings)
+  data = run.load_data()
   num_clients = len(data.train.client_ids)
   if config.clients_per_round > num_clients:
     raise experiment.UsageError(

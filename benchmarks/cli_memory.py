@@ -2,13 +2,15 @@ r"""Peak memory of each algorithm's default CLI run: the driver's and TFF's work
 
   uv run python benchmarks/cli_memory.py [--rounds=10] [--variants=fedavg,fedppd_distill]
       [--environments=,GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4194304]
+      [--data_dir=FULL_SIZE_DIR --cli_flags=--clients_per_round=100 --rounds=20]
 
 Runs `python -m tff_ens.main --task=femnist --rounds=N` as a user does (every
 other flag at its default), once per variant (`ALGORITHM[:K[:OBJECTIVE]]`, as
 in `cli_round_time.py`; by default every registered algorithm and
 FedDyn-ensemble), one run at a time. Every 0.2 s it samples the resident memory
 of the driver (the CLI's Python process) and of its children (TFF's worker), and
-counts the rounds in `metrics.csv`. It prints each one's peak, the peak of their
+counts the rounds in `metrics.csv` (`--cli_flags` adds flags to every run: the full-size
+FEMNIST's 100-client rounds). It prints each one's peak, the peak of their
 sum, both after round 5 and after the last round (the first sample once that
 round's row is written), the worker's growth between the two, and the median
 `seconds` of a round. With `--environments`, each variant runs once per environment
@@ -39,6 +41,12 @@ flags.DEFINE_list(
   "variants",
   [*algorithms.ALGORITHMS, "fedensemble:5:feddyn"],
   "ALGORITHM[:K[:OBJECTIVE]] of each run.",
+)
+flags.DEFINE_list(
+  "cli_flags",
+  [],
+  "More flags for every run, e.g. --clients_per_round=100 on a full-size FEMNIST "
+  "(benchmarks/full_size_femnist.py) given as --data_dir.",
 )
 flags.DEFINE_list(
   "environments",
@@ -72,7 +80,7 @@ def measure(variant: str, output_dir: str, environment: dict[str, str]) -> dict:
   """Runs the CLI for `variant` in `environment`, sampling its memory; the peaks (bytes),
   the memory after each round (`after[r] = (driver, worker)`) and the seconds of each
   round."""
-  command = report.cli_command(variant, FLAGS.rounds, output_dir)
+  command = report.cli_command(variant, FLAGS.rounds, output_dir, *FLAGS.cli_flags)
   metrics = os.path.join(output_dir, "metrics.csv")
   result = dict(driver=0, worker=0, total=0, after={})
   with open(output_dir + ".log", "w") as log:
@@ -129,13 +137,15 @@ def main(argv):
         )
         print(rows[-1], flush=True)
   r5, rn = min(GROWTH_FROM, FLAGS.rounds), FLAGS.rounds
+  command = " ".join(
+    ["python -m tff_ens.main --task=femnist", f"--rounds={FLAGS.rounds}", *FLAGS.cli_flags]
+  )
   lines = [
     SECTION,
     "",
-    f"`python -m tff_ens.main --task=femnist --rounds={FLAGS.rounds}` with the variant's "
-    "flags and every other at its default (seed 0, 10 clients a round of the slice's 105 "
-    "writers, 1 epoch, batch 20, LEAF CNN; evaluation and a checkpoint at the end), one run "
-    "at a time; resident memory sampled every 0.2 s: the driver (the CLI's process), its "
+    f"`{command}` with the variant's flags and every other at its default (seed 0, 10 "
+    "clients a round, 1 epoch, batch 20, LEAF CNN; evaluation and a checkpoint at the end), "
+    "one run at a time; resident memory sampled every 0.2 s: the driver (the CLI's process), its "
     "TFF worker (its children), the peak of their sum, each after a round (once the round's "
     "row is in `metrics.csv`), and the median `seconds` of a round.",
     "",

@@ -53,7 +53,14 @@ def test_resident_memory_runs_a_one_model_and_a_server_data_algorithm(tmp_path):
 
 
 def test_cli_memory_measures_a_cli_run(tmp_path):
-  text = _run("cli_memory.py", tmp_path / "results.md", "--rounds=1", "--variants=fedavg")
+  text = _run(
+    "cli_memory.py",
+    tmp_path / "results.md",
+    "--rounds=1",
+    "--variants=fedavg",
+    "--cli_flags=--clients_per_round=3",
+  )
+  assert "`python -m tff_ens.main --task=femnist --rounds=1 --clients_per_round=3`" in text
   (row,) = [line for line in text.splitlines() if line.startswith("| fedavg |")]
   worker_peak, driver_peak, total_peak = (float(c) for c in row.split("|")[4:7])
   assert 0 < worker_peak < total_peak and 0 < driver_peak < total_peak

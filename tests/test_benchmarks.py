@@ -72,3 +72,20 @@ def test_worker_memory_runs_fedavg(tmp_path):
     "worker_memory.py", tmp_path / "results.md", "--rounds=2", "--algorithm=fedavg", "--cohorts=2,3"
   )
   assert "fedavg" in text
+
+
+def test_client_state_disk_counts_at_most_three_versions_per_client(tmp_path):
+  text = _run(
+    "client_state_disk.py",
+    tmp_path / "results.md",
+    "--rounds=6",
+    "--checkpoint_every=2",
+    "--timed=2",
+    f"--state_dir={tmp_path}",
+  )
+  rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 105 |")]
+  assert [int(r[2]) for r in rows] == [1, 5]
+  for row in rows:
+    pairs = int(row[3].split(" of ")[0].replace(",", ""))
+    end, peak = (int(row[i].replace(",", "")) for i in (4, 6))
+    assert 0 < pairs <= end <= peak <= 3 * pairs

@@ -40,6 +40,8 @@ def test_rewind_forgets_states_written_after_the_checkpoint(tmp_path):
   store = client_states.ClientStateStore(str(tmp_path), SPEC)
   for round_num in (2, 4, 5, 6):
     store.save(round_num, 0, 0, state(float(round_num)))
+    if round_num in (2, 4):  # Checkpointed.
+      store.prune([2, 4][: round_num // 2])
   store.save(5, 1, 0, state(5.0))
   store.rewind(4)
   assert stored_value(store, 0, 0) == 4.0
@@ -50,18 +52,29 @@ def test_rewind_forgets_states_written_after_the_checkpoint(tmp_path):
   ]
 
 
-def test_prune_keeps_what_a_resume_can_need(tmp_path):
+def test_a_client_keeps_only_what_a_resume_can_need(tmp_path):
   store = client_states.ClientStateStore(str(tmp_path), SPEC)
-  for round_num in (1, 2, 3, 5):
+  store.save(1, 1, 0, state(1.0))  # Client 1 trains once, client 0 every round.
+  checkpoints = []
+  for round_num in range(1, 8):
     store.save(round_num, 0, 0, state(float(round_num)))
-  store.prune(4)
-  # The newest at or before the checkpoint (3) and the later one (5).
+    if round_num in (2, 4):  # Checkpointed, as the round loop does every 2 rounds here.
+      checkpoints.append(round_num)
+      store.prune(checkpoints)
+  # Client 0: its newest at or before each checkpoint (2, 4) and its newest (7); 3, 5 and
+  # 6 were deleted when the next round replaced them.
   assert sorted(os.listdir(tmp_path)) == [
-    "client000000_model000_round0000003.pb",
-    "client000000_model000_round0000005.pb",
+    "client000000_model000_round0000002.pb",
+    "client000000_model000_round0000004.pb",
+    "client000000_model000_round0000007.pb",
+    "client000001_model000_round0000001.pb",
   ]
-  store.rewind(4)
-  assert stored_value(store, 0, 0) == 3.0
+  assert stored_value(store, 0, 0) == 7.0
+  store.rewind(4)  # A resume from the newest checkpoint,
+  assert stored_value(store, 0, 0) == 4.0
+  store.rewind(2)  # or from the older one when the newest is unreadable.
+  assert stored_value(store, 0, 0) == 2.0
+  assert stored_value(store, 1, 0) == 1.0
 
 
 def test_a_half_written_file_is_dropped_and_a_damaged_one_is_named(tmp_path):
@@ -98,6 +111,7 @@ def test_in_files_the_round_names_each_clients_state_and_the_one_it_writes(tmp_p
   spec = dataclasses.replace(SPEC, initial=lambda: state(7.0), in_files=True)
   store = client_states.ClientStateStore(str(tmp_path), spec)
   store.save(2, 4, 1, state(2.0))
+  store.prune([4])  # Round 4 is checkpointed.
   first, second = store.round_inputs(5, [4, 6], [1, 0])
   assert list(first) == [
     str(tmp_path / "client000004_model001_round0000002.pb"),

@@ -16,9 +16,12 @@ checkpoint, which a resume deletes.
 
 A resumed run restarts at its last checkpoint, so states written after that
 round are stale: `rewind` deletes them and the versions written at or before
-the checkpoint take over. `prune`, after each checkpoint, deletes the versions
-no resume can need: all but the newest at or before the oldest checkpoint kept (a resume
-starts there when the newest checkpoint is unreadable and deleted). Stores written as `.npy`
+the checkpoint take over. What a resume can need is, for each (client, key), its newest
+version at or before each checkpoint kept (a resume starts from the older one when the newest
+checkpoint is unreadable and deleted), and the run its newest: `prune` deletes the others
+after each checkpoint, and a version written since the newest checkpoint is deleted as soon
+as a newer one replaces it. So a client keeps at most three versions (one for each of the two
+checkpoints kept and its newest), whatever `--checkpoint_every` is. Stores written as `.npy`
 files by earlier versions are converted when opened.
 """
 
@@ -51,6 +54,9 @@ class ClientStateStore:
     os.makedirs(self._dir, exist_ok=True)
     # (client, model) -> rounds it was written at, ascending.
     self._rounds = collections.defaultdict(list)
+    # The newest checkpoint's round (`rewind`, `prune`): versions after it that a newer one
+    # replaces are needed by no resume.
+    self._newest_checkpoint = 0
     for name in sorted(os.listdir(self._dir)):
       path = os.path.join(self._dir, name)
       if ".tmp" in name:  # Left by a run killed mid-write.
@@ -126,6 +132,8 @@ class ClientStateStore:
     if round_num not in rounds:
       rounds.append(round_num)
       rounds.sort()
+    if len(rounds) > 1 and rounds[-2] > self._newest_checkpoint:
+      os.remove(self._path(client, model, rounds.pop(-2)))
 
   def round_inputs(self, round_num: int, clients, models) -> list:
     """What `next` takes for each (client, model) of round `round_num`: its newest state,
@@ -150,15 +158,22 @@ class ClientStateStore:
         self.save(round_num, int(c), int(m), output)
 
   def rewind(self, round_num: int) -> None:
-    """Forgets the states written after round `round_num` (a resume's start)."""
+    """Forgets the states written after round `round_num` (a resume's start, its newest
+    checkpoint)."""
     for key, rounds in self._rounds.items():
       while rounds and rounds[-1] > round_num:
         os.remove(self._path(*key, rounds.pop()))
+    self._newest_checkpoint = round_num
 
-  def prune(self, round_num: int) -> None:
-    """Deletes versions older than the newest written at or before `round_num`."""
+  def prune(self, checkpoints) -> None:
+    """Deletes the versions no resume can need, given the rounds of the checkpoints kept:
+    all but the newest at or before each of them and the newest of all."""
     for key, rounds in self._rounds.items():
-      kept = [r for r in rounds if r <= round_num][-1:] + [r for r in rounds if r > round_num]
-      for r in set(rounds) - set(kept):
+      kept = {rounds[-1]} if rounds else set()
+      for checkpoint in checkpoints:
+        before = [r for r in rounds if r <= checkpoint]
+        kept.update(before[-1:])
+      for r in set(rounds) - kept:
         os.remove(self._path(*key, r))
-      rounds[:] = kept
+      rounds[:] = sorted(kept)
+    self._newest_checkpoint = max(checkpoints, default=0)

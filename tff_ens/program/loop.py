@@ -104,7 +104,7 @@ def train(
         if round_num % config.checkpoint_every == 0 or is_last or phase_end or stop:
           outputs.save_checkpoint(round_num, held.value)
           if store is not None:
-            store.prune(outputs.oldest_checkpoint())
+            store.prune(outputs.checkpoint_rounds())
       report(round_num, row)
       if stop and not is_last:
         raise experiment.Stopped(

@@ -149,10 +149,10 @@ class RunOutputs:
     """
     return self._resumed
 
-  def oldest_checkpoint(self) -> int:
-    """The round of the oldest checkpoint kept: the earliest a `--resume` can start from
-    (after the newest is deleted as unreadable)."""
-    return self._loop.run_until_complete(self._checkpoints.get_versions())[0]
+  def checkpoint_rounds(self) -> list[int]:
+    """The rounds of the checkpoints kept, ascending: a `--resume` starts from the newest, or
+    from the one before it when the newest is deleted as unreadable."""
+    return list(self._loop.run_until_complete(self._checkpoints.get_versions()))
 
   def resume_hint(self) -> str:
     """Where a stopped run continues from: its last checkpoint, if any."""

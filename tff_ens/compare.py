@@ -133,18 +133,23 @@ def _cells(row: dict) -> list[str]:
   ]
 
 
-def table(runs: Sequence[finished_runs.Run]) -> str:
-  """The comparison table (see `table_rows`), with a footnote for seeds."""
-  rows = table_rows(runs)
-  lines = [_HEADER] + [_cells(r) for r in rows]
-  widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
-  text = [
+def _aligned(header: Sequence[str], cells: list[list[str]]) -> list[str]:
+  """The header and the rows' cells in columns: text left, numbers right."""
+  lines = [list(header)] + cells
+  widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+  return [
     "  ".join(
       cell.ljust(w) if name in _LEFT else cell.rjust(w)
-      for name, cell, w in zip(_HEADER, line, widths)
+      for name, cell, w in zip(header, line, widths)
     ).rstrip()
     for line in lines
   ]
+
+
+def table(runs: Sequence[finished_runs.Run]) -> str:
+  """The comparison table (see `table_rows`), with a footnote for seeds."""
+  rows = table_rows(runs)
+  text = _aligned(_HEADER, [_cells(r) for r in rows])
   if any(r["seed_differs"] for r in rows):
     text.append(
       f"{SEED_DIFFERS} seed differs from #1's ({rows[0]['seed']}): the "
@@ -236,29 +241,24 @@ def _mean_std_cell(value, spec: str = ".4f") -> str:
 def seed_table(runs: Sequence[finished_runs.Run]) -> str:
   """The runs' mean ± standard deviation over seeds (see `seed_table_rows`)."""
   rows = seed_table_rows(runs)
-  lines = [_SEEDS_HEADER] + [
+  text = _aligned(
+    _SEEDS_HEADER,
     [
-      str(r["index"]),
-      r["algorithm"],
-      r["flags"] or "-",
-      str(r["rounds"]),
-      ",".join(str(seed) for seed in r["seeds"]),
-      _mean_std_cell(r["test_accuracy"]),
-      _mean_std_cell(r["per_client_accuracy"]),
-      _mean_std_cell(r["personalized_accuracy"]),
-      _mean_std_cell(r["per_client_difference"], "+.4f"),
-      _mean_std_cell(r["personalized_difference"], "+.4f"),
-    ]
-    for r in rows
-  ]
-  widths = [max(len(line[i]) for line in lines) for i in range(len(_SEEDS_HEADER))]
-  text = [
-    "  ".join(
-      cell.ljust(w) if name in _LEFT else cell.rjust(w)
-      for name, cell, w in zip(_SEEDS_HEADER, line, widths)
-    ).rstrip()
-    for line in lines
-  ]
+      [
+        str(r["index"]),
+        r["algorithm"],
+        r["flags"] or "-",
+        str(r["rounds"]),
+        ",".join(str(seed) for seed in r["seeds"]),
+        _mean_std_cell(r["test_accuracy"]),
+        _mean_std_cell(r["per_client_accuracy"]),
+        _mean_std_cell(r["personalized_accuracy"]),
+        _mean_std_cell(r["per_client_difference"], "+.4f"),
+        _mean_std_cell(r["personalized_difference"], "+.4f"),
+      ]
+      for r in rows
+    ],
+  )
   text.append(
     "mean ± standard deviation over the seeds; vs #1: the per-client or personalized "
     "accuracy minus #1's per-client accuracy of the same seed, over the seeds both have."

@@ -60,9 +60,9 @@ def count_files(writers: int, per_round: int, k: int, directory: str) -> dict:
     if round_num % FLAGS.checkpoint_every == 0:
       checkpoints = (checkpoints + [round_num])[-2:]  # The checkpoints a run keeps.
       store.prune(checkpoints)
-  names = os.listdir(directory)
-  pairs = {name.split("_round")[0] for name in names}
-  return {"end": len(names), "peak": max(peak, len(names)), "pairs": len(pairs)}
+  end = len(os.listdir(directory))
+  pairs = sum(store.stored(c, key) for c in range(writers) for key in range(k))
+  return {"end": end, "peak": max(peak, end), "pairs": pairs}
 
 
 def time_states(state_size: int, directory: str) -> tuple[float, float]:

@@ -55,6 +55,7 @@ from tasks import plays
 from tasks.data import DataError
 from tff_ens.math import ensemble_math
 from tff_ens.math import metrics
+from tff_ens.math import personalization
 
 # The Keras comparison needs TensorFlow: the main environment has it, the device one not.
 reference = (
@@ -95,11 +96,19 @@ def evaluate_classifier(exported: on_device.Classifier, models, data, latency_re
 
 
 def evaluate_ensemble(
-  exported: on_device.Ensemble, models, data, latency_repeats: int, chunk_size: int
+  exported: on_device.Ensemble,
+  models,
+  data,
+  latency_repeats: int,
+  chunk_size: int,
+  personalization_samples: int = 0,
+  seed: int = 0,
 ) -> dict:
   """The file's uniform and personalized accuracies and latency, `chunk_size` examples per
-  signature call; with Keras `models`, theirs and the agreements."""
-  train, test = data.train, data.test
+  signature call; each client personalizes on the run's examples of its own
+  (`personalization.weighting_examples`); with Keras `models`, theirs and the agreements."""
+  train = personalization.weighting_examples(data.train, personalization_samples, seed)
+  test = data.test
   writers = [c for c in test.client_ids if c in train.x]
   tflite, tflite_uniform = {}, {}
   for c in writers:
@@ -210,7 +219,16 @@ def build_report(
     )
   models = run.load_models() if reference is not None else None
   if isinstance(exported, on_device.Ensemble):
-    measured = evaluate_ensemble(exported, models, data, latency_repeats, chunk_size)
+    measured = evaluate_ensemble(
+      exported,
+      models,
+      data,
+      latency_repeats,
+      chunk_size,
+      # A run written before the setting personalized on all of its clients' examples.
+      run.config.get("personalization_samples", 0),
+      run.config.get("seed", 0),
+    )
   else:
     measured = evaluate_classifier(exported, models, data, latency_repeats)
   if data.ood is not None and data.ood.num_examples():

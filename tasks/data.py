@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import dataclasses
 import hashlib
 import logging
+import zlib
 
 import numpy as np
 
@@ -79,6 +80,25 @@ class ClientArrays:
     return ClientArrays(
       ids, {c: self.x[c] for c in ids}, {c: self.y[c] for c in ids}, self.input_shape
     )
+
+  def at_most(self, limit: int, seed: tuple[int, ...]) -> "ClientArrays":
+    """At most `limit` (0: all) examples of each client (`subsample`)."""
+    samples = {c: subsample(self.x[c], self.y[c], limit, seed, c) for c in self.client_ids}
+    return ClientArrays(
+      self.client_ids,
+      {c: x for c, (x, _) in samples.items()},
+      {c: y for c, (_, y) in samples.items()},
+      self.input_shape,
+    )
+
+
+def subsample(x, y, limit: int, seed: tuple[int, ...], client: str):
+  """At most `limit` (0: all) of a client's examples, in order, drawn by `seed` and `client`."""
+  if not limit or len(y) <= limit:
+    return x, y
+  rng = np.random.default_rng([*seed, zlib.crc32(client.encode())])
+  keep = np.sort(rng.choice(len(y), limit, replace=False))
+  return x[keep], y[keep]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,6 @@ import glob
 import logging
 import os
 import re
-import zlib
 
 import numpy as np
 
@@ -359,15 +358,6 @@ def client_id(play: str, role: str) -> str:
   return f"{play}/{role.replace(' ', '_')}"
 
 
-def _subsample(x, y, limit: int, seed: int, client: str):
-  """At most `limit` (0: all) of a client's samples, in order, drawn by `seed` and `client`."""
-  if not limit or len(y) <= limit:
-    return x, y
-  rng = np.random.default_rng([seed, 9, zlib.crc32(client.encode())])
-  keep = np.sort(rng.choice(len(y), limit, replace=False))
-  return x[keep], y[keep]
-
-
 def _client_arrays(samples: dict) -> ClientArrays:
   ids = tuple(sorted(samples))
   return ClientArrays(
@@ -410,12 +400,12 @@ def load_roles(
   for c in ids:
     x, y = windows(encode(texts[c]))
     if c in held_out:
-      new[c] = _subsample(x, y, eval_samples, seed, c)
+      new[c] = data_lib.subsample(x, y, eval_samples, (seed, 9), c)
       continue
     train_stop, test_start = split_role(len(y))
     train[c] = x[:train_stop], y[:train_stop]
     if test_start < len(y):
-      test[c] = _subsample(x[test_start:], y[test_start:], eval_samples, seed, c)
+      test[c] = data_lib.subsample(x[test_start:], y[test_start:], eval_samples, (seed, 9), c)
   new_clients = _client_arrays(new)
   logging.info(
     "%s: %d roles with %d+ characters: %d training clients, %d held out",

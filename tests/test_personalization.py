@@ -1,10 +1,12 @@
 """Tests of `tff_ens.math.personalization` (Shi et al., arXiv:2107.10663, eq. 3-4)."""
 
 import math
+import types
 
 import numpy as np
 import pytest
 
+from tasks.data import ClientArrays
 from tff_ens.math import ensemble_math
 from tff_ens.math import personalization
 
@@ -135,3 +137,54 @@ class TestChooseTemperature:
     first = personalization.choose_temperature(probs, labels, seed=5)
     assert personalization.choose_temperature(probs, labels, seed=5) == first
     assert first in personalization.TEMPERATURE_GRID
+
+
+def _clients(sizes, seed):
+  rng = np.random.default_rng(seed)
+  ids = tuple(f"c{i}" for i in range(len(sizes)))
+  return ClientArrays(
+    ids,
+    {c: rng.random((n, 2, 2, 1), dtype=np.float32) for c, n in zip(ids, sizes)},
+    {c: rng.integers(0, 3, n).astype(np.int32) for c, n in zip(ids, sizes)},
+    (2, 2, 1),
+  )
+
+
+def test_weighting_examples_are_at_most_the_limit_of_each_clients_own_in_order():
+  train = _clients([5, 50, 200], seed=0)
+  kept = personalization.weighting_examples(train, 20, seed=3)
+  assert [kept.num_examples(c) for c in kept.client_ids] == [5, 20, 20]
+  for c in train.client_ids:
+    rows = [np.flatnonzero((train.x[c] == row).all((1, 2, 3)))[0] for row in kept.x[c]]
+    assert rows == sorted(set(rows))  # Distinct rows of the client's own, in order.
+    np.testing.assert_array_equal(kept.y[c], train.y[c][rows])
+  again = personalization.weighting_examples(train, 20, seed=3)
+  other = personalization.weighting_examples(train, 20, seed=4)
+  np.testing.assert_array_equal(kept.y["c2"], again.y["c2"])
+  assert not np.array_equal(kept.x["c2"], other.x["c2"])
+  everything = personalization.weighting_examples(train, 0, seed=3)
+  assert all(everything.x[c] is train.x[c] for c in train.client_ids)
+
+
+def test_the_summarys_personalized_weights_come_from_the_weighting_examples():
+  import tensorflow_federated as tff
+
+  from tests import tiny
+  from tff_ens.program import reporting
+
+  data = types.SimpleNamespace(train=_clients([300, 400], seed=1), test=_clients([30, 40], 2))
+  evaluator = reporting.Evaluator(tiny.tiny_model)
+  models = [tff.learning.models.ModelWeights.from_model(tiny.tiny_model(s)) for s in (0, 5, 9)]
+  member_test = evaluator.member_probabilities(models, data.test)
+
+  def summary(train, samples):
+    config = types.SimpleNamespace(
+      personalization_samples=samples, personalization_temperature=0.3, seed=7
+    )
+    split = types.SimpleNamespace(train=train, test=data.test)
+    return evaluator.ensemble_summary(models, split, member_test, config)
+
+  capped = summary(data.train, 50)
+  by_hand = summary(personalization.weighting_examples(data.train, 50, seed=7), 0)
+  assert capped["personalized_test_loss"] == by_hand["personalized_test_loss"]
+  assert capped["personalized_test_loss"] != summary(data.train, 0)["personalized_test_loss"]

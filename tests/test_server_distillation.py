@@ -463,6 +463,30 @@ def test_one_round_distills_from_the_cohort(method):
     np.testing.assert_array_equal(a, b)
 
 
+def test_fedbe_without_distillation_is_fedavgs_model_with_fedbes_teachers():
+  datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
+  local = client_work.LocalTrainingConfig(learning_rate=0.5)
+  fedavg = algorithms.build_algorithm("fedavg", lambda k=0: tiny_model(), SPEC, local).process
+  fedavg_state, *_ = fedavg.next(fedavg.initialize(), datasets)
+  distilled = _algorithm("fedbe", distill_steps=25, fedbe_samples=2).process
+  plain = _algorithm("fedbe", distill_steps=25, fedbe_samples=2, fedbe_distill=False).process
+  _, _, distilled_teachers = distilled.next(distilled.initialize(), datasets)
+  state, metrics, teachers = plain.next(plain.initialize(), datasets)
+  # The round's model is the clients' weight average, FedAvg's, with no student step.
+  for a, b in zip(
+    tf.nest.flatten(plain.get_model_weights(state)),
+    tf.nest.flatten(fedavg.get_model_weights(fedavg_state)),
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  assert metrics["finalizer"]["distilled"] == 0 and metrics["finalizer"]["distill_steps"] == 0
+  # The teachers are the distilling run's: the same average, clients and samples.
+  np.testing.assert_allclose(
+    teachers.predict(SERVER.validation_x)["probabilities"],
+    distilled_teachers.predict(SERVER.validation_x)["probabilities"],
+    rtol=1e-6,
+  )
+
+
 def test_upload_is_one_model_as_fedavg():
   local = client_work.LocalTrainingConfig(learning_rate=0.5)
   built = algorithms.build_algorithm(

@@ -22,8 +22,15 @@ SWA_CYCLE_STEPS = 25
 
 @settings.group
 class Settings:
-  """FedBE's student: SWA and its warm-up."""
+  """FedBE's student: whether there is one, SWA and its warm-up."""
 
+  distill: bool = setting(
+    True,
+    "FedBE: distill the teachers into the global model (False: the global model is the "
+    "clients' weight average and the teachers only predict, ensemble_test_accuracy: the "
+    "Fed-ensemble paper's 'FedBE without distillation', Table II).",
+    flag="fedbe_distill",
+  )
   swa: bool = setting(True, "FedBE: distill with SWA (False: plain SGD, the paper's 'w/o SWA').")
   # The paper's 250 steps of the authors' code's budget, 20 epochs of 10,000 images in batches
   # of 128 (1,580 steps); their code itself starts after 500 steps. A fraction, not steps, so
@@ -74,12 +81,13 @@ def distillation_config(
 
 def server_config(context: algorithm.BuildContext) -> server_distillation.ServerDistillationConfig:
   """FedBE's server step for the run of `context` (FedPPD+Distill's too)."""
-  shared = context.group(server_distillation.Settings)
+  shared, own = context.group(server_distillation.Settings), context.group(Settings)
   return server_distillation.ServerDistillationConfig.of(
     "fedbe",
     shared,
-    distillation_config(shared, context.group(Settings)),
+    distillation_config(shared, own),
     posterior=context.group(weight_posterior.WeightPosterior),
+    distill_student=own.distill,
     seed=context.seed,
   )
 

@@ -31,6 +31,12 @@ def personalization_weights(losses: np.ndarray, temperature: float) -> np.ndarra
   return ensemble_math.personalization_weights(np.asarray(losses, np.float64), temperature)
 
 
+def weighting_examples(train, limit: int, seed: int):
+  """The training examples (`tasks.data.ClientArrays`) each client weights the members on:
+  at most `limit` (0: all) of its own, a subsample drawn by `seed`."""
+  return train.at_most(limit, (seed, 10))
+
+
 def choose_temperature(
   member_train_probs: Mapping[str, np.ndarray],
   train_labels: Mapping[str, np.ndarray],

@@ -61,19 +61,23 @@ class Evaluator:
     return metrics.classification_summary(probs, split.y, prefix)
 
   def ensemble_summary(
-    self, models: list, data, member_test: dict, temperature: float, seed: int
+    self, models: list, data, member_test: dict, config: experiment.ExperimentConfig
   ) -> dict:
     """Fed-ensemble's metrics: members, personalized weights, uncertainty."""
     clients = [c for c in data.test.client_ids if c in data.train.x]
-    member_train = self.member_probabilities(models, data.train)
+    train = personalization.weighting_examples(
+      data.train, config.personalization_samples, config.seed
+    )
+    member_train = self.member_probabilities(models, train)
+    temperature = config.personalization_temperature
     if not temperature:
-      temperature = personalization.choose_temperature(member_train, data.train.y, seed=seed)
+      temperature = personalization.choose_temperature(member_train, train.y, seed=config.seed)
     all_members = np.concatenate([member_test[c] for c in clients], axis=1)
     y = np.concatenate([data.test.y[c] for c in clients])
     personalized, personalized_nll = {}, []
     for c in clients:
       alpha = personalization.personalization_weights(
-        ensemble_math.member_losses(member_train[c], data.train.y[c]), temperature
+        ensemble_math.member_losses(member_train[c], train.y[c]), temperature
       )
       probs = ensemble_math.mixture(member_test[c], alpha)
       personalized[c] = metrics.accuracy(probs, data.test.y[c])
@@ -148,11 +152,7 @@ def write_summary(run, data, algorithm, state, outputs, evaluator, last, pool=No
   member_test = member_probabilities(data.test)
   summary = evaluator.summary(models, data.test, member_probs=member_test)
   if len(models) > 1:
-    summary.update(
-      evaluator.ensemble_summary(
-        models, data, member_test, config.personalization_temperature, config.seed
-      )
-    )
+    summary.update(evaluator.ensemble_summary(models, data, member_test, config))
   rows = outputs.metrics_rows()
   if run.algorithm.server_data:
     device = last.teachers.device if last.teachers is not None else None

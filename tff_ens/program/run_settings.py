@@ -75,6 +75,13 @@ class RunSettings:
     "it from training data.",
     at_least=0,
   )
+  personalization_samples: int = setting(
+    1_000,
+    "Ensembles: personalized weights (and tau) from at most N of each client's training "
+    "examples, a seeded subsample (0: all); it bounds the summary's cost on clients with much "
+    "data, such as Shakespeare's.",
+    at_least=0,
+  )
   server_data: str | None = setting(
     None,
     "The server's unlabeled data (FedBE, FedDF, batch-norm recalibration): a LEAF directory, a "

@@ -119,6 +119,8 @@ class ServerDistillationConfig:
       Sec. 4: the mean probabilities) and 0.5 for vdistill (Sec. 5); the
       authors' code sharpens both with 0.5.
     drop_worst: FedDF's drop-worst (`drop_worst.DropWorst`), or None to keep every client.
+    distill_student: False leaves the student out: the round's model is the clients' weight
+      average, and the teachers only predict (FedBE's `--fedbe_distill=False`).
     teacher_labels: which unlabeled images the teachers label each round, one of
       TEACHER_LABELS: "read", the rows the student's minibatches will read (drawn from the
       round's seed before it reads them, `server_data.read_rows`), at most its budget
@@ -135,6 +137,7 @@ class ServerDistillationConfig:
   posterior: weight_posterior.WeightPosterior = weight_posterior.WeightPosterior()
   sharpen_temperature: Optional[float] = setting(None, above=0)
   drop_worst: drop_worst_lib.DropWorst | None = None
+  distill_student: bool = True
   teacher_labels: str = setting("read", choices=TEACHER_LABELS)
   device: str = "/CPU:0"
   seed: int = 0
@@ -363,7 +366,8 @@ class DistillationStep:
         )
       if not received:  # No client this round: the model stays as it was.
         new_weights = global_weights
-      elif not bool(informative):  # Drop-worst dropped every client: their average.
+      elif not bool(informative) or not config.distill_student:
+        # Drop-worst dropped every client, or no student: their average.
         new_weights = average
       else:
         read = rows_read(config, self.data.unlabeled, [seed])
@@ -383,7 +387,7 @@ class DistillationStep:
       average_validation_accuracy=average_accuracy,
       teachers_validation_accuracy=teachers_accuracy,
       dropped_clients=num_dropped,
-      distilled=int(received and bool(informative)),
+      distilled=int(received and bool(informative) and config.distill_student),
       distill_steps=stats["steps"],
       distill_examples=stats["examples"],
       server_seconds=time.perf_counter() - start,

@@ -76,7 +76,7 @@ class RunSettings:
     at_least=0,
   )
   personalization_samples: int = setting(
-    1_000,
+    200,
     "Ensembles: personalized weights (and tau) from at most N of each client's training "
     "examples, a seeded subsample (0: all); it bounds the summary's cost on clients with much "
     "data, such as Shakespeare's.",

@@ -189,7 +189,30 @@ def test_seed_table_is_the_mean_and_std_over_seeds_and_pairs_by_seed(run_dirs, r
 def test_accuracy_curve_is_metrics_csv(run_dirs, runs):
   for run, path in zip(runs, run_dirs.values()):
     rows = read_metrics(path)
-    assert run.test_accuracy_by_round() == ([1, 2], [float(r["test_accuracy"]) for r in rows])
+    assert run.accuracy_by_round() == ([1, 2], [float(r["test_accuracy"]) for r in rows])
+
+
+def test_accuracy_figure_draws_the_teachers_of_a_run_that_measured_them(run_dirs, tmp_path):
+  # A run as FedBE's writes it: metrics.csv with the teachers' test accuracy.
+  with_teachers = tmp_path / "with_teachers"
+  shutil.copytree(run_dirs["fedavg"], with_teachers)
+  rows = read_metrics(with_teachers)
+  for row in rows:
+    row["teachers_test_accuracy"] = str(float(row["test_accuracy"]) / 2)
+  with open(with_teachers / run_files.METRICS_FILE, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+  plain, teachers = (finished_runs.load_run(str(p)) for p in (run_dirs["fedavg"], with_teachers))
+  assert teachers.accuracy_by_round("teachers_test_accuracy") == (
+    [1, 2],
+    [float(r["test_accuracy"]) / 2 for r in rows],
+  )
+  assert plain.accuracy_by_round("teachers_test_accuracy") == ([], [])
+  compare.plot_accuracy([plain], tmp_path / "plain.png")
+  compare.plot_accuracy([teachers], tmp_path / "teachers.png")
+  drawn = [image.imread(tmp_path / name) for name in ("plain.png", "teachers.png")]
+  assert drawn[0].shape == drawn[1].shape and not np.array_equal(*drawn)
 
 
 def test_per_writer_accuracies_are_the_runs_and_its_models(run_dirs, runs, tmp_path):

@@ -8,7 +8,8 @@ round, and each run's accuracy difference to the first run, marked when their
 seeds differ). Runs that differ only in their seed are also summarized over their seeds
 (`seed_table`: mean ± standard deviation, and the per-client accuracy's difference to the
 first configuration paired by seed). With --output, also writes `test_accuracy_by_round.png` (each
-run's test accuracy against the round, from metrics.csv) and
+run's test accuracy against the round, from metrics.csv, and dashed its teachers' where FedBE's
+or FedDF's server step measured them) and
 `per_writer_accuracy.png` (each run's accuracy on every test writer). A run's
 per-writer accuracies are read from its `per_client_accuracy.json` when it has
 one; otherwise its saved model(s) are evaluated on its task's test writers,
@@ -286,12 +287,23 @@ def _new_figure(width: float, height: float) -> figure.Figure:
 
 
 def plot_accuracy(runs: Sequence[finished_runs.Run], path: str) -> None:
-  """Writes each run's test accuracy against the round to `path` (PNG)."""
+  """Writes each run's test accuracy against the round to `path` (PNG), and dashed in
+  the same color its teachers' where the server step has teachers (FedBE, FedDF)."""
   fig = _new_figure(8, 5)
   axes = fig.add_subplot()
   for index, run in enumerate(runs, 1):
-    rounds, accuracies = run.test_accuracy_by_round()
-    axes.plot(rounds, accuracies, marker="o", label=_label(index, run))
+    rounds, accuracies = run.accuracy_by_round()
+    (line,) = axes.plot(rounds, accuracies, marker="o", label=_label(index, run))
+    rounds, accuracies = run.accuracy_by_round("teachers_test_accuracy")
+    if rounds:
+      axes.plot(
+        rounds,
+        accuracies,
+        linestyle="--",
+        marker="x",
+        color=line.get_color(),
+        label=f"#{index} {run.name}: its teachers",
+      )
   axes.set_xlabel("round")
   axes.set_ylabel("test accuracy")
   axes.set_title("Test accuracy by round")

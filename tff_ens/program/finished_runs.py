@@ -93,10 +93,11 @@ class Run:
       and (k in variant or k not in _DEFAULTS or self.config[k] != _DEFAULTS[k])
     )
 
-  def test_accuracy_by_round(self) -> tuple[list[int], list[float]]:
-    """(rounds, test accuracies) of the metrics.csv rows that evaluated."""
-    evaluated = [r for r in self.metrics if r.get("test_accuracy")]
-    return ([int(r["round"]) for r in evaluated], [float(r["test_accuracy"]) for r in evaluated])
+  def accuracy_by_round(self, key: str = "test_accuracy") -> tuple[list[int], list[float]]:
+    """(rounds, values) of the metrics.csv rows that measured `key` (the model's test
+    accuracy; FedBE's, FedDF's teachers': teachers_test_accuracy)."""
+    evaluated = [r for r in self.metrics if r.get(key)]
+    return ([int(r["round"]) for r in evaluated], [float(r[key]) for r in evaluated])
 
   def model_paths(self) -> list[str]:
     """`model.keras`, or the ensemble's `members/member_k.keras` in order."""

@@ -5,10 +5,13 @@ import types
 
 import numpy as np
 import pytest
+import tensorflow_federated as tff
 
 from tasks.data import ClientArrays
 from tff_ens.math import ensemble_math
 from tff_ens.math import personalization
+from tff_ens.program import reporting
+from tiny import tiny_model
 
 
 class TestPersonalizationWeights:
@@ -167,14 +170,9 @@ def test_weighting_examples_are_at_most_the_limit_of_each_clients_own_in_order()
 
 
 def test_the_summarys_personalized_weights_come_from_the_weighting_examples():
-  import tensorflow_federated as tff
-
-  from tests import tiny
-  from tff_ens.program import reporting
-
   data = types.SimpleNamespace(train=_clients([300, 400], seed=1), test=_clients([30, 40], 2))
-  evaluator = reporting.Evaluator(tiny.tiny_model)
-  models = [tff.learning.models.ModelWeights.from_model(tiny.tiny_model(s)) for s in (0, 5, 9)]
+  evaluator = reporting.Evaluator(tiny_model)
+  models = [tff.learning.models.ModelWeights.from_model(tiny_model(s)) for s in (0, 5, 9)]
   member_test = evaluator.member_probabilities(models, data.test)
 
   def summary(train, samples):

@@ -101,8 +101,8 @@ def evaluate_ensemble(
   data,
   latency_repeats: int,
   chunk_size: int,
-  personalization_samples: int = 0,
-  seed: int = 0,
+  personalization_samples: int,
+  seed: int,
 ) -> dict:
   """The file's uniform and personalized accuracies and latency, `chunk_size` examples per
   signature call; each client personalizes on the run's examples of its own

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import grpc
 import portpicker
 import tensorflow_federated as tff
+from tensorflow_federated.proto.v0 import executor_pb2
 
 from tff_ens.execution import worker_process
 
@@ -47,6 +48,7 @@ class _Worker:
   """The one worker of the installed context, for `ResidentState`."""
 
   stub: tff.framework.RemoteExecutorGrpcStub
+  channel: grpc.Channel
   address: str
   process: Optional[subprocess.Popen]
   executors: list  # Closed when the context exits.
@@ -246,7 +248,7 @@ def execution_context(
     if not hasattr(_installed, "workers"):
       _installed.workers = []
     _installed.workers.append(
-      _Worker(stub, addresses[0], process, executors) if len(factories) == 1 else None
+      _Worker(stub, channel, addresses[0], process, executors) if len(factories) == 1 else None
     )
     try:
       with tff.framework.get_context_stack().install(context):
@@ -262,6 +264,40 @@ def execution_context(
     finally:
       if process is not None:
         worker_process.stop_worker(process)
+
+
+_EXECUTOR_SERVICE = "/tensorflow_federated.v0.ExecutorGroup/"
+
+
+class _CopyingExecutor(tff.framework.RemoteExecutor):
+  """TFF's remote executor that can also make a worker's value again from its bytes."""
+
+  def __init__(self, stub, channel: grpc.Channel, **kwargs):
+    super().__init__(stub, **kwargs)
+    # Without (de)serializers: the serialized value passes through as bytes.
+    self._compute_bytes = channel.unary_unary(
+      _EXECUTOR_SERVICE + "Compute",
+      request_serializer=executor_pb2.ComputeRequest.SerializeToString,
+    )
+    self._create_from_bytes = channel.unary_unary(
+      _EXECUTOR_SERVICE + "CreateValue",
+      response_deserializer=executor_pb2.CreateValueResponse.FromString,
+    )
+
+  async def copy(self, value):
+    """A new value on the worker with `value`'s contents, created from its serialized form
+    (which passes through this process as bytes, not parsed); it depends on no earlier call."""
+    computed = self._compute_bytes(
+      executor_pb2.ComputeRequest(executor=self._executor_id, value_ref=value.reference)
+    )
+    # The value is field 1 of both messages: the request is the response's bytes and the
+    # executor's field.
+    request = (
+      computed + executor_pb2.CreateValueRequest(executor=self._executor_id).SerializeToString()
+    )
+    del computed
+    created = self._create_from_bytes(request)
+    return type(value)(created.value_ref, value.type_signature, self)
 
 
 class ResidentState:
@@ -287,18 +323,22 @@ class ResidentState:
   held round after round, the worker grew by 0.7 GB a round for
   v-Distillation (ten client models collected) and up to 0.4 GB for a K=5
   Fed-ensemble, where it stays flat when the state moves through Python
-  (benchmarks/RESULTS.md, "State on the worker and worker memory"). So the
-  chain is cut by re-uploading the state from Python: in the round after
-  `value` downloaded it anyway (evaluation, checkpoints), and every N rounds
-  held, N being the rounds it took a local worker to grow by
-  `max_growth_bytes` after the first round (every round for a remote worker,
-  whose memory is not visible here).
+  (benchmarks/RESULTS.md, "State on the worker and worker memory"): each of its
+  TensorFlow calls keeps its arguments for as long as its result lives. So the
+  chain is cut by a fresh copy of the state, made on the worker from the
+  state's serialized bytes (`_CopyingExecutor.copy`, which holds no earlier
+  value): with the default `max_growth_bytes` of 0 after every round (a K=5
+  Fed-ensemble's worker held 1 to 2 GiB less than with a cut every few
+  rounds), else every N rounds held, N being the rounds it took a local worker
+  to grow by `max_growth_bytes` after the first round (every round for a
+  remote worker, whose memory is not visible here). The state is also uploaded
+  again in the round after `value` downloaded it.
 
   With a context over several workers (TFF's mergeable form) the state goes
   through the context as usual.
   """
 
-  def __init__(self, next_computation, state, *, max_growth_bytes: int = 2 * 2**30):
+  def __init__(self, next_computation, state, *, max_growth_bytes: int = 0):
     """`next_computation`: a TFF computation `(state, *args) -> (state, metrics)`, or a
     Python function (a `server_step.DriverProcess`'s `next`), whose state is in Python."""
     self._next = next_computation
@@ -308,7 +348,7 @@ class ResidentState:
     self._max_growth_bytes = max_growth_bytes
     self._first_rss = None  # The local worker's RSS after the first round.
     self._rounds_held = 0  # Rounds since the state was last uploaded.
-    self._cut_every = None  # N of the class doc, once measured.
+    self._cut_every = None if max_growth_bytes else 1  # N of the class doc, once measured.
     self._executor = None
     self._clients = None
     self._comp = None
@@ -363,7 +403,9 @@ class ResidentState:
       )
     self._rounds_held += 1
     if self._cut_due():
-      _ = self.value  # Downloads the state; the next round uploads it.
+      with self._worker_errors():
+        self._remote = self._run(self._executor.copy(self._remote))
+      self._rounds_held = 0
     return results[0] if len(results) == 1 else results
 
   def _cut_due(self) -> bool:
@@ -395,7 +437,7 @@ class ResidentState:
     worker_process.wait_until_serving(self._worker.stub, self._worker.address, self._worker.process)
     # Values are disposed on the worker as soon as Python drops them, so
     # a replaced state does not wait there for a batch of 20.
-    self._executor = tff.framework.RemoteExecutor(self._worker.stub, dispose_batch_size=1)
+    self._executor = _CopyingExecutor(self._worker.stub, self._worker.channel, dispose_batch_size=1)
     self._executor.set_cardinalities({tff.CLIENTS: clients})
     self._worker.executors.append(self._executor)
     self._clients = clients

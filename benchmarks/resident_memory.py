@@ -11,7 +11,7 @@ fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05; K = 5 for
 Fed-ensemble), each way in a fresh worker: the state through Python every
 round; held on the worker without a cut (`runtime.ResidentState` with no
 memory budget); and held as the CLI holds it (`ResidentState`'s default
-budget, after which the state is uploaded again every N rounds), each in the
+copy of the state made on the worker every round), each in the
 `--places` given; and with each `--client_transport` of `--transports` where
 it matters (a server step's collected updates, clients' states). It prints
 the worker's resident memory after rounds 1, 5, 10 and the last, its peak,

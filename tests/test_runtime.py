@@ -428,18 +428,24 @@ def _held_run(max_growth_bytes, rounds):
 
 def test_resident_state_cuts_the_workers_chain_of_held_states():
   # TFF's worker keeps a call's per-client values alive while a state derived
-  # from the call is, back to the last state uploaded: held without a cut,
-  # three clients' 10 MB values pile up round after round (measured: 27 MB a
-  # round). With a 20 MB budget the state is re-uploaded every few rounds.
-  # How flat the worker's memory then stays is measured by
-  # benchmarks/resident_memory.py, not here: the plateau's height varies with
-  # the machine's load (CI once measured it still rising by 100 MB).
+  # from the call is, back to the last fresh state: held without a cut, three
+  # clients' 10 MB values pile up round after round (measured: 27 MB a round).
+  # By default the state is copied from its bytes on the worker every round;
+  # with a 20 MB budget, every few rounds. How flat the worker's memory then
+  # stays is measured by benchmarks/resident_memory.py, not here: the plateau's
+  # height varies with the machine's load (CI once measured it still rising by
+  # 100 MB with a cut every few rounds).
   rounds = 24
   rss_uncut, state_uncut, uncut_every = _held_run(2**40, rounds)
   _, state_cut, cut_every = _held_run(20 * 2**20, rounds)
-  assert rss_uncut.max() - rss_uncut[0] > 150e6
+  rss_copied, state_copied, copied_every = _held_run(0, rounds)
+  uncut_growth = rss_uncut.max() - rss_uncut[0]
+  assert uncut_growth > 150e6
   assert uncut_every is None
   assert cut_every is not None and cut_every <= 4
+  assert copied_every == 1
+  assert rss_copied.max() - rss_copied[0] < uncut_growth / 2
   np.testing.assert_array_equal(state_cut, state_uncut)
+  np.testing.assert_array_equal(state_copied, state_uncut)
   # Every round adds 1 + 2 + 3 to half the previous value.
   np.testing.assert_allclose(state_cut[:3], 12 * (1 - 0.5**rounds), rtol=1e-6)

@@ -1,7 +1,7 @@
 r"""Peak memory of each algorithm's default CLI run: the driver's and TFF's worker's.
 
   uv run python benchmarks/cli_memory.py [--rounds=10] [--variants=fedavg,fedppd_distill]
-      [--environments=,GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4194304]
+      [--settings=,GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4194304,--worker_growth_mib=0]
       [--data_dir=FULL_SIZE_DIR --cli_flags=--clients_per_round=100 --rounds=20]
 
 Runs `python -m tff_ens.main --task=femnist --rounds=N` as a user does (every
@@ -13,10 +13,11 @@ counts the rounds in `metrics.csv` (`--cli_flags` adds flags to every run: the f
 FEMNIST's 100-client rounds). It prints each one's peak, the peak of their
 sum, both after round 5 and after the last round (the first sample once that
 round's row is written), the worker's growth between the two, and the median
-`seconds` of a round. With `--environments`, each variant runs once per environment
-setting (`NAME=VALUE`, the worker inherits it; empty: this process' environment), one
-after the other, and the table gives each run's median round against the variant's first
-setting. Writes the section "## Memory of the CLI's default runs" of `--results`.
+`seconds` of a round. With `--settings`, each variant runs once per setting (`NAME=VALUE`:
+an environment variable, which the worker inherits; `--FLAG=VALUE`: a flag of the run;
+empty: neither), one after the other, and the table gives each run's median round against
+the variant's first setting. Writes the section "## Memory of the CLI's default runs" of
+`--results`.
 """
 
 import csv
@@ -49,9 +50,10 @@ flags.DEFINE_list(
   "(benchmarks/full_size_femnist.py) given as --data_dir.",
 )
 flags.DEFINE_list(
-  "environments",
+  "settings",
   [""],
-  "NAME=VALUE set for each variant's runs, one run per entry (empty: none).",
+  "One run of each variant per entry: NAME=VALUE in its environment, or --FLAG=VALUE a flag "
+  "of the run (empty: neither).",
 )
 
 FLAGS = flags.FLAGS
@@ -66,21 +68,24 @@ def _rows(path: str) -> int:
     return 0
 
 
-def _environment(setting: str) -> dict[str, str]:
-  """This process' environment with `setting` (`NAME=VALUE`, or empty) added."""
+def _run_setting(setting: str) -> tuple[dict[str, str], list[str]]:
+  """The environment and extra flags of a run with `setting` (`NAME=VALUE`, `--FLAG=VALUE`
+  or empty)."""
   if not setting:
-    return dict(os.environ)
+    return dict(os.environ), []
   name, equals, value = setting.partition("=")
-  if not equals or not name:
-    raise app.UsageError(f"--environments entry {setting!r} is not NAME=VALUE")
-  return {**os.environ, name: value}
+  if not equals or not name.strip("-"):
+    raise app.UsageError(f"--settings entry {setting!r} is not NAME=VALUE or --FLAG=VALUE")
+  if name.startswith("--"):
+    return dict(os.environ), [setting]
+  return {**os.environ, name: value}, []
 
 
-def measure(variant: str, output_dir: str, environment: dict[str, str]) -> dict:
-  """Runs the CLI for `variant` in `environment`, sampling its memory; the peaks (bytes),
-  the memory after each round (`after[r] = (driver, worker)`) and the seconds of each
-  round."""
-  command = report.cli_command(variant, FLAGS.rounds, output_dir, *FLAGS.cli_flags)
+def measure(variant: str, output_dir: str, environment: dict[str, str], extra: list[str]) -> dict:
+  """Runs the CLI for `variant` with the `extra` flags in `environment`, sampling its memory;
+  the peaks (bytes), the memory after each round (`after[r] = (driver, worker)`) and the
+  seconds of each round."""
+  command = report.cli_command(variant, FLAGS.rounds, output_dir, *FLAGS.cli_flags, *extra)
   metrics = os.path.join(output_dir, "metrics.csv")
   result = dict(driver=0, worker=0, total=0, after={})
   with open(output_dir + ".log", "w") as log:
@@ -115,19 +120,19 @@ def main(argv):
   run = report.start(argv)
   gib = lambda b: f"{b / 2**30:.2f}"
   # Parsed once, so a bad entry fails before the first run.
-  environments = [(setting, _environment(setting)) for setting in FLAGS.environments]
+  settings = [(setting, *_run_setting(setting)) for setting in FLAGS.settings]
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for i, variant in enumerate(FLAGS.variants):
-      for j, (setting, environment) in enumerate(environments):
-        m = measure(variant, os.path.join(tmp, f"run{i}_{j}"), environment)
+      for j, (setting, environment, extra) in enumerate(settings):
+        m = measure(variant, os.path.join(tmp, f"run{i}_{j}"), environment, extra)
         after = m["after"]
         last = after.get(FLAGS.rounds, (0, 0))
         mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
         growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
         median = statistics.median(m["seconds"])
         if j == 0:
-          first_median = median  # The ratio's base: the variant's first environment.
+          first_median = median  # The ratio's base: the variant's first setting.
         rows.append(
           f"| {variant} | `{' '.join(report.variant_flags(variant))}` | "
           f"{f'`{setting}`' if setting else '-'} | "
@@ -151,10 +156,10 @@ def main(argv):
     "",
     *report.run_facts(run, "benchmarks/cli_memory.py"),
     "",
-    "| variant | flags | environment | worker peak GiB | driver peak GiB | "
+    "| variant | flags | setting | worker peak GiB | driver peak GiB | "
     f"worker + driver peak GiB | worker after round {r5} | worker after round {rn} | "
     f"worker growth | driver after round {r5} | driver after round {rn} | median s/round | "
-    "round time against the variant's first environment |",
+    "round time against the variant's first setting |",
     "| --- | --- | --- |" + " ---: |" * 10,
     *rows,
   ]

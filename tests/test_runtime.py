@@ -430,8 +430,8 @@ def test_resident_state_cuts_the_workers_chain_of_held_states():
   # TFF's worker keeps a call's per-client values alive while a state derived
   # from the call is, back to the last fresh state: held without a cut, three
   # clients' 10 MB values pile up round after round (measured: 27 MB a round).
-  # By default the state is copied from its bytes on the worker every round;
-  # with a 20 MB budget, every few rounds. How flat the worker's memory then
+  # With a 20 MB budget the state is copied from its bytes on the worker every
+  # few rounds; with 0, every round. How flat the worker's memory then
   # stays is measured by benchmarks/resident_memory.py, not here: the plateau's
   # height varies with the machine's load (CI once measured it still rising by
   # 100 MB with a cut every few rounds).

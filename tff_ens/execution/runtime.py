@@ -300,6 +300,10 @@ class _CopyingExecutor(tff.framework.RemoteExecutor):
     return type(value)(created.value_ref, value.type_signature, self)
 
 
+# `ResidentState`'s default growth budget (the CLI's --worker_growth_mib).
+MAX_GROWTH_BYTES = 2**30
+
+
 class ResidentState:
   """Runs `next(state, *args) -> (state, metrics)` keeping the state on the worker.
 
@@ -327,19 +331,19 @@ class ResidentState:
   TensorFlow calls keeps its arguments for as long as its result lives. So the
   chain is cut by a fresh copy of the state, made on the worker from the
   state's serialized bytes (`_CopyingExecutor.copy`, which holds no earlier
-  value): with the default `max_growth_bytes` of 0 after every round (a K=5
-  Fed-ensemble's worker peaked 0.8 to 1.3 GiB lower than with a cut every four
-  rounds, and its rounds took longer: the copy moves the state twice), else
-  every N rounds held, N being the rounds it took a local worker
-  to grow by `max_growth_bytes` after the first round (every round for a
-  remote worker, whose memory is not visible here). The state is also uploaded
-  again in the round after `value` downloaded it.
+  value), every N rounds held, N being the rounds it took a local worker to
+  grow by `max_growth_bytes` after the first round (every round when it is 0,
+  and for a remote worker, whose memory is not visible here). A copy every
+  round kept a K=5 Fed-ensemble's worker 0.8 to 1.3 GiB lower than one every
+  four, and its rounds took longer: the copy moves the state twice
+  (benchmarks/RESULTS.md, "The worker's chain of held states"). The state is
+  also uploaded again in the round after `value` downloaded it.
 
   With a context over several workers (TFF's mergeable form) the state goes
   through the context as usual.
   """
 
-  def __init__(self, next_computation, state, *, max_growth_bytes: int = 0):
+  def __init__(self, next_computation, state, *, max_growth_bytes: int = MAX_GROWTH_BYTES):
     """`next_computation`: a TFF computation `(state, *args) -> (state, metrics)`, or a
     Python function (a `server_step.DriverProcess`'s `next`), whose state is in Python."""
     self._next = next_computation

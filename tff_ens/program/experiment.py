@@ -93,6 +93,7 @@ RESUME_FREE_KEYS = (
   "output_dir",  # A run's directory moved elsewhere resumes there.
   "resume",
   "max_concurrent_clients",
+  "worker_growth_mib",
   "workers",
   "device_processes",
   "distill_curve_every",

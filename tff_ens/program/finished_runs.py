@@ -26,6 +26,7 @@ _UNSHOWN_FLAGS = (
   "eval_every",
   "checkpoint_every",
   "max_concurrent_clients",
+  "worker_growth_mib",
   "workers",
   "resume",
   "server_device",

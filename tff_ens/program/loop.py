@@ -63,7 +63,9 @@ def train(
   last = _Round(key_state=state["distributor"] if keyed else None)
   # The state waits on the TFF worker between rounds; `held.value` downloads
   # it for evaluation and checkpoints.
-  held = runtime.ResidentState(algorithm.process.next, state)
+  held = runtime.ResidentState(
+    algorithm.process.next, state, max_growth_bytes=config.worker_growth_mib * 2**20
+  )
   stopper = stopping.Stopper(config.stop_grace_seconds)
   with contextlib.ExitStack() as stack:
     report = stack.enter_context(reporting.progress(config, start_round))

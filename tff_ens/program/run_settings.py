@@ -12,6 +12,7 @@ import dataclasses
 import tasks
 from tasks import resnet
 from tff_ens import algorithms
+from tff_ens.execution import runtime
 from tff_ens.settings import setting
 
 ALGORITHM_HELP = (
@@ -126,6 +127,14 @@ class RunSettings:
   max_concurrent_clients: int = setting(
     0,
     "Clients trained at once by the TFF runtime (<= 0: no limit; see benchmarks/RESULTS.md).",
+  )
+  worker_growth_mib: int = setting(
+    runtime.MAX_GROWTH_BYTES // 2**20,
+    "The state waiting on the local TFF worker between rounds is copied there afresh (which "
+    "frees what earlier rounds left behind it) once the worker has grown this many MiB since "
+    "round 1, then as often as that took; 0: every round (less memory, slower rounds; "
+    "benchmarks/RESULTS.md).",
+    at_least=0,
   )
   workers: str = setting(
     "",

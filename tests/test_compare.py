@@ -215,6 +215,18 @@ def test_accuracy_figure_draws_the_teachers_of_a_run_that_measured_them(run_dirs
   assert drawn[0].shape == drawn[1].shape and not np.array_equal(*drawn)
 
 
+def test_accuracy_figure_labels_name_what_differs_and_its_title_what_is_shared(runs):
+  shared, labels = compare.accuracy_labels(runs)
+  # FedAvg and a two-member Fed-ensemble of seed 3, FedAvg of seed 4.
+  assert "ensemble_size=2" not in shared
+  assert [("ensemble_size=2" in label) for label in labels] == [False, True, False]
+  assert [label.endswith(f"(seed {seed})") for label, seed in zip(labels, (3, 3, 4))] == [True] * 3
+  for run, label in zip(runs, labels):
+    own = set(label.split()) & set(run.key_flags().split())
+    assert own.isdisjoint(shared)
+    assert own | set(shared) == set(run.key_flags().split())
+
+
 def test_per_writer_accuracies_are_the_runs_and_its_models(run_dirs, runs, tmp_path):
   # Written by the run (per_client_accuracy.json), they average to its
   # summary's per_client_accuracy.

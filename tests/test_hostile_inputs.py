@@ -18,6 +18,7 @@ run does with them.
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -480,6 +482,19 @@ def _outputs(output_dir, state):
   )
 
 
+def test_outputs_let_the_initial_state_go_once_the_run_took_it(tmp_path):
+  kernel = np.ones([2, 3], np.float32)
+  outputs = _outputs(tmp_path, {**STATE, "kernel": kernel})
+  taken = weakref.ref(kernel)
+  del kernel
+  gc.collect()
+  assert taken() is not None
+  assert outputs.take_start()[0] == 0
+  gc.collect()
+  assert taken() is None  # The run holds its state on the worker, not twice here.
+  outputs.close()
+
+
 @pytest.fixture
 def saved_state(tmp_path):
   """An output dir whose round-1 checkpoint holds STATE + 1."""
@@ -491,7 +506,8 @@ def saved_state(tmp_path):
 
 def test_checkpoint_that_fits_is_resumed(saved_state):
   outputs = _outputs(saved_state, STATE)
-  round_num, state = outputs.latest_checkpoint()
+  round_num, state = outputs.take_start()
+  assert outputs.take_start() is None  # Given once, then let go.
   outputs.close()
   assert round_num == 1
   for key, value in STATE.items():

@@ -22,6 +22,7 @@ A directory that is not a finished run is one `error:` line and exit code 2.
 import logging as std_logging
 import os
 import sys
+import textwrap
 from typing import Sequence
 
 from absl import app
@@ -267,17 +268,22 @@ def seed_table(runs: Sequence[finished_runs.Run]) -> str:
   return "\n".join(text)
 
 
-def _label(index: int, run: finished_runs.Run) -> str:
-  return " ".join(
-    filter(
-      None,
-      (
+def accuracy_labels(runs: Sequence[finished_runs.Run]) -> tuple[list[str], list[str]]:
+  """(the "k=v" key flags every run has, each run's legend entry: its name, algorithm, the
+  key flags of its own and its seed) of the accuracy figure."""
+  flags_of = [run.key_flags().split() for run in runs]
+  shared = [flag for flag in flags_of[0] if all(flag in f for f in flags_of[1:])]
+  labels = [
+    " ".join(
+      [
         f"#{index} {run.name}: {run.config['algorithm']}",
-        run.key_flags(),
+        *(flag for flag in own if flag not in shared),
         f"(seed {run.summary['seed']})",
-      ),
+      ]
     )
-  )
+    for index, (run, own) in enumerate(zip(runs, flags_of), 1)
+  ]
+  return shared, labels
 
 
 def _new_figure(width: float, height: float) -> figure.Figure:
@@ -291,9 +297,10 @@ def plot_accuracy(runs: Sequence[finished_runs.Run], path: str) -> None:
   the same color its teachers' where the server step has teachers (FedBE, FedDF)."""
   fig = _new_figure(8, 5)
   axes = fig.add_subplot()
-  for index, run in enumerate(runs, 1):
+  shared, labels = accuracy_labels(runs)
+  for index, (run, label) in enumerate(zip(runs, labels), 1):
     rounds, accuracies = run.accuracy_by_round()
-    (line,) = axes.plot(rounds, accuracies, marker="o", label=_label(index, run))
+    (line,) = axes.plot(rounds, accuracies, marker="o", label=label)
     rounds, accuracies = run.accuracy_by_round("teachers_test_accuracy")
     if rounds:
       axes.plot(
@@ -306,7 +313,10 @@ def plot_accuracy(runs: Sequence[finished_runs.Run], path: str) -> None:
       )
   axes.set_xlabel("round")
   axes.set_ylabel("test accuracy")
-  axes.set_title("Test accuracy by round")
+  axes.set_title(
+    "\n".join(["Test accuracy by round", *textwrap.wrap(" ".join(shared), 100)]),
+    fontsize="medium",
+  )
   axes.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   axes.grid(alpha=0.3)
   axes.legend(fontsize="small")

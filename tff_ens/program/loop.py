@@ -8,7 +8,6 @@ the same clients and ends in the same state as an uninterrupted one.
 
 import contextlib
 import dataclasses
-import logging
 import os
 import time
 from typing import Any
@@ -41,14 +40,13 @@ def train(
   run: experiment.Run,
   data,
   algorithm: algorithm_lib.FederatedAlgorithm,
-  state,
   outputs: run_outputs.RunOutputs,
   evaluator: reporting.Evaluator,
 ) -> dict:
-  """The round loop of `training.run_experiment`, from the checkpoint `--resume` continues
-  from; returns the run's summary."""
+  """The round loop of `training.run_experiment`, from the round and state `outputs` start
+  from (the checkpoint `--resume` continues from); returns the run's summary."""
   config = run.config
-  start_round, state = _resumed(config, outputs, state)
+  start_round, state = outputs.take_start()
   active = run.active
   sizes = {c: data.train.num_examples(c) for c in data.train.client_ids}
   pool = active_learning.pool_at_round(active, config.seed, sizes, outputs.dir, start_round)
@@ -66,6 +64,7 @@ def train(
   held = runtime.ResidentState(
     algorithm.process.next, state, max_growth_bytes=config.worker_growth_mib * 2**20
   )
+  del state  # Held from here on by `held` alone, until the worker has it.
   stopper = stopping.Stopper(config.stop_grace_seconds)
   with contextlib.ExitStack() as stack:
     report = stack.enter_context(reporting.progress(config, start_round))
@@ -167,16 +166,6 @@ def _round(run, data, algorithm, held, store, devices, train_split, speeds, last
   # else: every sampled client dropped out; no model changes this round.
   row["seconds"] = time.perf_counter() - start
   return row, curves
-
-
-def _resumed(config, outputs, state) -> tuple[int, Any]:
-  """(round, state) the run starts from: its last checkpoint with --resume, else (0, state)."""
-  if config.resume:
-    checkpoint = outputs.latest_checkpoint()
-    if checkpoint is not None:
-      logging.info("resuming from round %d", checkpoint[0])
-      return checkpoint
-  return 0, state
 
 
 def _dp_epsilons(run, num_clients: int) -> np.ndarray | None:

@@ -11,6 +11,7 @@ import asyncio
 import csv
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -27,12 +28,13 @@ class RunOutputs:
   """The run's files: config, metrics (CSV and TensorBoard), checkpoints."""
 
   def __init__(self, config: experiment.ExperimentConfig, initial_state):
+    """`initial_state`: the algorithm's, which `take_start` gives unless `--resume` finds a
+    checkpoint (read against its structure here)."""
     self._config = config
     self.dir = config.output_dir
     self._loop = asyncio.new_event_loop()
-    self._structure = {"round": 0, "state": initial_state}
-    self._resumed = None
-    self._prepare_dir(config)
+    self._start = (0, initial_state)
+    self._prepare_dir(config, initial_state)
     self._curves = self._read_curves()
     self._checkpoints = tff.program.FileProgramStateManager(
       os.path.join(self.dir, run_files.CHECKPOINT_DIR),
@@ -49,7 +51,7 @@ class RunOutputs:
       os.path.join(self.dir, run_files.TENSORBOARD_DIR)
     )
 
-  def _prepare_dir(self, config: experiment.ExperimentConfig):
+  def _prepare_dir(self, config: experiment.ExperimentConfig, initial_state):
     if os.path.exists(self.dir) and not os.path.isdir(self.dir):
       raise experiment.UsageError(f"--output_dir={self.dir} is a file: choose a directory")
     config_path = os.path.join(self.dir, run_files.CONFIG_FILE)
@@ -92,7 +94,10 @@ class RunOutputs:
     if started:
       # Read before anything is written: a checkpoint that does not fit
       # leaves the directory as it was.
-      self._resumed = self._read_checkpoint(checkpoints, config)
+      resumed = self._read_checkpoint(checkpoints, config, initial_state)
+      if resumed is not None:
+        logging.info("resuming from round %d", resumed[0])
+        self._start = resumed
     try:
       os.makedirs(self.dir, exist_ok=True)
       run_files.write_json_atomically(config_path, dataclasses.asdict(config))
@@ -102,7 +107,7 @@ class RunOutputs:
       ) from None
 
   def _read_checkpoint(
-    self, directory: str, config: experiment.ExperimentConfig
+    self, directory: str, config: experiment.ExperimentConfig, initial_state
   ) -> tuple[int, Any] | None:
     """(round, state) of the last checkpoint in `directory`, or None.
 
@@ -116,7 +121,8 @@ class RunOutputs:
       return None
     path = os.path.join(directory, f"{run_files.CHECKPOINT_PREFIX}{versions[-1]}")
     try:
-      saved = self._loop.run_until_complete(manager.load(versions[-1], self._structure))
+      structure = {"round": 0, "state": initial_state}
+      saved = self._loop.run_until_complete(manager.load(versions[-1], structure))
     except (ValueError, TypeError):  # The nesting differs.
       mismatch = "its nesting differs"
     except (tf.errors.OpError, OSError) as e:
@@ -126,7 +132,7 @@ class RunOutputs:
         "--output_dir"
       ) from None
     else:
-      mismatch = state_mismatch(self._structure["state"], saved["state"])
+      mismatch = state_mismatch(initial_state, saved["state"])
       if mismatch is None:
         if int(saved["round"]) > config.rounds:
           raise experiment.UsageError(
@@ -141,13 +147,13 @@ class RunOutputs:
       "run's own checkpoints, or choose a new --output_dir"
     )
 
-  def latest_checkpoint(self) -> tuple[int, Any] | None:
-    """(round, state) of the checkpoint a `--resume` continues from, or None.
-
-    Read and checked when the outputs were opened, before anything was
-    written.
-    """
-    return self._resumed
+  def take_start(self) -> tuple[int, Any]:
+    """(round, state) the run continues from: the last checkpoint with `--resume` (read and
+    checked when the outputs were opened, before anything was written), else (0, the
+    initial state). Given once: the outputs then let it go, so that a state the run has
+    moved on from is not kept for the whole run."""
+    start, self._start = self._start, None
+    return start
 
   def checkpoint_rounds(self) -> list[int]:
     """The rounds of the checkpoints kept, ascending: a `--resume` starts from the newest, or

@@ -99,11 +99,10 @@ def run_experiment(config) -> dict:
   )
   with _execution_context(run):
     algorithm = algorithms.build(config.algorithm, context)
-    state = algorithm.process.initialize()
-    outputs = run_outputs.RunOutputs(config, state)
+    outputs = run_outputs.RunOutputs(config, algorithm.process.initialize())
     try:
       return loop.train(
-        run, data, algorithm, state, outputs, reporting.Evaluator(algorithm.evaluation_model_fn)
+        run, data, algorithm, outputs, reporting.Evaluator(algorithm.evaluation_model_fn)
       )
     except worker_process.WorkerError as e:
       raise worker_process.WorkerError(f"{e} {outputs.resume_hint()}") from None

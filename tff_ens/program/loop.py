@@ -36,15 +36,26 @@ class _Round:
   teacher_test: Any = None  # Their predictions on every evaluation split, at the last round.
 
 
+@dataclasses.dataclass
+class Trained:
+  """What the loop leaves for the run's summary (`reporting.write_summary`), which needs no
+  TFF worker."""
+
+  state: Any  # The final state, in Python.
+  last: _Round
+  pool: active_learning.Pool | None
+  store: client_states_lib.ClientStateStore | None
+
+
 def train(
   run: experiment.Run,
   data,
   algorithm: algorithm_lib.FederatedAlgorithm,
   outputs: run_outputs.RunOutputs,
   evaluator: reporting.Evaluator,
-) -> dict:
+) -> Trained:
   """The round loop of `training.run_experiment`, from the round and state `outputs` start
-  from (the checkpoint `--resume` continues from); returns the run's summary."""
+  from (the checkpoint `--resume` continues from)."""
   config = run.config
   start_round, state = outputs.take_start()
   active = run.active
@@ -113,9 +124,7 @@ def train(
           f"{outputs.dir}: continue with --resume",
           stopper.signum,
         )
-  return reporting.write_summary(
-    run, data, algorithm, held.value, outputs, evaluator, last, pool, store
-  )
+  return Trained(held.value, last, pool, store)
 
 
 def _round(run, data, algorithm, held, store, devices, train_split, speeds, last, round_num):

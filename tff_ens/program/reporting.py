@@ -131,14 +131,15 @@ def progress(config: experiment.ExperimentConfig, start_round: int):
     )
 
 
-def write_summary(run, data, algorithm, state, outputs, evaluator, last, pool=None, store=None):
-  """The run's summary of its final `state`: saves the model(s), `per_client_accuracy.json` and
-  `summary.json`, and returns the summary.
+def write_summary(run, data, algorithm, outputs, evaluator, trained):
+  """The run's summary of its final state (`trained`, a `loop.Trained`): saves the model(s),
+  `per_client_accuracy.json` and `summary.json`, and returns the summary.
 
-  `last` is the loop's record of the last round (its teachers and their predictions); `store`
-  the clients' own states, if they keep any.
+  `trained.last` is the loop's record of the last round (its teachers and their
+  predictions); `trained.store` the clients' own states, if they keep any.
   """
   config = run.config
+  state, last, pool, store = trained.state, trained.last, trained.pool, trained.store
   teacher_test = last.teacher_test
   models = algorithm.models_fn(state)
   # Each split predicted once (FEMNIST's shift split is its new clients).

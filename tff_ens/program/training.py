@@ -97,17 +97,18 @@ def run_experiment(config) -> dict:
     model=config.model,
     client_files=config.client_transport == "files",
   )
-  with _execution_context(run):
-    algorithm = algorithms.build(config.algorithm, context)
-    outputs = run_outputs.RunOutputs(config, algorithm.process.initialize())
-    try:
-      return loop.train(
-        run, data, algorithm, outputs, reporting.Evaluator(algorithm.evaluation_model_fn)
-      )
-    except worker_process.WorkerError as e:
-      raise worker_process.WorkerError(f"{e} {outputs.resume_hint()}") from None
-    finally:
-      outputs.close()
+  with contextlib.ExitStack() as stack:
+    with _execution_context(run):
+      algorithm = algorithms.build(config.algorithm, context)
+      outputs = run_outputs.RunOutputs(config, algorithm.process.initialize())
+      stack.callback(outputs.close)
+      evaluator = reporting.Evaluator(algorithm.evaluation_model_fn)
+      try:
+        trained = loop.train(run, data, algorithm, outputs, evaluator)
+      except worker_process.WorkerError as e:
+        raise worker_process.WorkerError(f"{e} {outputs.resume_hint()}") from None
+    # After the worker has stopped: the final evaluation does not add to its memory.
+    return reporting.write_summary(run, data, algorithm, outputs, evaluator, trained)
 
 
 def _recalibration_images(config, model_fn, server_data) -> np.ndarray | None:

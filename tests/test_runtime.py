@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -18,8 +19,11 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import worker_processes
+from tests.femnist_runs import QUICK
 from tff_ens.execution import runtime
 from tff_ens.execution import worker_process
+from tff_ens.program import reporting
+from tff_ens.program import training
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -449,3 +453,28 @@ def test_resident_state_cuts_the_workers_chain_of_held_states():
   np.testing.assert_array_equal(state_copied, state_uncut)
   # Every round adds 1 + 2 + 3 to half the previous value.
   np.testing.assert_allclose(state_cut[:3], 12 * (1 - 0.5**rounds), rtol=1e-6)
+
+
+def test_a_run_writes_its_summary_after_its_worker_has_stopped(monkeypatch, tmp_path):
+  # The final evaluation does not add to the worker's memory: the worker is gone by then,
+  # and the summary needs no TFF context (none is installed outside the run's).
+  workers_at_summary = []
+  write_summary = reporting.write_summary
+
+  def recording_write_summary(*args, **kwargs):
+    workers_at_summary.append(worker_processes.descendants())
+    return write_summary(*args, **kwargs)
+
+  monkeypatch.setattr(reporting, "write_summary", recording_write_summary)
+  config = dataclasses.replace(
+    QUICK,
+    rounds=1,
+    clients_per_round=2,
+    algorithm="fedensemble",
+    ensemble_size=2,
+    output_dir=str(tmp_path),
+  )
+  summary = training.run_experiment(config)
+  assert workers_at_summary == [[]]
+  assert 0 < summary["test_accuracy"] <= 1
+  assert len(summary["member_test_accuracy"]) == 2

@@ -42,6 +42,7 @@ class Trained:
   TFF worker."""
 
   state: Any  # The final state, in Python.
+  models: list  # Its model(s) (`FederatedAlgorithm.models_fn`, which may run on the worker).
   last: _Round
   pool: active_learning.Pool | None
   store: client_states_lib.ClientStateStore | None
@@ -124,7 +125,7 @@ def train(
           f"{outputs.dir}: continue with --resume",
           stopper.signum,
         )
-  return Trained(held.value, last, pool, store)
+  return Trained(held.value, algorithm.models_fn(held.value), last, pool, store)
 
 
 def _round(run, data, algorithm, held, store, devices, train_split, speeds, last, round_num):

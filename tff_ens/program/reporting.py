@@ -139,9 +139,9 @@ def write_summary(run, data, algorithm, outputs, evaluator, trained):
   predictions); `trained.store` the clients' own states, if they keep any.
   """
   config = run.config
-  state, last, pool, store = trained.state, trained.last, trained.pool, trained.store
+  state, models, last = trained.state, trained.models, trained.last
+  pool, store = trained.pool, trained.store
   teacher_test = last.teacher_test
-  models = algorithm.models_fn(state)
   # Each split predicted once (FEMNIST's shift split is its new clients).
   predicted = {}
 

@@ -300,8 +300,9 @@ class _CopyingExecutor(tff.framework.RemoteExecutor):
     return type(value)(created.value_ref, value.type_signature, self)
 
 
-# `ResidentState`'s default growth budget (the CLI's --worker_growth_mib).
-MAX_GROWTH_BYTES = 2**30
+# `ResidentState`'s default growth budget (the CLI's --worker_growth_mib): none, a copy every
+# round.
+MAX_GROWTH_BYTES = 0
 
 
 class ResidentState:
@@ -333,11 +334,13 @@ class ResidentState:
   state's serialized bytes (`_CopyingExecutor.copy`, which holds no earlier
   value), every N rounds held, N being the rounds it took a local worker to
   grow by `max_growth_bytes` after the first round (every round when it is 0,
-  and for a remote worker, whose memory is not visible here). A copy every
-  round kept a K=5 Fed-ensemble's worker 0.8 to 1.3 GiB lower than one every
-  four, and its rounds took longer: the copy moves the state twice
-  (benchmarks/RESULTS.md, "The worker's chain of held states"). The state is
-  also uploaded again in the round after `value` downloaded it.
+  the default, and for a remote worker, whose memory is not visible here). On
+  the default CLI runs a copy every round kept the worker's peak 1.4 GiB (K=5
+  Fed-ensemble) and 0.6 GiB (FedAvg) below a copy after 2 GiB of growth, for
+  rounds 1.04x to 1.29x as long: the copy moves the state to the driver and
+  back (benchmarks/RESULTS.md, "The held state's copy every round or after a
+  growth budget"). The state is also uploaded again in the round after `value`
+  downloaded it.
 
   With a context over several workers (TFF's mergeable form) the state goes
   through the context as usual.

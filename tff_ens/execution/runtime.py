@@ -355,7 +355,7 @@ class ResidentState:
     self._remote = None
     self._max_growth_bytes = max_growth_bytes
     self._first_rss = None  # The local worker's RSS after the first round.
-    self._rounds_held = 0  # Rounds since the state was last uploaded.
+    self._rounds_held = 0  # Rounds since the state was last uploaded or copied.
     self._cut_every = None if max_growth_bytes else 1  # N of the class doc, once measured.
     self._executor = None
     self._clients = None
@@ -374,7 +374,7 @@ class ResidentState:
 
   @property
   def cut_every(self) -> int | None:
-    """N of the class doc: rounds between re-uploads once measured, else None."""
+    """N of the class doc: rounds between copies once measured, else None."""
     return self._cut_every
 
   def next(self, *args) -> Any:

@@ -10,10 +10,10 @@ in `cli_round_time.py`; by default every registered algorithm and
 FedDyn-ensemble), one run at a time. Every 0.2 s it samples the resident memory
 of the driver (the CLI's Python process) and of its children (TFF's worker), and
 counts the rounds in `metrics.csv` (`--cli_flags` adds flags to every run: the full-size
-FEMNIST's 100-client rounds). It prints each one's peak, the peak of their
-sum, both after round 5 and after the last round (the first sample once that
-round's row is written), the worker's growth between the two, and the median
-`seconds` of a round. With `--settings`, each variant runs once per setting (`NAME=VALUE`:
+FEMNIST's 100-client rounds). It prints each one's peak; the peak of their sum, with the
+rounds done then and each one's share; each one after round 5 and after the last round (the
+first sample once that round's row is written); the worker's growth between the two; and the
+median `seconds` of a round. With `--settings`, each variant runs once per setting (`NAME=VALUE`:
 an environment variable, which the worker inherits; `--FLAG=VALUE`: a flag of the run;
 empty: neither), one after the other, and the table gives each run's median round against
 the variant's first setting. Writes the section "## Memory of the CLI's default runs" of
@@ -87,7 +87,7 @@ def measure(variant: str, output_dir: str, environment: dict[str, str], extra: l
   seconds of each round."""
   command = report.cli_command(variant, FLAGS.rounds, output_dir, *FLAGS.cli_flags, *extra)
   metrics = os.path.join(output_dir, "metrics.csv")
-  result = dict(driver=0, worker=0, total=0, after={})
+  result = dict(driver=0, worker=0, total=0, total_at=(0, 0, 0), after={})
   with open(output_dir + ".log", "w") as log:
     driver = psutil.Popen(command, cwd=report.REPO_ROOT, stdout=log, stderr=log, env=environment)
     done = threading.Event()
@@ -101,7 +101,9 @@ def measure(variant: str, output_dir: str, environment: dict[str, str], extra: l
           continue
         result["driver"] = max(result["driver"], own)
         result["worker"] = max(result["worker"], worker)
-        result["total"] = max(result["total"], own + worker)
+        if own + worker > result["total"]:
+          result["total"] = own + worker
+          result["total_at"] = (_rows(metrics), worker, own)
         result["after"].setdefault(_rows(metrics), (own, worker))
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -137,6 +139,7 @@ def main(argv):
           f"| {variant} | `{' '.join(report.variant_flags(variant))}` | "
           f"{f'`{setting}`' if setting else '-'} | "
           f"{gib(m['worker'])} | {gib(m['driver'])} | {gib(m['total'])} | "
+          f"{m['total_at'][0]}: {gib(m['total_at'][1])} + {gib(m['total_at'][2])} | "
           f"{gib(mid[1])} | {gib(last[1])} | {growth} | {gib(mid[0])} | {gib(last[0])} | "
           f"{median:.1f} | {median / first_median:.2f} |"
         )
@@ -151,16 +154,17 @@ def main(argv):
     f"`{command}` with the variant's flags and every other at its default (seed 0, 10 "
     "clients a round, 1 epoch, batch 20, LEAF CNN; evaluation and a checkpoint at the end), "
     "one run at a time; resident memory sampled every 0.2 s: the driver (the CLI's process), its "
-    "TFF worker (its children), the peak of their sum, each after a round (once the round's "
-    "row is in `metrics.csv`), and the median `seconds` of a round.",
+    "TFF worker (its children), the peak of their sum and when it was reached, each after a "
+    "round (once the round's row is in `metrics.csv`), and the median `seconds` of a round.",
     "",
     *report.run_facts(run, "benchmarks/cli_memory.py"),
     "",
     "| variant | flags | setting | worker peak GiB | driver peak GiB | "
-    f"worker + driver peak GiB | worker after round {r5} | worker after round {rn} | "
+    "worker + driver peak GiB | at the sum's peak: rounds done: worker + driver GiB | "
+    f"worker after round {r5} | worker after round {rn} | "
     f"worker growth | driver after round {r5} | driver after round {rn} | median s/round | "
     "round time against the variant's first setting |",
-    "| --- | --- | --- |" + " ---: |" * 10,
+    "| --- | --- | --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 7,
     *rows,
   ]
   report.publish(SECTION, lines)

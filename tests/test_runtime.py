@@ -396,7 +396,17 @@ def test_resident_state_with_a_dead_worker_gives_one_line_error():
 
 
 _BIG = 2_500_000  # float32s: 10 MB.
-_BIG_STATE = tff.FederatedType(tff.TensorType(np.float32, [_BIG]), tff.SERVER)
+# A nested state, as a process's: named and unnamed structures, an empty one.
+_BIG_STATE = tff.FederatedType(
+  tff.StructType(
+    [
+      ("big", tff.TensorType(np.float32, [_BIG])),
+      ("empty", tff.StructType([])),
+      ("pair", tff.StructType([tff.TensorType(np.int32), tff.TensorType(np.float32, [2])])),
+    ]
+  ),
+  tff.SERVER,
+)
 
 
 @tff.tensorflow.computation(np.int32)
@@ -404,25 +414,31 @@ def _expand(x):
   return tf.fill([_BIG], tf.cast(x, tf.float32))
 
 
-@tff.tensorflow.computation(_BIG_STATE.member, _BIG_STATE.member)
-def _shift(big, total):
-  return big * 0.5 + total
+@tff.tensorflow.computation(_BIG_STATE.member, _BIG_STATE.member[0])
+def _shift(state, total):
+  rounds, pair = state.pair
+  return collections.OrderedDict(
+    big=state.big * 0.5 + total, empty=(), pair=(rounds + 1, pair + total[:2])
+  )
 
 
 @tff.federated_computation(_BIG_STATE, tff.FederatedType(np.int32, tff.CLIENTS))
-def _big_next(big, xs):
+def _big_next(state, xs):
   """Each client makes a 10 MB value; the state is halved plus their sum."""
   total = tff.federated_sum(tff.federated_map(_expand, xs))
-  return tff.federated_map(_shift, (big, total)), tff.federated_sum(xs)
+  return tff.federated_map(_shift, (state, total)), tff.federated_sum(xs)
+
+
+_BIG_INITIAL = collections.OrderedDict(
+  big=np.zeros(_BIG, np.float32), empty=(), pair=(np.int32(0), np.ones(2, np.float32))
+)
 
 
 def _held_run(max_growth_bytes, rounds):
   """(worker's RSS after each held round, final state, the cut's period)."""
   with runtime.execution_context():
     (worker,) = worker_processes.descendants()
-    held = runtime.ResidentState(
-      _big_next, np.zeros(_BIG, np.float32), max_growth_bytes=max_growth_bytes
-    )
+    held = runtime.ResidentState(_big_next, _BIG_INITIAL, max_growth_bytes=max_growth_bytes)
     rss = []
     for _ in range(rounds):
       held.next([1, 2, 3])
@@ -449,10 +465,15 @@ def test_resident_state_cuts_the_workers_chain_of_held_states():
   assert cut_every is not None and cut_every <= 4
   assert copied_every == 1
   assert rss_copied.max() - rss_copied[0] < uncut_growth / 2
-  np.testing.assert_array_equal(state_cut, state_uncut)
-  np.testing.assert_array_equal(state_copied, state_uncut)
+  # The copies, made tensor by tensor, keep every tensor in its place.
+  for state in (state_cut, state_copied):
+    assert list(state) == ["big", "empty", "pair"]
+    np.testing.assert_array_equal(state["big"], state_uncut["big"])
+    assert state["pair"][0] == state_uncut["pair"][0] == rounds
+    np.testing.assert_array_equal(state["pair"][1], state_uncut["pair"][1])
   # Every round adds 1 + 2 + 3 to half the previous value.
-  np.testing.assert_allclose(state_cut[:3], 12 * (1 - 0.5**rounds), rtol=1e-6)
+  np.testing.assert_allclose(state_cut["big"][:3], 12 * (1 - 0.5**rounds), rtol=1e-6)
+  np.testing.assert_array_equal(state_cut["pair"][1], 1 + 6 * rounds)
 
 
 @pytest.mark.parametrize(

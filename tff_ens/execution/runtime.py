@@ -19,6 +19,7 @@ thread that entered the block.
 """
 
 import asyncio
+import collections
 from collections.abc import Iterator, Sequence
 import contextlib
 import dataclasses
@@ -300,6 +301,53 @@ class _CopyingExecutor(tff.framework.RemoteExecutor):
     return type(value)(created.value_ref, value.type_signature, self)
 
 
+def _split_and_join(state_type: tff.FederatedType) -> tuple[Any, Any]:
+  """Computations that split a SERVER-placed structure into its tensors, each at the server,
+  and zip such tensors back into the structure (TFF's executor cannot select from a
+  federated value), compiled for the worker."""
+  member = state_type.member
+  paths = _tensor_paths(member)
+  tensors = [_at(member, path) for path in paths]
+
+  @tff.federated_computation(state_type)
+  def split(state):
+    return [_at(state, path) for path in paths]
+
+  @tff.tensorflow.computation(tff.StructType(tensors))
+  def pack(flat):
+    return _packed(member, iter(flat))
+
+  @tff.federated_computation([tff.FederatedType(t, tff.SERVER) for t in tensors])
+  def join(parts):
+    return tff.federated_map(pack, tff.federated_zip(parts))
+
+  return tuple(tff.backends.native.desugar_and_transform_to_native(c) for c in (split, join))
+
+
+def _tensor_paths(type_spec, prefix: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
+  """The index paths of the tensors in a (nested) structure type."""
+  if isinstance(type_spec, tff.StructType):
+    return [p for i, element in enumerate(type_spec) for p in _tensor_paths(element, prefix + (i,))]
+  return [prefix]
+
+
+def _at(value, path: tuple[int, ...]):
+  """`value[i][j]...` for the path (i, j, ...)."""
+  for i in path:
+    value = value[i]
+  return value
+
+
+def _packed(type_spec, tensors: Iterator):
+  """`type_spec`'s structure (ordered dicts where its elements are named) of the next tensors."""
+  if not isinstance(type_spec, tff.StructType):
+    return next(tensors)
+  elements = list(tff.structure.iter_elements(type_spec))
+  if elements and all(name is not None for name, _ in elements):
+    return collections.OrderedDict((name, _packed(element, tensors)) for name, element in elements)
+  return [_packed(element, tensors) for _, element in elements]
+
+
 # `ResidentState`'s default growth budget (the CLI's --worker_growth_mib): none, a copy every
 # round.
 MAX_GROWTH_BYTES = 0
@@ -331,11 +379,12 @@ class ResidentState:
   (benchmarks/RESULTS.md, "State on the worker and worker memory"): each of its
   TensorFlow calls keeps its arguments for as long as its result lives. So the
   chain is cut by a fresh copy of the state, made on the worker from the
-  state's serialized bytes (`_CopyingExecutor.copy`, which holds no earlier
-  value), before the state's next round after every N rounds held, N being the
-  rounds it took a local worker to grow by `max_growth_bytes` after the first
-  round (every round when it is 0, the default, and for a remote worker, whose
-  memory is not visible here; none when `value` downloaded the state). On
+  serialized bytes of its tensors, one at a time (`_CopyingExecutor.copy`, which
+  holds no earlier value; `_split_and_join`), before the state's next round
+  after every N rounds held, N being the rounds it took a local worker to grow
+  by `max_growth_bytes` after the first round (every round when it is 0, the
+  default, and for a remote worker, whose memory is not visible here; none when
+  `value` downloaded the state). On
   the default CLI runs a copy every round kept the worker's peak 1.4 GiB (K=5
   Fed-ensemble) and 0.6 GiB (FedAvg) below a copy after 2 GiB of growth, for
   rounds 1.04x to 1.29x as long: the copy moves the state to the driver and
@@ -360,9 +409,10 @@ class ResidentState:
     self._cut_every = None if max_growth_bytes else 1  # N of the class doc, once measured.
     self._executor = None
     self._clients = None
-    self._comp = None
+    self._comp = self._split = self._join = None
     if self._worker is not None:
       self._compiled = tff.backends.native.desugar_and_transform_to_native(next_computation)
+      self._split_and_join = _split_and_join(self._compiled.type_signature.parameter[0])
 
   @property
   def value(self):
@@ -400,7 +450,7 @@ class ResidentState:
       elif self._cut_due():
         # Copied only before the state is used again: a state that `value` downloaded
         # in between is uploaded fresh instead.
-        self._remote = self._run(self._executor.copy(self._remote))
+        self._remote = self._copy(self._remote)
         self._rounds_held = 0
       values = [self._remote] + [
         self._run(self._executor.create_value(tff.tensorflow.transform_args(a), t))
@@ -451,8 +501,21 @@ class ResidentState:
     self._executor.set_cardinalities({tff.CLIENTS: clients})
     self._worker.executors.append(self._executor)
     self._clients = clients
-    self._comp = self._run(
-      self._executor.create_value(self._compiled, self._compiled.type_signature)
+    self._comp, self._split, self._join = (
+      self._run(self._executor.create_value(c, c.type_signature))
+      for c in (self._compiled, *self._split_and_join)
+    )
+
+  def _copy(self, remote):
+    """`remote` made again on the worker from its tensors' bytes, one at a time."""
+    parts = self._run(self._executor.create_call(self._split, remote))
+    copies = [
+      self._run(self._executor.copy(self._run(self._executor.create_selection(parts, i))))
+      for i in range(len(parts.type_signature))
+    ]
+    del parts  # Disposed on the worker before the copies are joined.
+    return self._run(
+      self._executor.create_call(self._join, self._run(self._executor.create_struct(copies)))
     )
 
   def _download(self, remote, index: int):

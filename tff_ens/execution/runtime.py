@@ -19,7 +19,6 @@ thread that entered the block.
 """
 
 import asyncio
-import collections
 from collections.abc import Iterator, Sequence
 import contextlib
 import dataclasses
@@ -339,13 +338,12 @@ def _at(value, path: tuple[int, ...]):
 
 
 def _packed(type_spec, tensors: Iterator):
-  """`type_spec`'s structure (ordered dicts where its elements are named) of the next tensors."""
+  """`type_spec`'s structure (a `tff.structure.Struct`) of the next tensors."""
   if not isinstance(type_spec, tff.StructType):
     return next(tensors)
-  elements = list(tff.structure.iter_elements(type_spec))
-  if elements and all(name is not None for name, _ in elements):
-    return collections.OrderedDict((name, _packed(element, tensors)) for name, element in elements)
-  return [_packed(element, tensors) for _, element in elements]
+  return tff.structure.Struct(
+    [(name, _packed(element, tensors)) for name, element in tff.structure.iter_elements(type_spec)]
+  )
 
 
 # `ResidentState`'s default growth budget (the CLI's --worker_growth_mib): none, a copy every
@@ -506,21 +504,28 @@ class ResidentState:
       for c in (self._compiled, *self._split_and_join)
     )
 
+  def _tensors(self, remote) -> Iterator:
+    """The held state `remote`'s tensors on the worker, each at the server, one at a time."""
+    parts = self._run(self._executor.create_call(self._split, remote))
+    for i in range(len(parts.type_signature)):
+      yield self._run(self._executor.create_selection(parts, i))
+
   def _copy(self, remote):
     """`remote` made again on the worker from its tensors' bytes, one at a time."""
-    parts = self._run(self._executor.create_call(self._split, remote))
-    copies = [
-      self._run(self._executor.copy(self._run(self._executor.create_selection(parts, i))))
-      for i in range(len(parts.type_signature))
-    ]
-    del parts  # Disposed on the worker before the copies are joined.
+    copies = [self._run(self._executor.copy(t)) for t in self._tensors(remote)]
     return self._run(
       self._executor.create_call(self._join, self._run(self._executor.create_struct(copies)))
     )
 
   def _download(self, remote, index: int):
+    """Result `index` of the computation, held in `remote`, as a Python structure; the state
+    tensor by tensor, so that this process never holds all of its bytes besides it."""
     with self._worker_errors():
-      value = self._run(remote.compute())
+      if index == 0:
+        tensors = [self._run(t.compute()) for t in self._tensors(remote)]
+        value = _packed(self._compiled.type_signature.result[0].member, iter(tensors))
+      else:
+        value = self._run(remote.compute())
     return tff.tensorflow.transform_result(
       tff.types.type_to_py_container(value, self._next.type_signature.result[index])
     )

@@ -34,6 +34,9 @@ class _Round:
   key_state: Any  # The distributor's state, which says which model each client trains.
   teachers: Any = None  # The last round's teachers (`server_step.RoundTeachers`), or None.
   teacher_test: Any = None  # Their predictions on every evaluation split, at the last round.
+  # The last round's model(s)' predictions on the test split
+  # (`reporting.Evaluator.member_probabilities`), which the summary reports again.
+  member_test: dict | None = None
 
 
 @dataclasses.dataclass
@@ -96,7 +99,12 @@ def train(
       is_last = round_num == config.rounds
       phase_end = pool is not None and round_num in active.phase_ends()
       if round_num % config.eval_every == 0 or is_last or phase_end:
-        row.update(evaluator.summary(algorithm.models_fn(held.value), data.test))
+        models = algorithm.models_fn(held.value)
+        member_test = evaluator.member_probabilities(models, data.test)
+        row.update(evaluator.summary(models, data.test, member_probs=member_test))
+        if is_last:
+          last.member_test = member_test
+        del models, member_test
         if last.teachers is not None and last.teachers.predict is not None and row["clients_used"]:
           predictions = _teacher_predictions(data, last.teachers, every_split=is_last)
           row.update(reporting.teacher_round_accuracies(data, predictions))

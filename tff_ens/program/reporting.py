@@ -142,8 +142,9 @@ def write_summary(run, data, algorithm, outputs, evaluator, trained):
   state, models, last = trained.state, trained.models, trained.last
   pool, store = trained.pool, trained.store
   teacher_test = last.teacher_test
-  # Each split predicted once (FEMNIST's shift split is its new clients).
-  predicted = {}
+  # Each split predicted once (FEMNIST's shift split is its new clients), the test split
+  # by the loop's evaluation of the last round.
+  predicted = {} if last.member_test is None else {id(data.test): last.member_test}
 
   def member_probabilities(split) -> dict[str, np.ndarray]:
     if id(split) not in predicted:

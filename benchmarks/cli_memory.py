@@ -112,7 +112,9 @@ def measure(variant: str, output_dir: str, environment: dict[str, str], extra: l
     done.set()
     sampler.join()
   if code:
-    raise SystemExit(f"{variant}: the run failed (exit {code}); its log: {output_dir}.log")
+    with open(output_dir + ".log") as log:  # Its directory goes with the benchmark.
+      last = [line for line in log.read().splitlines() if line.strip()][-1:] or ["(empty)"]
+    raise SystemExit(f"{variant}: the run failed (exit {code}): {last[0]}")
   with open(metrics) as f:
     result["seconds"] = [float(row["seconds"]) for row in csv.DictReader(f)]
   return result

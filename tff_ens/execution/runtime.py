@@ -366,7 +366,9 @@ class ResidentState:
   the metrics come back, and `value` downloads the state when it is needed
   (evaluation, checkpoints). The computation, its arguments and its results
   are the same as `next(state, *args)` through the context; only where the
-  state waits between rounds changes.
+  state waits between rounds changes. The state moves (up, down, and in the
+  copy below) one tensor at a time, so neither process holds more than one
+  tensor's bytes beside it.
 
   While a state the worker derived from a call is held there, TFF's worker
   keeps that call's per-client values alive, and through the state passed in,
@@ -442,9 +444,7 @@ class ResidentState:
     with self._worker_errors():
       self._use_executor(clients.pop() if clients else 0)
       if self._remote is None:
-        self._remote = self._run(
-          self._executor.create_value(tff.tensorflow.transform_args(self._state), parameter[0])
-        )
+        self._remote = self._upload(self._state)
       elif self._cut_due():
         # Copied only before the state is used again: a state that `value` downloaded
         # in between is uploaded fresh instead.
@@ -510,12 +510,29 @@ class ResidentState:
     for i in range(len(parts.type_signature)):
       yield self._run(self._executor.create_selection(parts, i))
 
+  def _upload(self, state):
+    """`state` (Python) created on the worker one tensor at a time."""
+    member = self._compiled.type_signature.parameter[0].member
+    flat = tff.structure.from_container(tff.tensorflow.transform_args(state), recursive=True)
+    parts = [
+      self._run(
+        self._executor.create_value(
+          _at(flat, path), tff.FederatedType(_at(member, path), tff.SERVER)
+        )
+      )
+      for path in _tensor_paths(member)
+    ]
+    return self._join_parts(parts)
+
+  def _join_parts(self, parts: list):
+    """The state on the worker from its tensors on the worker, each at the server."""
+    return self._run(
+      self._executor.create_call(self._join, self._run(self._executor.create_struct(parts)))
+    )
+
   def _copy(self, remote):
     """`remote` made again on the worker from its tensors' bytes, one at a time."""
-    copies = [self._run(self._executor.copy(t)) for t in self._tensors(remote)]
-    return self._run(
-      self._executor.create_call(self._join, self._run(self._executor.create_struct(copies)))
-    )
+    return self._join_parts([self._run(self._executor.copy(t)) for t in self._tensors(remote)])
 
   def _download(self, remote, index: int):
     """Result `index` of the computation, held in `remote`, as a Python structure; the state

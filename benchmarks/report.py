@@ -124,18 +124,19 @@ def publish(section: str, lines: list[str]) -> None:
 
 
 class PeakMemory:
-  """The peak resident memory, sampled every 0.2 s while entered, of this process or (with
-  `children`) of its child processes together (TFF's worker)."""
+  """The peak resident memory, sampled every `interval` seconds while entered, of this process
+  or (with `children`) of its child processes together (TFF's worker)."""
 
-  def __init__(self, children: bool = False):
+  def __init__(self, children: bool = False, interval: float = 0.2):
     self.peak = 0
     self._children = children
+    self._interval = interval
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._sample, daemon=True)
 
   def _sample(self):
     me = psutil.Process()
-    while not self._stop.wait(0.2):
+    while not self._stop.wait(self._interval):
       try:
         processes = me.children(recursive=True) if self._children else [me]
         rss = sum(p.memory_info().rss for p in processes)

@@ -312,13 +312,9 @@ def _split_and_join(state_type: tff.FederatedType) -> tuple[Any, Any]:
   def split(state):
     return [_at(state, path) for path in paths]
 
-  @tff.tensorflow.computation(tff.StructType(tensors))
-  def pack(flat):
-    return _packed(member, iter(flat))
-
   @tff.federated_computation([tff.FederatedType(t, tff.SERVER) for t in tensors])
   def join(parts):
-    return tff.federated_map(pack, tff.federated_zip(parts))
+    return tff.federated_zip(_packed(member, iter(parts)))
 
   return tuple(tff.backends.native.desugar_and_transform_to_native(c) for c in (split, join))
 
@@ -536,7 +532,7 @@ class ResidentState:
 
   def _download(self, remote, index: int):
     """Result `index` of the computation, held in `remote`, as a Python structure; the state
-    tensor by tensor, so that this process never holds all of its bytes besides it."""
+    tensor by tensor, so that this process never holds all of its bytes beside it."""
     with self._worker_errors():
       if index == 0:
         tensors = [self._run(t.compute()) for t in self._tensors(remote)]

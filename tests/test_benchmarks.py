@@ -65,6 +65,18 @@ def test_cli_memory_measures_a_cli_run(tmp_path):
   worker_peak, driver_peak, total_peak = (float(c) for c in row.split("|")[4:7])
   assert 0 < worker_peak < total_peak and 0 < driver_peak < total_peak
   assert total_peak <= worker_peak + driver_peak + 0.01  # Each printed to 0.01 GiB.
+  # When the sum peaked: the rounds done then, and its two shares.
+  rounds_done, shares = row.split("|")[7].split(":")
+  worker_share, driver_share = (float(c) for c in shares.split("+"))
+  assert int(rounds_done) in (0, 1)
+  assert abs(worker_share + driver_share - total_peak) <= 0.02
+
+
+def test_state_moves_moves_a_state_and_checks_it(tmp_path):
+  # The script checks the downloaded state against the computation's closed form.
+  text = _run("state_moves.py", tmp_path / "results.md", "--models=1", "--rounds=2")
+  (row,) = [line for line in text.splitlines() if line.startswith("| 1 | 26 |")]
+  assert all(float(c) > 0 for c in row.split("|")[3:8])
 
 
 def test_worker_memory_runs_fedavg(tmp_path):

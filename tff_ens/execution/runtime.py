@@ -306,13 +306,13 @@ def _split_and_join(state_type: tff.FederatedType) -> tuple[Any, Any]:
   federated value), compiled for the worker."""
   member = state_type.member
   paths = _tensor_paths(member)
-  tensors = [_at(member, path) for path in paths]
+  tensor_types = [_at(member, path) for path in paths]
 
   @tff.federated_computation(state_type)
   def split(state):
     return [_at(state, path) for path in paths]
 
-  @tff.federated_computation([tff.FederatedType(t, tff.SERVER) for t in tensors])
+  @tff.federated_computation([tff.FederatedType(t, tff.SERVER) for t in tensor_types])
   def join(parts):
     return tff.federated_zip(_packed(member, iter(parts)))
 

@@ -25,20 +25,14 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 import report
+from tasks import femnist
 from tff_ens.execution import runtime
 
 SECTION = "## Moving the held state"
-# The LEAF CNN's weight shapes (tasks/femnist.py): two convolutions, two dense layers.
-LEAF_CNN_SHAPES = [
-  (5, 5, 1, 32),
-  (32,),
-  (5, 5, 32, 64),
-  (64,),
-  (3136, 2048),
-  (2048,),
-  (2048, 62),
-  (62,),
-]
+# The LEAF CNN's weight shapes: two convolutions, two dense layers.
+LEAF_CNN_SHAPES = [tuple(w.shape) for w in femnist.build_model("cnn").trainable_weights]
+# The weight `measure` checks (the first dense layer's kernel).
+CHECKED_WEIGHT = 4
 
 report.define_flags()
 flags.DEFINE_list("models", ["1", "5", "10"], "State sizes, in LEAF CNNs' weights.")
@@ -98,7 +92,9 @@ def measure(models: int) -> dict:
     # Each weight is k, halved each round plus 3: check the moves kept every tensor in place.
     expected = 6 * (1 - 0.5**FLAGS.rounds)
     for k, weights in enumerate(state.values()):
-      np.testing.assert_allclose(weights[4][0, 0], k * 0.5**FLAGS.rounds + expected, rtol=1e-6)
+      np.testing.assert_allclose(
+        weights[CHECKED_WEIGHT].flat[0], k * 0.5**FLAGS.rounds + expected, rtol=1e-6
+      )
   return dict(
     upload=seconds[0],
     copy=statistics.median(seconds[1:]),

@@ -300,12 +300,11 @@ class _CopyingExecutor(tff.framework.RemoteExecutor):
     return type(value)(created.value_ref, value.type_signature, self)
 
 
-def _split_and_join(state_type: tff.FederatedType) -> tuple[Any, Any]:
-  """Computations that split a SERVER-placed structure into its tensors, each at the server,
-  and zip such tensors back into the structure (TFF's executor cannot select from a
-  federated value), compiled for the worker."""
+def _split_and_join(state_type: tff.FederatedType, paths: list) -> tuple[Any, Any]:
+  """Computations that split a SERVER-placed structure into its tensors (at `paths`, from
+  `_tensor_paths`), each at the server, and zip such tensors back into the structure (TFF's
+  executor cannot select from a federated value), compiled for the worker."""
   member = state_type.member
-  paths = _tensor_paths(member)
   tensor_types = [_at(member, path) for path in paths]
 
   @tff.federated_computation(state_type)
@@ -380,13 +379,12 @@ class ResidentState:
   after every N rounds held, N being the rounds it took a local worker to grow
   by `max_growth_bytes` after the first round (every round when it is 0, the
   default, and for a remote worker, whose memory is not visible here; none when
-  `value` downloaded the state). On
-  the default CLI runs a copy every round kept the worker's peak 1.4 GiB (K=5
-  Fed-ensemble) and 0.6 GiB (FedAvg) below a copy after 2 GiB of growth, for
-  rounds 1.04x to 1.29x as long: the copy moves the state to the driver and
-  back (benchmarks/RESULTS.md, "The held state's copy every round or after a
-  growth budget"). The state is also uploaded again in the round after `value`
-  downloaded it.
+  `value` downloaded the state). On the default CLI runs a copy every round
+  kept the worker's peak 1.4 GiB (K=5 Fed-ensemble) and 0.6 GiB (FedAvg) below
+  a copy after 2 GiB of growth, for rounds 1.04x to 1.29x as long: the copy
+  moves the state to the driver and back (benchmarks/RESULTS.md, "The held
+  state's copy every round or after a growth budget"). The state is also
+  uploaded again in the round after `value` downloaded it.
 
   With a context over several workers (TFF's mergeable form) the state goes
   through the context as usual.
@@ -408,7 +406,10 @@ class ResidentState:
     self._comp = self._split = self._join = None
     if self._worker is not None:
       self._compiled = tff.backends.native.desugar_and_transform_to_native(next_computation)
-      self._split_and_join = _split_and_join(self._compiled.type_signature.parameter[0])
+      state_type = self._compiled.type_signature.parameter[0]
+      self._state_member = state_type.member
+      self._paths = _tensor_paths(self._state_member)  # Its tensors', in `_split`'s order.
+      self._split_and_join = _split_and_join(state_type, self._paths)
 
   @property
   def value(self):
@@ -508,15 +509,14 @@ class ResidentState:
 
   def _upload(self, state):
     """`state` (Python) created on the worker one tensor at a time."""
-    member = self._compiled.type_signature.parameter[0].member
     flat = tff.structure.from_container(tff.tensorflow.transform_args(state), recursive=True)
     parts = [
       self._run(
         self._executor.create_value(
-          _at(flat, path), tff.FederatedType(_at(member, path), tff.SERVER)
+          _at(flat, path), tff.FederatedType(_at(self._state_member, path), tff.SERVER)
         )
       )
-      for path in _tensor_paths(member)
+      for path in self._paths
     ]
     return self._join_parts(parts)
 
@@ -536,7 +536,7 @@ class ResidentState:
     with self._worker_errors():
       if index == 0:
         tensors = [self._run(t.compute()) for t in self._tensors(remote)]
-        value = _packed(self._compiled.type_signature.result[0].member, iter(tensors))
+        value = _packed(self._state_member, iter(tensors))
       else:
         value = self._run(remote.compute())
     return tff.tensorflow.transform_result(

@@ -390,9 +390,10 @@ def test_resident_state_with_a_dead_worker_gives_one_line_error():
     assert held.next([1, 2])["total"] == 6
     (worker,) = worker_processes.descendants()
     worker.kill()
-    with pytest.raises(worker_process.WorkerError, match="exited with code") as error:
+    with pytest.raises(worker_process.WorkerError, match="exited with code -9") as error:
       held.next([3, 4])
   assert "\n" not in str(error.value)
+  assert "out-of-memory killer" in str(error.value)
 
 
 _BIG = 2_500_000  # float32s: 10 MB.

@@ -108,7 +108,8 @@ class Settings:
     "select",
     "How a client receives the member it trains: select sends only that one (the paper's "
     "one model down); broadcast sends all K and the client keeps its own: the same "
-    "numbers and K times the bytes down, in less time in TFF's simulation runtime.",
+    "numbers and K times the bytes down, in less time and memory in TFF's simulation "
+    'runtime (large cohorts: docs/library.md, "Memory").',
     choices=MEMBER_DELIVERIES,
   )
 

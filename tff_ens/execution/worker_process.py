@@ -37,6 +37,16 @@ class WorkerError(RuntimeError):
   """A TFF worker did not come up, exited, or stopped answering."""
 
 
+def _exit_description(returncode: int) -> str:
+  """`code N`, and for a SIGKILL its most likely sender: the kernel's out-of-memory killer."""
+  if returncode == -signal.SIGKILL:
+    return (
+      f"code {returncode} (SIGKILL, as the kernel's out-of-memory killer sends when memory "
+      'runs out: docs/library.md, "Memory", says what a run holds and what lowers it)'
+    )
+  return f"code {returncode}"
+
+
 def worker_binary_path() -> str:
   """Path of the `worker_binary` shipped in the TFF wheel (as TFF finds it)."""
   path = os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
@@ -182,7 +192,8 @@ def wait_until_serving(
   while True:
     if process is not None and process.poll() is not None:
       raise WorkerError(
-        f"TFF worker {worker_binary_path()} for {address} exited with code {process.returncode}."
+        f"TFF worker {worker_binary_path()} for {address} exited with "
+        f"{_exit_description(process.returncode)}."
       )
     if stub.is_ready:
       return

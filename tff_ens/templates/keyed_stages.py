@@ -90,8 +90,11 @@ def build_keyed_distributor(
     pick_download: TFF computation `(models, int32 [1]) -> download`, the same download as
       `to_download(select_model(models, key), key)`. Given, every client receives all K
       models (`tff.federated_broadcast`) and keeps its own: K times the bytes down in a
-      deployment, but in TFF 0.87's simulation runtime a broadcast shares the models where a
-      select copies each client's model (benchmarks/RESULTS.md, "Fed-ensemble round time").
+      deployment, but in TFF 0.87's simulation runtime a broadcast creates one value that
+      all clients share, where a select serializes each client's model and creates it anew
+      on the client, in more time and about K models more memory per client
+      (benchmarks/RESULTS.md, "Fed-ensemble round time" and "Fed-ensemble's delivery at
+      scale").
   """
   num_models = len(models_type)
 

@@ -153,8 +153,9 @@ def main(argv):
   lines = [
     SECTION,
     "",
-    f"`{command}` with the variant's flags and every other at its default (seed 0, 10 "
-    "clients a round, 1 epoch, batch 20, LEAF CNN; evaluation and a checkpoint at the end), "
+    f"`{command}` with the variant's flags, and every flag not given there at its default "
+    "(seed 0, 10 clients a round, 1 epoch, batch 20, LEAF CNN; evaluation and a checkpoint at "
+    "the end), "
     "one run at a time; resident memory sampled every 0.2 s: the driver (the CLI's process), its "
     "TFF worker (its children), the peak of their sum and when it was reached, each after a "
     "round (once the round's row is in `metrics.csv`), and the median `seconds` of a round.",

@@ -7,10 +7,14 @@ each round's cohort from the CLI's sampler (`simulation.sample_clients`, seed 0)
 client's key from Fed-ensemble's permutations (`member_updates.assigned_model`; K=1 is
 FedDyn), one version written per client a round, and after every `--checkpoint_every`
 rounds the two newest checkpoints handed to `prune`. States are one number here; the disk
-is the files' count times the LEAF CNN's state (its trainable weights as float32, FedDyn's
+is the states' count times the LEAF CNN's state (its trainable weights as float32, FedDyn's
 g). For the slice (105 writers, 10 a round) and the full size (3,597 writers, 100 a round)
-it prints the files at the end and at their peak, their size, and the writers with a state.
-Then it times writing and reading LEAF-CNN-sized states in this store (`--timed` of each).
+it prints the states at the end and at their peak, their size, and the writers with a state.
+Then it times writing and reading LEAF-CNN-sized states (`--timed` of each): in this store
+(from Python), and in a TensorFlow function as a client's computation does in TFF's worker
+(`stateful_client_work.through_files`), in the store's format (a checkpoint bundle,
+`stateful_client_work.write_state`) and, side by side, in the serialized `TensorProto` of
+`tf.io.serialize_tensor` that earlier versions wrote.
 Writes the section "## Clients' stored states on disk" of `--results`.
 """
 
@@ -29,6 +33,7 @@ from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.math import member_updates
 from tff_ens.program import client_states
 from tff_ens.program import simulation
+from tff_ens.templates import stateful_client_work
 
 SECTION = "## Clients' stored states on disk"
 # (writers, clients a round, K) of the slice and of LEAF's full FEMNIST.
@@ -45,8 +50,13 @@ flags.DEFINE_string(
 FLAGS = flags.FLAGS
 
 
+def count_states(directory: str) -> int:
+  """The states in a store's directory (each a bundle of two files)."""
+  return sum(name.endswith(".index") for name in os.listdir(directory))
+
+
 def count_files(writers: int, per_round: int, k: int, directory: str) -> dict:
-  """The store's files through `--rounds` rounds: at the end, at their peak, and the
+  """The store's states through `--rounds` rounds: at the end, at their peak, and the
   (client, key) pairs with a state."""
   spec = algorithm_lib.ClientStates(shape=(1,), dtype=np.dtype(np.float32))
   store = client_states.ClientStateStore(directory, spec)
@@ -56,30 +66,52 @@ def count_files(writers: int, per_round: int, k: int, directory: str) -> dict:
     for client in simulation.sample_clients(writers, per_round, 0, round_num):
       key = int(key_of(tf.constant(client, tf.int64), tf.constant(round_num - 1))) if k > 1 else 0
       store.save(round_num, int(client), key, np.zeros(1, np.float32))
-    peak = max(peak, len(os.listdir(directory)))
+    peak = max(peak, count_states(directory))
     if round_num % FLAGS.checkpoint_every == 0:
       checkpoints = (checkpoints + [round_num])[-2:]  # The checkpoints a run keeps.
       store.prune(checkpoints)
-  end = len(os.listdir(directory))
+  end = count_states(directory)
   pairs = sum(store.stored(c, key) for c in range(writers) for key in range(k))
   return {"end": end, "peak": max(peak, end), "pairs": pairs}
 
 
-def time_states(state_size: int, directory: str) -> tuple[float, float]:
-  """Seconds to write and to read one state of `state_size` float32 (the medians)."""
+def median_seconds(fn, count: int) -> float:
+  """The median seconds of `fn(i)` for i in 0..count-1."""
+  seconds = []
+  for i in range(count):
+    start = time.perf_counter()
+    fn(i)
+    seconds.append(time.perf_counter() - start)
+  return float(np.median(seconds))
+
+
+def time_states(state_size: int, directory: str) -> dict[str, float]:
+  """Median seconds to write and to read one state of `state_size` float32: through the
+  store, and in a TensorFlow function in both formats."""
   spec = algorithm_lib.ClientStates(shape=(state_size,), dtype=np.dtype(np.float32))
   store = client_states.ClientStateStore(directory, spec)
   value = np.random.default_rng(0).standard_normal(state_size).astype(np.float32)
-  writes, reads = [], []
-  for client in range(FLAGS.timed):
-    start = time.perf_counter()
-    store.save(1, client, 0, value)
-    writes.append(time.perf_counter() - start)
-  for client in range(FLAGS.timed):
-    start = time.perf_counter()
-    store.load(client, 0)
-    reads.append(time.perf_counter() - start)
-  return float(np.median(writes)), float(np.median(reads))
+  tensor = tf.constant(value)
+  path = lambda kind, i: os.path.join(directory, f"{kind}{i}")
+  write_bundle = tf.function(lambda p: stateful_client_work.write_state(p, tensor))
+  read_bundle = tf.function(lambda p: stateful_client_work.read_state(p, tf.float32))
+  write_proto = tf.function(lambda p: tf.io.write_file(p, tf.io.serialize_tensor(tensor)))
+  read_proto = tf.function(lambda p: tf.io.parse_tensor(tf.io.read_file(p), tf.float32))
+  n = FLAGS.timed
+  seconds = {
+    "store write": median_seconds(lambda i: store.save(1, i, 0, value), n),
+    "store read": median_seconds(lambda i: store.load(i, 0), n),
+  }
+  # Two passes each, alternating the formats: the disk's slow periods fall on both.
+  for _ in range(2):
+    for name, fn in [
+      ("bundle write", lambda i: write_bundle(path("bundle", i))),
+      ("bundle read", lambda i: read_bundle(path("bundle", i))),
+      ("proto write", lambda i: write_proto(path("proto", i))),
+      ("proto read", lambda i: read_proto(path("proto", i))),
+    ]:
+      seconds.setdefault(name, []).append(median_seconds(fn, n))
+  return {k: v if isinstance(v, float) else float(np.median(v)) for k, v in seconds.items()}
 
 
 def main(argv):
@@ -98,26 +130,40 @@ def main(argv):
     )
     print(rows[-1], flush=True)
   with tempfile.TemporaryDirectory(dir=FLAGS.state_dir) as directory:
-    write, read = time_states(state_size, directory)
+    seconds = time_states(state_size, directory)
+  ms = {k: v * 1e3 for k, v in seconds.items()}
   lines = [
     SECTION,
     "",
     f"A run's stored client states after {FLAGS.rounds} rounds with a checkpoint every "
     f"{FLAGS.checkpoint_every} (the two newest kept), cohorts and keys as the CLI draws them "
     f"(seed 0); a state is the LEAF CNN's {state_size:,} trainable weights in float32 "
-    f"({state_bytes / 1e6:.1f} MB a file).",
+    f"({state_bytes / 1e6:.1f} MB).",
     "",
     *report.run_facts(run, "benchmarks/client_state_disk.py"),
     "",
-    "| writers | clients a round | K | (writer, member) pairs with a state | files at the end | "
-    "GB at the end | files at the peak | GB at the peak | GB of one state per pair |",
+    "| writers | clients a round | K | (writer, member) pairs with a state | states at the end | "
+    "GB at the end | states at the peak | GB at the peak | GB of one state per pair |",
     "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     *rows,
     "",
-    f"Writing one {state_bytes / 1e6:.1f} MB state (a temporary file renamed) took "
-    f"{write * 1e3:.0f} ms and reading it {read * 1e3:.0f} ms (medians of {FLAGS.timed}, in "
-    f"`{FLAGS.state_dir or tempfile.gettempdir()}`).",
+    f"One {state_bytes / 1e6:.1f} MB state (medians of {FLAGS.timed}, in "
+    f"`{FLAGS.state_dir or tempfile.gettempdir()}`), milliseconds:",
+    "",
+    "| | write | read | write + read | against the TensorProto |",
+    "| --- | ---: | ---: | ---: | ---: |",
   ]
+  proto = ms["proto write"] + ms["proto read"]
+  for name, label in [
+    ("store", "the store, from Python (a checkpoint bundle)"),
+    ("bundle", "a client's computation: checkpoint bundle (the store's format)"),
+    ("proto", "a client's computation: serialized TensorProto (earlier versions')"),
+  ]:
+    both = ms[f"{name} write"] + ms[f"{name} read"]
+    lines.append(
+      f"| {label} | {ms[f'{name} write']:.0f} | {ms[f'{name} read']:.0f} | {both:.0f} | "
+      f"{both / proto:.2f} |"
+    )
   report.publish(SECTION, lines)
 
 

@@ -74,6 +74,12 @@ flags.DEFINE_list(
 flags.DEFINE_list(
   "places", ["worker", "python"], "Where the state stays between rounds: worker (the CLI), python."
 )
+flags.DEFINE_list(
+  "growth_mib",
+  [str(runtime.MAX_GROWTH_BYTES // 2**20)],
+  "The held state's growth budgets (the CLI's --worker_growth_mib) to time with the state on "
+  "the worker: 0 copies it every round.",
+)
 
 FLAGS = flags.FLAGS
 
@@ -82,12 +88,15 @@ class Rounds:
   """Runs an algorithm's rounds with its state on the worker or in Python, and its clients'
   states (FedDyn's) in a `ClientStateStore` under `directory`, as the CLI does."""
 
-  def __init__(self, algorithm, on_worker: bool, directory: str):
+  def __init__(self, algorithm, on_worker: bool, directory: str, growth_mib: int = 0):
     self._algorithm = algorithm
     state = algorithm.process.initialize()
-    self._held = runtime.ResidentState(algorithm.process.next, state)
+    self._held = runtime.ResidentState(
+      algorithm.process.next, state, max_growth_bytes=growth_mib * 2**20
+    )
     self._state = None if on_worker else state
     self._round = 0
+    self.cut_every = None
     self._store = None
     if algorithm.client_states is not None:
       self._store = client_states.ClientStateStore(directory, algorithm.client_states)
@@ -107,17 +116,19 @@ class Rounds:
       self._state, *outputs = runtime.state_first(self._algorithm.process.next(self._state, *args))
       outputs = tuple(outputs)
     result = self._algorithm.result(outputs)
+    self.cut_every = self._held.cut_every
     if self._store is not None:
       self._store.round_outputs(self._round, cohort, keys, result.client_states)
       self._key_state = result.metrics["distributor"]
 
 
-def time_alone(build, on_worker: bool, datasets, rounds: int):
+def time_alone(build, on_worker: bool, datasets, rounds: int, growth_mib: int = 0):
   """`rounds` rounds of `build()` in a fresh worker.
 
   Returns their wall and CPU seconds (after one untimed round: tracing,
-  caches), the worker's peak resident bytes and the algorithm's bytes down
-  and up per client and round.
+  caches), the worker's peak resident bytes, the algorithm's bytes down
+  and up per client and round, and every how many rounds the held state was copied
+  (`ResidentState.cut_every`; None: not within these rounds).
   """
   wall, cpu = [], []
   with (
@@ -126,14 +137,14 @@ def time_alone(build, on_worker: bool, datasets, rounds: int):
     tempfile.TemporaryDirectory() as directory,
   ):
     algorithm = build()
-    run = Rounds(algorithm, on_worker, directory)
+    run = Rounds(algorithm, on_worker, directory, growth_mib)
     run.next(datasets)
     for _ in range(rounds):
       start, start_cpu = time.perf_counter(), report.cpu_seconds()
       run.next(datasets)
       wall.append(time.perf_counter() - start)
       cpu.append(report.cpu_seconds() - start_cpu)
-  return wall, cpu, memory.peak, algorithm.bytes_per_client_round()
+  return wall, cpu, memory.peak, algorithm.bytes_per_client_round(), run.cut_every
 
 
 def distribution_seconds(
@@ -242,8 +253,13 @@ def main(argv):
   model_fn = lambda k=0: femnist.build_model("cnn", seed=k)
   config = client_work.LocalTrainingConfig(learning_rate=0.05)
   variants = [
-    (on_worker, name, k, objective, delivery, transport)
-    for on_worker in [place == "worker" for place in FLAGS.places]
+    (growth, name, k, objective, delivery, transport)
+    # The held state's growth budget in MiB, None with the state in Python.
+    for growth in [
+      budget
+      for place in FLAGS.places
+      for budget in ([int(b) for b in FLAGS.growth_mib] if place == "worker" else [None])
+    ]
     for name, k, objective, delivery, transport in [("fedavg", 1, "sgd", "select", None)]
     + [
       ("fedensemble", int(k), "sgd", delivery, None)
@@ -261,8 +277,9 @@ def main(argv):
   cpu = [[] for _ in variants]
   peaks = [0] * len(variants)
   transfers = [None] * len(variants)
+  cut_every = [set() for _ in variants]
   for _ in range(FLAGS.passes):
-    for i, (on_worker, name, k, objective, delivery, transport) in enumerate(variants):
+    for i, (growth, name, k, objective, delivery, transport) in enumerate(variants):
       build = functools.partial(
         algorithms.build_algorithm,
         name,
@@ -275,7 +292,10 @@ def main(argv):
           name, ensemble_size=k, local_objective=objective, member_delivery=delivery
         ),
       )
-      times, cpu_times, peak, transfers[i] = time_alone(build, on_worker, datasets, FLAGS.rounds)
+      times, cpu_times, peak, transfers[i], cut = time_alone(
+        build, growth is not None, datasets, FLAGS.rounds, growth or 0
+      )
+      cut_every[i].add(cut)
       wall[i] += times
       cpu[i] += cpu_times
       peaks[i] = max(peaks[i], peak)
@@ -285,26 +305,35 @@ def main(argv):
     moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
   print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  for variant, times, cpu_times, peak, (down, up) in zip(variants, wall, cpu, peaks, transfers):
-    on_worker, name, k, objective, delivery, transport = variant
+  for variant, times, cpu_times, peak, (down, up), cuts in zip(
+    variants, wall, cpu, peaks, transfers, cut_every
+  ):
+    growth, name, k, objective, delivery, transport = variant
     rows.append(
       (
-        on_worker,
+        growth,
         f"{name}"
         + (f", K={k}" if name == "fedensemble" else "")
         + (f", FedDyn (states as {transport})" if objective == "feddyn" else "")
         + (f", {delivery}" if name == "fedensemble" else "")
-        + (", state on the worker (CLI)" if on_worker else ", state through Python"),
+        + (
+          ", state through Python"
+          if growth is None
+          else ", state on the worker (CLI)"
+          + (f", copied after {growth} MiB of growth" if growth else "")
+        ),
         statistics.median(times),
+        statistics.mean(times),
         statistics.median(cpu_times),
         peak,
         down,
         up,
+        ", ".join("-" if c is None else str(c) for c in sorted(cuts, key=str)),
       )
     )
-  # Ratios are to FedAvg run the same way (state on the worker or not): the
-  # first row of each.
-  baselines = {row[0]: row[2:4] for row in reversed(rows)}
+  # Ratios are to FedAvg run the same way (state in Python, or on the worker with the
+  # same growth budget): the first row of each.
+  baselines = {row[0]: row[2:5] for row in reversed(rows)}
   lines = [
     SECTION,
     "",
@@ -314,21 +343,24 @@ def main(argv):
     f"{FLAGS.passes} passes over the variants; the median is over the "
     f"{FLAGS.rounds * FLAGS.passes} timed rounds, the peak resident memory "
     "is the worker's. CPU seconds (this process and the worker, user + "
-    "system) depend less on other load than wall time.",
+    "system) depend less on other load than wall time. The mean includes "
+    "the rounds that copy the held state (`ResidentState`, every N rounds once a "
+    "growth budget is measured; -: none in the timed rounds), which the median "
+    "may leave out.",
     "",
     *report.run_facts(run, "benchmarks/ensemble_round.py"),
     "",
-    "| variant | median s/round | ratio to FedAvg (same state place) | "
-    "median CPU s/round | "
-    "CPU ratio | worker peak memory | bytes down / up per client |",
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    "| variant | median s/round | ratio to FedAvg (same state place) | mean s/round | "
+    "mean ratio | median CPU s/round | CPU ratio | state copied every N rounds | "
+    "worker peak memory | bytes down / up per client |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
-  for place, name, median, median_cpu, peak, down, up in rows:
-    baseline, baseline_cpu = baselines[place]
+  for place, name, median, mean, median_cpu, peak, down, up, cuts in rows:
+    baseline, baseline_mean, baseline_cpu = baselines[place]
     lines.append(
-      f"| {name} | {median:.2f} | {median / baseline:.2f} | "
-      f"{median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
-      f"{peak / 2**30:.2f} GiB | {down:,} / {up:,} |"
+      f"| {name} | {median:.2f} | {median / baseline:.2f} | {mean:.2f} | "
+      f"{mean / baseline_mean:.2f} | {median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
+      f"{cuts} | {peak / 2**30:.2f} GiB | {down:,} / {up:,} |"
     )
   lines += [
     "",

@@ -369,7 +369,8 @@ def test_resident_state_matches_state_through_python(several_workers, two_worker
   with runtime.execution_context():
     expected_state, expected_totals = _plain_rounds(cohorts)
   with runtime.execution_context(workers=addresses):
-    held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER)
+    # Copied before every round but the first and those after a read.
+    held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER, max_growth_bytes=0)
     totals, read = [], []
     for i, xs in enumerate(cohorts):
       totals.append(held.next(xs)["total"])

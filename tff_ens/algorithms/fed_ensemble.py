@@ -9,10 +9,11 @@ permutation P[i, :] of 0..K-1; in round t it trains model P[i, t mod K]. The
 algorithm is FedAvg's four stages with three swapped for the keyed stages it
 shares with FedDF's prototypes (`keyed_stages`, composed by `composition.compose`):
 
-* distributor: the client computes its key P[i, t mod K] and downloads only
-  that model with `tff.federated_select` (one model in the type signature;
-  `member_delivery="broadcast"` sends all K, faster in simulation); its state
-  is (round, seed);
+* distributor: the client computes its key P[i, t mod K] and receives that model: in
+  simulation all K are broadcast and the client keeps its own (`member_delivery=
+  "broadcast"`, TFF's runtime makes one value for all clients), or only that one is sent
+  with `tff.federated_select` ("select", a deployment's type signature); either way a
+  client's download is one model, which the bytes down report; its state is (round, seed);
 * client work: unchanged, the same `client_work.build_client_work` (or FedDyn's);
 * aggregator (`keyed_stages.build_slot_aggregator`): each client uploads one
   update and its key, added into slot `key` of K sums, so model k is averaged
@@ -105,11 +106,11 @@ class Settings:
     above=0,
   )
   member_delivery: str = setting(
-    "select",
-    "How a client receives the member it trains: select sends only that one (the paper's "
-    "one model down); broadcast sends all K and the client keeps its own: the same "
-    "numbers and K times the bytes down, in less time and memory in TFF's simulation "
-    'runtime (large cohorts: docs/library.md, "Memory").',
+    "broadcast",
+    "How the simulation gives a client the member it trains: broadcast sends all K and the "
+    "client keeps its own (one value all clients share in TFF's runtime); select sends only "
+    "that one (tff.federated_select, a deployment's type signature), in more time and memory "
+    'here (docs/library.md, "Memory"). The same numbers; the bytes down are one member.',
     choices=MEMBER_DELIVERIES,
   )
 
@@ -216,12 +217,10 @@ def build_fed_ensemble(
     client_state_type=client_work.next_state_type if uses_feddyn else None,
   )
   client_update_type = client_work.client_update.type_signature
-  sent_model = distributor.next.type_signature.result.result[0].member
-  if options.member_delivery == "broadcast":
-    sent_model = members_type
+  # The member the client trains, whatever the delivery (Shi et al.: one model down).
   download = tff.StructType(
     [
-      ("model", sent_model),
+      ("model", weights_type),
       ("assignment", distributor.initialize.type_signature.result.member),
       ("learning_rate", client_update_type.parameter.learning_rate),
     ]

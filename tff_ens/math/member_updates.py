@@ -66,8 +66,12 @@ def apply_slot_means(members, slots, weights):
   """
 
   def apply(member, slot, total):
-    mean = lambda w, s: tf.where(total > 0, w - s / tf.maximum(total, 1e-12), w)
-    return tf.nest.map_structure(mean, member, slot)
+    # Only a trained member is computed: the others pass through uncopied.
+    return tf.cond(
+      total > 0,
+      lambda: tf.nest.map_structure(lambda w, s: w - s / total, member, slot),
+      lambda: tf.nest.map_structure(tf.identity, member),
+    )
 
   return tuple(apply(m, s, weights[k]) for k, (m, s) in enumerate(zip(members, slots)))
 
@@ -92,13 +96,21 @@ def apply_feddyn_correction(members, corrections, slots, weights, alpha: float, 
   Returns:
     (members, corrections); a model nobody trained keeps both unchanged.
   """
+
+  def corrected(member, h, slot):
+    h = tuple(h_t + (alpha / num_clients) * u for h_t, u in zip(h, slot.trainable))
+    return tuple(w - h_t / alpha for w, h_t in zip(member.trainable, h)), h
+
   new_members, new_corrections = [], []
   for member, h, slot, total in zip(members, corrections, slots, tf.unstack(weights)):
-    trained = total > 0
-    h = [
-      tf.where(trained, h_t + (alpha / num_clients) * u, h_t) for h_t, u in zip(h, slot.trainable)
-    ]
-    trainable = [tf.where(trained, w - h_t / alpha, w) for w, h_t in zip(member.trainable, h)]
-    new_members.append(ModelWeights(trainable, list(member.non_trainable)))
+    # Only a trained model is computed: the others pass through uncopied.
+    trainable, h = tf.cond(
+      total > 0,
+      lambda member=member, h=h, slot=slot: corrected(member, h, slot),
+      lambda member=member, h=h: tf.nest.map_structure(
+        tf.identity, (tuple(member.trainable), tuple(h))
+      ),
+    )
+    new_members.append(ModelWeights(list(trainable), list(member.non_trainable)))
     new_corrections.append(tuple(h))
   return tuple(new_members), tuple(new_corrections)

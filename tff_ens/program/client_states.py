@@ -6,13 +6,13 @@ Fed-ensemble one per model (the state's key); Ditto's clients their personal mod
 devices it stays on the device. In simulation it has to outlive the round, the Python
 process and a resume, and for 105 FEMNIST writers and five LEAF CNNs it is 105 x 5 x 26 MB
 = 13.7 GB, more than this machine can keep in memory next to TFF's worker. So
-`ClientStateStore` keeps it on disk, in the run's directory: one file per (client, key,
-round it was written), a serialized `TensorProto` (`tf.io.serialize_tensor`'s format), which
-the program reads and writes (written to a temporary name and renamed, so a killed run never
-leaves half a file) or, with `ClientStates.in_files`, the clients' computations in TFF's
-worker (`stateful_client_work.through_files`): the program then only names the files
-(`round_inputs`). A worker killed mid-write leaves half a file only in a round after the last
-checkpoint, which a resume deletes.
+`ClientStateStore` keeps it on disk, in the run's directory: one state file per (client, key,
+round it was written), a TensorFlow checkpoint bundle of one tensor
+(`stateful_client_work.write_state`: an `.index` and a `.data-00000-of-00001` file, each
+written under a temporary name and renamed, so a killed run never leaves half a file), which
+the program reads and writes or, with `ClientStates.in_files`, the clients' computations in
+TFF's worker (`stateful_client_work.through_files`): the program then only names the files
+(`round_inputs`).
 
 A resumed run restarts at its last checkpoint, so states written after that
 round are stale: `rewind` deletes them and the versions written at or before
@@ -21,8 +21,8 @@ version at or before each checkpoint kept (a resume starts from the older one wh
 checkpoint is unreadable and deleted), and the run its newest: `prune` deletes the others
 after each checkpoint, and a version written since the newest checkpoint is deleted as soon
 as a newer one replaces it. So a client keeps at most three versions (one for each of the two
-checkpoints kept and its newest), whatever `--checkpoint_every` is. Stores written as `.npy`
-files by earlier versions are converted when opened.
+checkpoints kept and its newest), whatever `--checkpoint_every` is. Stores written by earlier
+versions (a serialized `TensorProto` or an `.npy` file per state) are converted when opened.
 """
 
 import collections
@@ -34,10 +34,15 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2
 
+from tff_ens.templates import stateful_client_work
+
 DIRECTORY = "client_states"
-_NAME = re.compile(r"^client(\d+)_model(\d+)_round(\d+)\.pb$")
-_NUMPY_NAME = re.compile(r"^(client\d+_model\d+_round\d+)\.npy$")
-_INITIAL = "initial.pb"
+_NAME = re.compile(r"^client(\d+)_model(\d+)_round(\d+)$")
+_INDEX = ".index"  # A state file's `.index` is written last: the state is complete.
+_DATA = ".data-00000-of-00001"
+# Earlier versions' formats: a serialized TensorProto, a NumPy array.
+_OLD_NAME = re.compile(r"^((?:client\d+_model\d+_round\d+)|initial)\.(pb|npy)$")
+_INITIAL = "initial"
 
 
 class ClientStateError(RuntimeError):
@@ -57,17 +62,21 @@ class ClientStateStore:
     # The newest checkpoint's round (`rewind`, `prune`): versions after it that a newer one
     # replaces are needed by no resume.
     self._newest_checkpoint = 0
-    for name in sorted(os.listdir(self._dir)):
+    names = sorted(os.listdir(self._dir))
+    for name in names:
       path = os.path.join(self._dir, name)
-      if ".tmp" in name:  # Left by a run killed mid-write.
+      old = _OLD_NAME.match(name)
+      if ".tmp" in name or ".tempstate" in name:  # Left by a run killed mid-write.
         os.remove(path)
         continue
-      numpy_name = _NUMPY_NAME.match(name)
-      if numpy_name:  # Written by an earlier version.
-        name = numpy_name.group(1) + ".pb"
-        self._write(os.path.join(self._dir, name), self._read(path))
+      if name.endswith(_DATA) and name[: -len(_DATA)] + _INDEX not in names:
+        os.remove(path)  # Its index was never written.
+        continue
+      if old:  # Written by an earlier version.
+        self._write(os.path.join(self._dir, old.group(1)), self._read_old(path))
         os.remove(path)
-      match = _NAME.match(name)
+        name = old.group(1) + _INDEX
+      match = _NAME.match(name[: -len(_INDEX)]) if name.endswith(_INDEX) else None
       if match:
         client, model, round_num = map(int, match.groups())
         self._rounds[(client, model)].append(round_num)
@@ -79,30 +88,42 @@ class ClientStateStore:
         self.load(*min(self._rounds))
 
   def _path(self, client: int, model: int, round_num: int) -> str:
-    return os.path.join(self._dir, f"client{client:06d}_model{model:03d}_round{round_num:07d}.pb")
+    """The state file's prefix (`stateful_client_work.write_state`)."""
+    return os.path.join(self._dir, f"client{client:06d}_model{model:03d}_round{round_num:07d}")
 
   @staticmethod
   def _write(path: str, value: np.ndarray) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "wb") as f:
-      f.write(tf.make_tensor_proto(np.asarray(value)).SerializeToString())
-    os.replace(temporary, path)
+    stateful_client_work.write_state(path, tf.constant(np.asarray(value)))
 
-  def _read(self, path: str) -> np.ndarray:
+  def _remove(self, path: str) -> None:
+    for suffix in (_INDEX, _DATA):  # The index first: what is left is no state.
+      os.remove(path + suffix)
+
+  def _read_old(self, path: str) -> np.ndarray:
+    """A state file of an earlier version."""
     try:
       if path.endswith(".npy"):
-        stored = np.load(path)
-      else:
-        with open(path, "rb") as f:
-          stored = tf.make_ndarray(tensor_pb2.TensorProto.FromString(f.read()))
+        return np.load(path)
+      with open(path, "rb") as f:
+        return tf.make_ndarray(tensor_pb2.TensorProto.FromString(f.read()))
     except (OSError, ValueError, TypeError, message.DecodeError) as e:
-      raise ClientStateError(
-        f"cannot read client state {path} ({' '.join(str(e).split())[:200]})"
-        ": the run's client_states directory is damaged; start the run "
-        "again in a new --output_dir"
-      ) from None
+      raise self._damaged(path, e) from None
+
+  @staticmethod
+  def _damaged(path: str, error: Exception) -> ClientStateError:
+    return ClientStateError(
+      f"cannot read client state {path} ({' '.join(str(error).split())[:200]})"
+      ": the run's client_states directory is damaged; start the run "
+      "again in a new --output_dir"
+    )
+
+  def _read(self, path: str) -> np.ndarray:
     spec = self._spec
-    if stored.shape != tuple(spec.shape) or stored.dtype != spec.dtype:
+    try:
+      stored = stateful_client_work.read_state(path, tf.as_dtype(spec.dtype)).numpy()
+    except tf.errors.OpError as e:
+      raise self._damaged(path, e) from None
+    if stored.shape != tuple(spec.shape):
       raise ClientStateError(
         f"client state {path} holds {stored.dtype}{list(stored.shape)}, the "
         f"model needs {spec.dtype}{list(spec.shape)}: it was "
@@ -133,7 +154,7 @@ class ClientStateStore:
       rounds.append(round_num)
       rounds.sort()
     if len(rounds) > 1 and rounds[-2] > self._newest_checkpoint:
-      os.remove(self._path(client, model, rounds.pop(-2)))
+      self._remove(self._path(client, model, rounds.pop(-2)))
 
   def round_inputs(self, round_num: int, clients, models) -> list:
     """What `next` takes for each (client, model) of round `round_num`: its newest state,
@@ -162,7 +183,7 @@ class ClientStateStore:
     checkpoint)."""
     for key, rounds in self._rounds.items():
       while rounds and rounds[-1] > round_num:
-        os.remove(self._path(*key, rounds.pop()))
+        self._remove(self._path(*key, rounds.pop()))
     self._newest_checkpoint = round_num
 
   def prune(self, checkpoints) -> None:
@@ -174,6 +195,6 @@ class ClientStateStore:
         before = [r for r in rounds if r <= checkpoint]
         kept.update(before[-1:])
       for r in set(rounds) - kept:
-        os.remove(self._path(*key, r))
+        self._remove(self._path(*key, r))
       rounds[:] = sorted(kept)
     self._newest_checkpoint = max(checkpoints, default=0)

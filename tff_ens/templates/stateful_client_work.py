@@ -8,10 +8,10 @@ uploaded, and the program stores it between rounds (`program.client_states`).
 
 In simulation the state either passes through TFF's executor with the round's other values
 or, with `state_files`, stays in files: each client gets the path of its state and the path
-to write its new one, and its computation reads and writes them with `tf.io` in the worker
-(`through_files`). A model-sized state moved as a value costs about a FedAvg round for ten
-clients (benchmarks/RESULTS.md, "Fed-ensemble round time"); as files it never leaves the
-worker's disk.
+to write its new one, and its computation reads and writes them in the worker
+(`through_files`, `write_state`). A model-sized state moved as a value costs about a FedAvg
+round for ten clients (benchmarks/RESULTS.md, "Fed-ensemble round time"); as files it never
+leaves the worker's disk.
 """
 
 import dataclasses
@@ -52,19 +52,40 @@ class StatefulClientWork:
 PATHS_TYPE = tff.TensorType(np.str_, [2])
 
 
+# The one tensor of a client's state file (`write_state`).
+_STATE_NAME = "state"
+
+
+def write_state(prefix, value):
+  """Writes `value` as the state file `prefix`: a TensorFlow checkpoint bundle
+  (`prefix.index` and `prefix.data-00000-of-00001`, each written under a temporary name and
+  renamed by `tf.raw_ops.SaveV2`), which TensorFlow writes from and reads into the tensor's
+  own buffer: half the time of a serialized `TensorProto` for a LEAF CNN-sized state
+  (benchmarks/RESULTS.md, "Clients' stored states on disk"). In a graph or eagerly."""
+  return tf.raw_ops.SaveV2(
+    prefix=prefix, tensor_names=[_STATE_NAME], shape_and_slices=[""], tensors=[value]
+  )
+
+
+def read_state(prefix, dtype):
+  """The state in the file `prefix` (`write_state`'s)."""
+  return tf.raw_ops.RestoreV2(
+    prefix=prefix, tensor_names=[_STATE_NAME], shape_and_slices=[""], dtypes=[dtype]
+  )[0]
+
+
 def through_files(client_update: tff.Computation) -> tff.Computation:
   """`client_update(download, data, learning rate, state) -> (result, metrics, new state)`
   as `(download, data, learning rate, paths) -> (result, metrics, paths[1])`: the state is
-  read from the file `paths[0]` and the new one written to `paths[1]`, each a serialized
-  `TensorProto` (`tf.io.serialize_tensor`), before the result is returned."""
+  read from the file `paths[0]` and the new one written to `paths[1]` (`write_state`'s
+  format) before the result is returned."""
   download_type, data_type, rate_type, state_type = client_update.type_signature.parameter
 
   @tff.tensorflow.computation(download_type, data_type, rate_type, PATHS_TYPE)
   def update(download, data, learning_rate, paths):
-    state = tf.io.parse_tensor(tf.io.read_file(paths[0]), state_type.dtype)
-    state = tf.ensure_shape(state, state_type.shape)
+    state = tf.ensure_shape(read_state(paths[0], state_type.dtype), state_type.shape)
     result, metrics, new_state = client_update(download, data, learning_rate, state)
-    written = tf.io.write_file(paths[1], tf.io.serialize_tensor(new_state))
+    written = write_state(paths[1], new_state)
     with tf.control_dependencies([written]):
       return tf.nest.map_structure(tf.identity, (result, metrics, paths[1]))
 

@@ -93,9 +93,17 @@ def time_states(state_size: int, directory: str) -> dict[str, float]:
   value = np.random.default_rng(0).standard_normal(state_size).astype(np.float32)
   tensor = tf.constant(value)
   path = lambda kind, i: os.path.join(directory, f"{kind}{i}")
-  write_bundle = tf.function(lambda p: stateful_client_work.write_state(p, tensor))
+
+  # As in a client's computation (`stateful_client_work.through_files`), and before it.
+  @tf.function
+  def write_bundle(p):
+    stateful_client_work.write_state(p, tensor)
+
+  @tf.function
+  def write_proto(p):
+    tf.io.write_file(p, tf.io.serialize_tensor(tensor))
+
   read_bundle = tf.function(lambda p: stateful_client_work.read_state(p, tf.float32))
-  write_proto = tf.function(lambda p: tf.io.write_file(p, tf.io.serialize_tensor(tensor)))
   read_proto = tf.function(lambda p: tf.io.parse_tensor(tf.io.read_file(p), tf.float32))
   n = FLAGS.timed
   seconds = {

@@ -131,8 +131,8 @@ class RunSettings:
   worker_growth_mib: int = setting(
     runtime.MAX_GROWTH_BYTES // 2**20,
     "The state waiting on the local TFF worker between rounds is copied there afresh (which "
-    "frees what earlier rounds left behind it) once the worker has grown this many MiB since "
-    "round 1, then as often as that took, or every round (0): less memory, slower rounds "
+    "frees what earlier rounds left behind it) every N rounds, N the most rounds the worker "
+    "grew within this many MiB (at least 1), or every round (0): less memory, slower rounds "
     "(benchmarks/RESULTS.md).",
     at_least=0,
   )

@@ -51,8 +51,9 @@ FLAGS = flags.FLAGS
 
 
 def count_states(directory: str) -> int:
-  """The states in a store's directory (each a bundle of two files)."""
-  return sum(name.endswith(".index") for name in os.listdir(directory))
+  """The states in a store's directory (each a bundle of two files, counted by its index)."""
+  index = stateful_client_work.STATE_FILE_SUFFIXES[0]
+  return sum(name.endswith(index) for name in os.listdir(directory))
 
 
 def count_files(writers: int, per_round: int, k: int, directory: str) -> dict:
@@ -107,8 +108,8 @@ def time_states(state_size: int, directory: str) -> dict[str, float]:
   read_proto = tf.function(lambda p: tf.io.parse_tensor(tf.io.read_file(p), tf.float32))
   n = FLAGS.timed
   seconds = {
-    "store write": median_seconds(lambda i: store.save(1, i, 0, value), n),
-    "store read": median_seconds(lambda i: store.load(i, 0), n),
+    "store write": [median_seconds(lambda i: store.save(1, i, 0, value), n)],
+    "store read": [median_seconds(lambda i: store.load(i, 0), n)],
   }
   # Two passes each, alternating the formats: the disk's slow periods fall on both.
   for _ in range(2):
@@ -119,7 +120,7 @@ def time_states(state_size: int, directory: str) -> dict[str, float]:
       ("proto read", lambda i: read_proto(path("proto", i))),
     ]:
       seconds.setdefault(name, []).append(median_seconds(fn, n))
-  return {k: v if isinstance(v, float) else float(np.median(v)) for k, v in seconds.items()}
+  return {name: float(np.median(s)) for name, s in seconds.items()}
 
 
 def main(argv):

@@ -96,11 +96,15 @@ class Rounds:
     )
     self._state = None if on_worker else state
     self._round = 0
-    self.cut_every = None
     self._store = None
     if algorithm.client_states is not None:
       self._store = client_states.ClientStateStore(directory, algorithm.client_states)
       self._key_state = state["distributor"]  # Which of its states each client trains.
+
+  @property
+  def cut_every(self) -> int | None:
+    """Every how many rounds the held state is copied (`ResidentState.cut_every`)."""
+    return self._held.cut_every
 
   def next(self, datasets):
     self._round += 1
@@ -116,7 +120,6 @@ class Rounds:
       self._state, *outputs = runtime.state_first(self._algorithm.process.next(self._state, *args))
       outputs = tuple(outputs)
     result = self._algorithm.result(outputs)
-    self.cut_every = self._held.cut_every
     if self._store is not None:
       self._store.round_outputs(self._round, cohort, keys, result.client_states)
       self._key_state = result.metrics["distributor"]

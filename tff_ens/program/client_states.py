@@ -38,8 +38,7 @@ from tff_ens.templates import stateful_client_work
 
 DIRECTORY = "client_states"
 _NAME = re.compile(r"^client(\d+)_model(\d+)_round(\d+)$")
-_INDEX = ".index"  # A state file's `.index` is written last: the state is complete.
-_DATA = ".data-00000-of-00001"
+_INDEX, _DATA = stateful_client_work.STATE_FILE_SUFFIXES
 # Earlier versions' formats: a serialized TensorProto, a NumPy array.
 _OLD_NAME = re.compile(r"^((?:client\d+_model\d+_round\d+)|initial)\.(pb|npy)$")
 _INITIAL = "initial"
@@ -96,7 +95,8 @@ class ClientStateStore:
     stateful_client_work.write_state(path, tf.constant(np.asarray(value)))
 
   def _remove(self, path: str) -> None:
-    for suffix in (_INDEX, _DATA):  # The index first: what is left is no state.
+    # The index first: what is left is no state.
+    for suffix in stateful_client_work.STATE_FILE_SUFFIXES:
       os.remove(path + suffix)
 
   def _read_old(self, path: str) -> np.ndarray:

@@ -54,6 +54,9 @@ PATHS_TYPE = tff.TensorType(np.str_, [2])
 
 # The one tensor of a client's state file (`write_state`).
 _STATE_NAME = "state"
+# The files of the state file `prefix` (`prefix + suffix`): its index, written last (a
+# state is complete once its index is there), and its data.
+STATE_FILE_SUFFIXES = (".index", ".data-00000-of-00001")
 
 
 def write_state(prefix, value):

@@ -12,10 +12,12 @@ of the driver (the CLI's Python process) and of its children (TFF's worker), and
 counts the rounds in `metrics.csv` (`--cli_flags` adds flags to every run: the full-size
 FEMNIST's 100-client rounds). It prints each one's peak; the peak of their sum, with the
 rounds done then and each one's share; each one after round 5 and after the last round (the
-first sample once that round's row is written); the worker's growth between the two; and the
-median `seconds` of a round. With `--settings`, each variant runs once per setting (`NAME=VALUE`:
-an environment variable, which the worker inherits; `--FLAG=VALUE`: a flag of the run;
-empty: neither), one after the other, and the table gives each run's median round against
+first sample once that round's row is written); the worker's growth between the two, and
+between its peaks over the first and the last rounds after round 5 (`report.peak_growth`);
+and the median `seconds` of a round; it logs the worker's peak during each round. With
+`--settings`, each variant runs once per setting (`NAME=VALUE`: an environment variable,
+which the worker inherits; `--FLAG=VALUE`: a flag of the run; empty: neither), one after
+the other, and the table gives each run's median round against
 the variant's first setting. Writes the section "## Memory of the CLI's default runs" of
 `--results`.
 """
@@ -83,11 +85,11 @@ def _run_setting(setting: str) -> tuple[dict[str, str], list[str]]:
 
 def measure(variant: str, output_dir: str, environment: dict[str, str], extra: list[str]) -> dict:
   """Runs the CLI for `variant` with the `extra` flags in `environment`, sampling its memory;
-  the peaks (bytes), the memory after each round (`after[r] = (driver, worker)`) and the
-  seconds of each round."""
+  the peaks (bytes), the memory after each round (`after[r] = (driver, worker)`), the
+  worker's peak during each round (`during[r]`) and the seconds of each round."""
   command = report.cli_command(variant, FLAGS.rounds, output_dir, *FLAGS.cli_flags, *extra)
   metrics = os.path.join(output_dir, "metrics.csv")
-  result = dict(driver=0, worker=0, total=0, total_at=(0, 0, 0), after={})
+  result = dict(driver=0, worker=0, total=0, total_at=(0, 0, 0), after={}, during={})
   with open(output_dir + ".log", "w") as log:
     driver = psutil.Popen(command, cwd=report.REPO_ROOT, stdout=log, stderr=log, env=environment)
     done = threading.Event()
@@ -104,7 +106,10 @@ def measure(variant: str, output_dir: str, environment: dict[str, str], extra: l
         if own + worker > result["total"]:
           result["total"] = own + worker
           result["total_at"] = (_rows(metrics), worker, own)
-        result["after"].setdefault(_rows(metrics), (own, worker))
+        rounds_done = _rows(metrics)
+        result["after"].setdefault(rounds_done, (own, worker))
+        during = result["during"]
+        during[rounds_done + 1] = max(during.get(rounds_done + 1, 0), worker)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -134,6 +139,14 @@ def main(argv):
         last = after.get(FLAGS.rounds, (0, 0))
         mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
         growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
+        peak_growth = report.peak_growth(m["during"], GROWTH_FROM, FLAGS.rounds)
+        print(
+          f"{variant} {setting}: worker peak GiB during each round: "
+          + ", ".join(
+            f"{r}: {gib(b)}" for r, b in sorted(m["during"].items()) if r <= FLAGS.rounds
+          ),
+          flush=True,
+        )
         median = statistics.median(m["seconds"])
         if j == 0:
           first_median = median  # The ratio's base: the variant's first setting.
@@ -142,11 +155,13 @@ def main(argv):
           f"{f'`{setting}`' if setting else '-'} | "
           f"{gib(m['worker'])} | {gib(m['driver'])} | {gib(m['total'])} | "
           f"{m['total_at'][0]}: {gib(m['total_at'][1])} + {gib(m['total_at'][2])} | "
-          f"{gib(mid[1])} | {gib(last[1])} | {growth} | {gib(mid[0])} | {gib(last[0])} | "
+          f"{gib(mid[1])} | {gib(last[1])} | {growth} | {peak_growth} | "
+          f"{gib(mid[0])} | {gib(last[0])} | "
           f"{median:.1f} | {median / first_median:.2f} |"
         )
         print(rows[-1], flush=True)
   r5, rn = min(GROWTH_FROM, FLAGS.rounds), FLAGS.rounds
+  first, last = (f"{w[0]}-{w[-1]}" if w else "-" for w in report.peak_windows(GROWTH_FROM, rn))
   command = " ".join(
     ["python -m tff_ens.main --task=femnist", f"--rounds={FLAGS.rounds}", *FLAGS.cli_flags]
   )
@@ -158,16 +173,19 @@ def main(argv):
     "the end), "
     "one run at a time; resident memory sampled every 0.2 s: the driver (the CLI's process), its "
     "TFF worker (its children), the peak of their sum and when it was reached, each after a "
-    "round (once the round's row is in `metrics.csv`), and the median `seconds` of a round.",
+    "round (once the round's row is in `metrics.csv`), the worker's peak over the last rounds "
+    "against its peak over as many after round 5 (which a copy of the held state every few "
+    "rounds does not sway, as it sways a single sample), and the median `seconds` of a round.",
     "",
     *report.run_facts(run, "benchmarks/cli_memory.py"),
     "",
     "| variant | flags | setting | worker peak GiB | driver peak GiB | "
     "worker + driver peak GiB | at the sum's peak: rounds done: worker + driver GiB | "
     f"worker after round {r5} | worker after round {rn} | "
-    f"worker growth | driver after round {r5} | driver after round {rn} | median s/round | "
+    f"worker growth | worker's peak in rounds {last} against {first} | "
+    f"driver after round {r5} | driver after round {rn} | median s/round | "
     "round time against the variant's first setting |",
-    "| --- | --- | --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 7,
+    "| --- | --- | --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 8,
     *rows,
   ]
   report.publish(SECTION, lines)

@@ -177,3 +177,21 @@ def variant_flags(variant: str) -> list[str]:
   if len(rest) > 1:
     args.append(f"--local_objective={rest[1]}")
   return args
+
+
+def peak_windows(start: int, rounds: int) -> tuple[range, range]:
+  """The w rounds after round `start` and the last w of `rounds`, w = (rounds - start) // 2
+  (both empty if w is 0)."""
+  w = max(rounds - start, 0) // 2
+  return range(start + 1, start + 1 + w), range(rounds + 1 - w, rounds + 1)
+
+
+def peak_growth(during: dict[int, int], start: int, rounds: int) -> str:
+  """The growth of the peak over the last rounds of `peak_windows` against the peak over
+  the first, `during[r]` a process's peak during round r: with the held state copied every
+  few rounds (`--worker_growth_mib`), a sample after a round reads where that round fell
+  between two copies; a window's peak does not, for copies at most a window apart."""
+  first, last = (
+    max((during.get(r, 0) for r in window), default=0) for window in peak_windows(start, rounds)
+  )
+  return f"{100 * (last / first - 1):+.0f}%" if first and last else "-"

@@ -116,9 +116,8 @@ def local_objective_gradient(
 
   h(w) = F(w) + weight_decay/2 ||w||^2 + mu/2 ||w - w0||^2 - <g, w>: with
   g = 0 the FedProx local objective (Li et al., MLSys 2020, eq. 2) with
-  coupled weight decay; with mu = alpha and g = `linear_term`, the client's
-  FedDyn state grad F(w_client at its last round), FedDyn's (Acar et al.,
-  ICLR 2021, Algorithm 1, line 7). Its gradient is grad F + weight_decay * w
+  coupled weight decay; FedDyn's (Acar et al., ICLR 2021, Algorithm 1, line 7)
+  in the form of `feddyn.train_feddyn`. Its gradient is grad F + weight_decay * w
   + mu * (w - w0) - g.
   """
   if config.weight_decay:
@@ -190,8 +189,8 @@ def train_locally(
     dataset: batches of `(x, y)`.
     learning_rate: scalar learning rate for this round.
     config: the `LocalTrainingConfig`.
-    linear_term: FedDyn's g, one tensor per trainable weight
-      (`local_objective_gradient`); None: no linear term.
+    linear_term: g of `local_objective_gradient`'s linear term, one tensor per trainable
+      weight (FedDyn's, `feddyn.train_feddyn`); None: no linear term.
     proximal_center: the trainable weights the proximal term pulls towards (Ditto's global
       model); None: `initial_weights`' (FedProx's).
 

@@ -34,6 +34,12 @@ def train_feddyn(
   the state update g <- g - alpha (w - w0) (line 8), i.e. g + alpha * update.
   A rejected update is zeros, so it leaves g unchanged.
 
+  The objective's gradient grad F(w) - g + alpha (w - w0) is computed as the authors' code
+  does (alpemreacar/FedDyn, `train_feddyn_mdl`): alpha w as weight decay, and the fixed
+  g + alpha w0 computed once, not at every step: one pass over the weights fewer a step, the
+  same gradient up to float32 rounding (which moves a run's numbers in their later digits;
+  benchmarks/RESULTS.md, "FedDyn's gradient in its authors' form").
+
   Returns:
     `(ClientResult, metrics, new g)` as `client_work.train_locally`'s, except that the
     update's weight is 1 (0 if rejected): FedDyn's server averages the
@@ -45,8 +51,8 @@ def train_feddyn(
     initial_weights,
     dataset,
     learning_rate,
-    dataclasses.replace(config, proximal_mu=alpha),
-    linear_term=dyn_state,
+    dataclasses.replace(config, weight_decay=config.weight_decay + alpha, proximal_mu=0.0),
+    linear_term=[g + alpha * w0 for g, w0 in zip(dyn_state, initial_weights.trainable)],
   )
   new_state = [g + alpha * u for g, u in zip(dyn_state, result.update.trainable)]
   weight = 1.0 - metrics["rejected"]

@@ -38,7 +38,12 @@ def add_to_slot(slots: tuple, update, key, scale=None) -> tuple:
   """
   if scale is not None:
     scale = tf.cast(scale, tf.float32)
-    update = tf.nest.map_structure(lambda u: scale * u, update)
+    # A scale of 1 (a client counted once) adds the update as it is, without a pass over it.
+    update = tf.cond(
+      tf.equal(scale, 1.0),
+      lambda: tf.nest.map_structure(tf.identity, update),
+      lambda: tf.nest.map_structure(lambda u: scale * u, update),
+    )
 
   def add(slot):
     return lambda: tf.nest.map_structure(tf.add, slot, update)

@@ -17,9 +17,8 @@ between its peaks over the first and the last rounds after round 5 (`report.peak
 and the median `seconds` of a round; it logs the worker's peak during each round. With
 `--settings`, each variant runs once per setting (`NAME=VALUE`: an environment variable,
 which the worker inherits; `--FLAG=VALUE`: a flag of the run; empty: neither), one after
-the other, and the table gives each run's median round against
-the variant's first setting. Writes the section "## Memory of the CLI's default runs" of
-`--results`.
+the other, and the table gives each run's median round against the variant's first
+setting. Writes the section "## Memory of the CLI's default runs" of `--results`.
 """
 
 import csv

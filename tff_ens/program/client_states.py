@@ -62,15 +62,16 @@ class ClientStateStore:
     # replaces are needed by no resume.
     self._newest_checkpoint = 0
     names = sorted(os.listdir(self._dir))
+    present = set(names)  # A full-size run's store holds tens of thousands of files.
     for name in names:
       path = os.path.join(self._dir, name)
-      old = _OLD_NAME.match(name)
       if ".tmp" in name or ".tempstate" in name:  # Left by a run killed mid-write.
         os.remove(path)
         continue
-      if name.endswith(_DATA) and name[: -len(_DATA)] + _INDEX not in names:
+      if name.endswith(_DATA) and name[: -len(_DATA)] + _INDEX not in present:
         os.remove(path)  # Its index was never written.
         continue
+      old = _OLD_NAME.match(name)
       if old:  # Written by an earlier version.
         self._write(os.path.join(self._dir, old.group(1)), self._read_old(path))
         os.remove(path)

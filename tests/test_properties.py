@@ -9,7 +9,8 @@ weights and values at random and check what must hold for all of them:
   are a function of the seed, and have the sizes and classes each split
   promises; CIFAR's server examples never reach a client or the test set.
 * Fed-ensemble's per-slot weighted mean (Shi et al., Algorithm 1, line 9)
-  against NumPy, in any client order.
+  against NumPy, in any client order; its aggregator's empty slots, split and merged,
+  sum as zero slots do.
 * FedBE's Gaussian (Chen and Chao, eq. 5) against NumPy, invariant to a shift
   of the models and to the scale of the client weights; its Dirichlet
   coefficients (eq. 7) on the simplex.
@@ -293,6 +294,41 @@ def test_fed_ensemble_member_moves_by_its_clients_weighted_mean(case, rand):
   rand.shuffle(clients)  # The cohort's order does not matter.
   for a, b in zip(got, _aggregate(members, clients)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+@TF_SETTINGS
+@given(ensemble_round(), st.integers(0, 6))
+def test_unfilled_slots_split_and_merged_sum_as_zero_slots(case, split):
+  """The K-slot aggregator's accumulator (empty slots a first update replaces), over the
+  cohort split anywhere and merged as TFF's mergeable form does, gives the slot sums of K
+  zero slots added into; a slot no client filled reports zeros."""
+  members, clients = case
+  k = len(members)
+  update_type = tff.TensorType(np.float32, [3])
+
+  def accumulated(part):
+    slots, weights, filled = keyed_stages.unfilled_slots(update_type, k)
+    for update, weight, key in part:
+      key = tf.constant(key, tf.int32)
+      slots = keyed_stages.add_to_slot(
+        slots, keyed_stages.flat(tf.constant(update)), key, tf.constant(weight), filled
+      )
+      weights += weight * tf.one_hot(key, k)
+      filled = tf.logical_or(filled, tf.equal(tf.range(k), key))
+    return slots, weights, filled
+
+  slots, weights, filled = keyed_stages.merge_slots(
+    accumulated(clients[:split]), accumulated(clients[split:])
+  )
+  want = tuple(tf.zeros([3]) for _ in members)
+  for update, weight, key in clients:
+    want = keyed_stages.add_to_slot(
+      want, tf.constant(update), tf.constant(key, tf.int32), tf.constant(weight)
+    )
+  got = keyed_stages.filled_slots(slots, filled, update_type)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+  assert filled.numpy().tolist() == [any(key == i for _, _, key in clients) for i in range(k)]
 
 
 @st.composite

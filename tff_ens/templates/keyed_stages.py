@@ -9,8 +9,9 @@ them):
   and the distributor's state, and downloads only that model (`tff.federated_select`), or,
   for speed in simulation, all K models, of which it keeps that one;
 * `build_slot_aggregator`: each client's update is added into slot `key` of K sums, so model
-  k is averaged over the clients that trained it; with DP (`privacy.DPConfig`, a fixed clip),
-  each update is clipped on its client and every slot sum is noised at the server;
+  k is averaged over the clients that trained it; the sums start empty (`unfilled_slots`),
+  not as K zero models; with DP (`privacy.DPConfig`, a fixed clip), each update is clipped
+  on its client and every slot sum is noised at the server;
 * `add_to_slot`, the one place a structure is added into one of K slots (also used by
   `server_step`'s collect aggregator).
 """
@@ -26,9 +27,10 @@ from tff_ens.templates import privacy
 ModelWeights = tff.learning.models.ModelWeights
 
 
-def add_to_slot(slots: tuple, update, key, scale=None) -> tuple:
+def add_to_slot(slots: tuple, update, key, scale=None, filled=None) -> tuple:
   """`slots` with `update` (times `scale`, if given) added into slot `key`, an int32 scalar
-  in [0, K).
+  in [0, K); with `filled` (bool [K], `unfilled_slots`), slot `key` becomes the update if
+  it holds no sum yet.
 
   The slots are K separate structures, not one stacked tensor, and only slot `key` is
   computed: TFF's C++ runtime passes the other slots through without copying, where a
@@ -45,11 +47,16 @@ def add_to_slot(slots: tuple, update, key, scale=None) -> tuple:
       lambda: tf.nest.map_structure(lambda u: scale * u, update),
     )
 
-  def add(slot):
-    return lambda: tf.nest.map_structure(tf.add, slot, update)
+  def add(slot, k):
+    def added():
+      return tf.nest.map_structure(tf.add, slot, update)
+
+    if filled is None:
+      return added
+    return lambda: tf.cond(filled[k], added, lambda: tf.nest.map_structure(tf.identity, update))
 
   return tuple(
-    tf.cond(tf.equal(key, k), add(slot), lambda slot=slot: slot) for k, slot in enumerate(slots)
+    tf.cond(tf.equal(key, k), add(slot, k), lambda slot=slot: slot) for k, slot in enumerate(slots)
   )
 
 
@@ -62,6 +69,68 @@ def empty_slots(update_type: tff.Type, num_slots: int) -> tuple:
     ),
     tf.zeros([num_slots], tf.float32),
   )
+
+
+def unfilled_slots(update_type: tff.Type, num_slots: int) -> tuple:
+  """K slots of `update_type` that hold no sum yet, their K zero weights and K False flags
+  (in a TF graph).
+
+  Each tensor is an empty vector of unknown length, which the first update added to the
+  slot, flattened (`flat`), replaces (`add_to_slot` with the flags). TFF's C++ runtime
+  serializes an aggregation's zero and creates it again for the clients: K zero models
+  would be K model-sized copies more a round (132 MB for five LEAF CNNs).
+  """
+  specs = tff.types.type_to_tf_tensor_specs(update_type)
+
+  def unfilled(spec):
+    return tf.raw_ops.PlaceholderWithDefault(input=tf.zeros([0], spec.dtype), shape=[None])
+
+  return (
+    tuple(tf.nest.map_structure(unfilled, specs) for _ in range(num_slots)),
+    tf.zeros([num_slots], tf.float32),
+    tf.zeros([num_slots], tf.bool),
+  )
+
+
+def flat(update):
+  """`update`'s tensors as vectors, as `unfilled_slots`' slots hold them."""
+  return tf.nest.map_structure(lambda u: tf.reshape(u, [-1]), update)
+
+
+def merge_slots(a: tuple, b: tuple) -> tuple:
+  """Two `unfilled_slots` accumulators' sums: a slot filled in one of them is taken as it is."""
+  slots_a, weights_a, filled_a = a
+  slots_b, weights_b, filled_b = b
+
+  def merged(k):
+    def either():
+      return tf.cond(filled_a[k], lambda: slots_a[k], lambda: slots_b[k])
+
+    return tf.cond(
+      tf.logical_and(filled_a[k], filled_b[k]),
+      lambda: tf.nest.map_structure(tf.add, slots_a[k], slots_b[k]),
+      either,
+    )
+
+  return (
+    tuple(merged(k) for k in range(len(slots_a))),
+    weights_a + weights_b,
+    tf.logical_or(filled_a, filled_b),
+  )
+
+
+def filled_slots(slots: tuple, filled, update_type: tff.Type) -> tuple:
+  """`unfilled_slots`' K slots in `update_type`'s shapes; zeros for a slot no client filled."""
+  specs = tff.types.type_to_tf_tensor_specs(update_type)
+
+  def shaped(slot, k):
+    return tf.cond(
+      filled[k],
+      lambda: tf.nest.map_structure(lambda t, s: tf.reshape(t, s.shape), slot, specs),
+      lambda: tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs),
+    )
+
+  return tuple(shaped(slot, k) for k, slot in enumerate(slots))
 
 
 def build_keyed_distributor(
@@ -165,7 +234,7 @@ def build_slot_aggregator(
 
   @tff.tensorflow.computation
   def zero():
-    return empty_slots(update_type, num_slots)
+    return unfilled_slots(update_type, num_slots)
 
   accumulator_type = zero.type_signature.result
 
@@ -182,21 +251,23 @@ def build_slot_aggregator(
   )
   def accumulate(accumulator, value):
     update, weight, key = value
-    slots, weights = accumulator
+    slots, weights, filled = accumulator
     key = key[0]
     return (
-      add_to_slot(slots, update, key, weight),
+      add_to_slot(slots, flat(update), key, weight, filled),
       weights + tf.cast(weight, tf.float32) * tf.one_hot(key, num_slots),
+      tf.logical_or(filled, tf.equal(tf.range(num_slots), key)),
     )
 
   @tff.tensorflow.computation(accumulator_type, accumulator_type)
   def merge(a, b):
-    return tf.nest.map_structure(tf.add, a, b)
+    return merge_slots(a, b)
 
   @tff.tensorflow.computation(accumulator_type)
   def report(accumulator):
     # The models trained are counted before DP's fixed weights replace the counts.
-    slots, weights = accumulator
+    slots, weights, filled = accumulator
+    slots = filled_slots(slots, filled, update_type)
     trained = tf.reduce_sum(tf.cast(weights > 0, tf.int32))
     if dp is not None:
       slots, weights = privatize_slots(

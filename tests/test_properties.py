@@ -307,15 +307,12 @@ def test_unfilled_slots_split_and_merged_sum_as_zero_slots(case, split):
   update_type = tff.TensorType(np.float32, [3])
 
   def accumulated(part):
-    slots, weights, filled = keyed_stages.unfilled_slots(update_type, k)
+    accumulator = keyed_stages.unfilled_slots(update_type, k)
     for update, weight, key in part:
-      key = tf.constant(key, tf.int32)
-      slots = keyed_stages.add_to_slot(
-        slots, keyed_stages.flat(tf.constant(update)), key, tf.constant(weight), filled
+      accumulator = keyed_stages.add_client(
+        accumulator, tf.constant(update), tf.constant(weight), tf.constant(key, tf.int32)
       )
-      weights += weight * tf.one_hot(key, k)
-      filled = tf.logical_or(filled, tf.equal(tf.range(k), key))
-    return slots, weights, filled
+    return accumulator
 
   slots, weights, filled = keyed_stages.merge_slots(
     accumulated(clients[:split]), accumulated(clients[split:])
@@ -328,6 +325,9 @@ def test_unfilled_slots_split_and_merged_sum_as_zero_slots(case, split):
   got = keyed_stages.filled_slots(slots, filled, update_type)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(
+    weights, [sum(w for _, w, key in clients if key == i) for i in range(k)], rtol=1e-5
+  )
   assert filled.numpy().tolist() == [any(key == i for _, _, key in clients) for i in range(k)]
 
 

@@ -76,7 +76,7 @@ def unfilled_slots(update_type: tff.Type, num_slots: int) -> tuple:
   (in a TF graph).
 
   Each tensor is an empty vector of unknown length, which the first update added to the
-  slot, flattened (`flat`), replaces (`add_to_slot` with the flags). TFF's C++ runtime
+  slot, flattened (`flat`), replaces (`add_client`). TFF's C++ runtime
   serializes an aggregation's zero and creates it again for the clients: K zero models
   would be K model-sized copies more a round (132 MB for five LEAF CNNs).
   """
@@ -95,6 +95,18 @@ def unfilled_slots(update_type: tff.Type, num_slots: int) -> tuple:
 def flat(update):
   """`update`'s tensors as vectors, as `unfilled_slots`' slots hold them."""
   return tf.nest.map_structure(lambda u: tf.reshape(u, [-1]), update)
+
+
+def add_client(accumulator: tuple, update, weight, key) -> tuple:
+  """An `unfilled_slots` accumulator with one client's `update` (times `weight`) added into
+  slot `key` (an int32 scalar), its weight counted and the slot marked filled."""
+  slots, weights, filled = accumulator
+  num_slots = len(slots)
+  return (
+    add_to_slot(slots, flat(update), key, weight, filled),
+    weights + tf.cast(weight, tf.float32) * tf.one_hot(key, num_slots),
+    tf.logical_or(filled, tf.equal(tf.range(num_slots), key)),
+  )
 
 
 def merge_slots(a: tuple, b: tuple) -> tuple:
@@ -251,13 +263,7 @@ def build_slot_aggregator(
   )
   def accumulate(accumulator, value):
     update, weight, key = value
-    slots, weights, filled = accumulator
-    key = key[0]
-    return (
-      add_to_slot(slots, flat(update), key, weight, filled),
-      weights + tf.cast(weight, tf.float32) * tf.one_hot(key, num_slots),
-      tf.logical_or(filled, tf.equal(tf.range(num_slots), key)),
-    )
+    return add_client(accumulator, update, weight, key[0])
 
   @tff.tensorflow.computation(accumulator_type, accumulator_type)
   def merge(a, b):

@@ -76,9 +76,11 @@ def unfilled_slots(update_type: tff.Type, num_slots: int) -> tuple:
   (in a TF graph).
 
   Each tensor is an empty vector of unknown length, which the first update added to the
-  slot, flattened (`flat`), replaces (`add_client`). TFF's C++ runtime
-  serializes an aggregation's zero and creates it again for the clients: K zero models
-  would be K model-sized copies more a round (132 MB for five LEAF CNNs).
+  slot, flattened (`flat`), replaces (`add_client`). TFF's C++ runtime serializes an
+  aggregation's zero and creates it again for the clients: K zero models would be K
+  model-sized copies more a round (132 MB for five LEAF CNNs). Whether a slot is filled is
+  data (the flags), not read off its size: TensorFlow 2.14's graph optimizer folded
+  `tf.size` of a slot passed through a `tf.cond` to the size of the other branch's update.
   """
   specs = tff.types.type_to_tf_tensor_specs(update_type)
 

@@ -100,12 +100,12 @@ def measure(variant: str, output_dir: str, environment: dict[str, str], extra: l
           worker = sum(c.memory_info().rss for c in driver.children(recursive=True))
         except psutil.Error:
           continue
+        rounds_done = _rows(metrics)
         result["driver"] = max(result["driver"], own)
         result["worker"] = max(result["worker"], worker)
         if own + worker > result["total"]:
           result["total"] = own + worker
-          result["total_at"] = (_rows(metrics), worker, own)
-        rounds_done = _rows(metrics)
+          result["total_at"] = (rounds_done, worker, own)
         result["after"].setdefault(rounds_done, (own, worker))
         during = result["during"]
         during[rounds_done + 1] = max(during.get(rounds_done + 1, 0), worker)

@@ -465,3 +465,48 @@ class TestTrainFedDyn:
     assert float(metrics["rejected"]) == 1.0
     for got, gi in zip(new_g, g):
       np.testing.assert_array_equal(got, gi)
+
+
+def random_op_types(graph_def) -> set[str]:
+  """The random-number ops of `graph_def` and of its functions."""
+  nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+  return {n.op for n in nodes if "Random" in n.op}
+
+
+def computation_graph(computation):
+  graph_def = tf.compat.v1.GraphDef()
+  tff.framework.ConcreteComputation.get_proto(computation).tensorflow.graph_def.Unpack(graph_def)
+  return graph_def
+
+
+class TestModelToOverwrite:
+  """A client's model is created as zeros, since `train_locally` assigns all its weights."""
+
+  def test_a_clients_update_draws_no_initialization_and_trains_from_its_download(self):
+    model_fn = lambda: linear_model(seed=5, batch_norm=True)
+    with tf.Graph().as_default() as graph:
+      model_fn()
+    assert random_op_types(graph.as_graph_def())  # What the model's own initializers draw.
+    config = Config(learning_rate=0.5)
+    work = client_work.build_client_work(model_fn, SPEC, config)
+    assert not random_op_types(computation_graph(work.client_update))
+    initial = model_weights(linear_model(seed=9, batch_norm=True))
+    data = dataset((X1, Y1))
+    got = work.process.next(work.process.initialize(), [initial], [data]).result[0]
+    want, _ = client_work.train_locally(
+      linear_model(seed=9, batch_norm=True), sgd_optimizer(), initial, data, 0.5, config
+    )
+    for g, w in zip(tf.nest.flatten(got.update), tf.nest.flatten(want.update)):
+      np.testing.assert_array_equal(g, w)
+
+  def test_a_model_with_variables_beyond_its_weights_keeps_its_initializers(self):
+    def model_with_a_counter():
+      tf.Variable(tf.random.uniform([2]), name="not_a_weight")
+      return linear_model(seed=5)
+
+    with tf.Graph().as_default() as plain:
+      linear_model(seed=5)
+    with tf.Graph().as_default() as graph:
+      model = client_work.model_to_overwrite(model_with_a_counter)
+    assert len(model.weights) == 2
+    assert random_op_types(graph.as_graph_def()) >= random_op_types(plain.as_graph_def())

@@ -95,16 +95,18 @@ def build_client_work(model_fn, element_spec, config, options: Settings, state_f
 
   @tff.tensorflow.computation(weights_type, data_type, tf.float32, state_type)
   def client_update(download, dataset, learning_rate, personal_state):
+    global_model = client_work_lib.model_to_overwrite(model_fn)
     result, metrics = client_work_lib.train_locally(
-      model_fn(), optimizer, download, dataset, learning_rate, config
+      global_model, optimizer, download, dataset, learning_rate, config
     )
     personal = stateful_client_work.unflatten(personal_state, specs)
     if options.ditto_personal_steps:
       dataset = dataset.repeat().take(options.ditto_personal_steps)
     # After the global pass: the first pass over a reshuffling dataset gets FedAvg's order.
     with tf.control_dependencies(tf.nest.flatten((result, metrics))):
+      personal_model = client_work_lib.model_to_overwrite(model_fn)
       personal, personal_metrics = train_personal(
-        model_fn(), optimizer, personal, download, dataset, learning_rate, personal_config
+        personal_model, optimizer, personal, download, dataset, learning_rate, personal_config
       )
     metrics = collections.OrderedDict(
       metrics,

@@ -101,8 +101,9 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   def client_update(download, dataset, learning_rate, local_state):
     local = stateful_client_work.unflatten(local_state, local_specs)
     start = join(download, local, masks)
+    model = client_work_lib.model_to_overwrite(model_fn)
     result, metrics = client_work_lib.train_locally(
-      model_fn(), optimizer, start, dataset, learning_rate, context.local
+      model, optimizer, start, dataset, learning_rate, context.local
     )
     trained = tf.nest.map_structure(tf.subtract, start, result.update)
     update = tff.learning.templates.ClientResult(

@@ -299,7 +299,7 @@ def build_prototype_client_work(
 
   def local_update(download, dataset, learning_rate, optimizer):
     packed, prototype = download
-    models = [fn() for fn in model_fns]
+    models = [client_work_lib.model_to_overwrite(fn) for fn in model_fns]
 
     def train(model):
       def branch():

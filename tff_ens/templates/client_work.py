@@ -110,7 +110,7 @@ def learning_rate_at(round_num: tf.Tensor, config: LocalTrainingConfig):
 
 
 def local_objective_gradient(
-  gradient, weight, initial_weight, config: LocalTrainingConfig, linear_term=None
+  gradient, weight, initial_weight, config: LocalTrainingConfig, negated_linear_term=None
 ):
   """Gradient of the local objective for one weight tensor.
 
@@ -118,15 +118,17 @@ def local_objective_gradient(
   g = 0 the FedProx local objective (Li et al., MLSys 2020, eq. 2) with
   coupled weight decay; FedDyn's (Acar et al., ICLR 2021, Algorithm 1, line 7)
   in the form of `feddyn.train_feddyn`. Its gradient is grad F + weight_decay * w
-  + mu * (w - w0) - g.
+  + mu * (w - w0) - g, summed left to right by one `tf.add_n` (one pass over the weights for
+  all the terms); `negated_linear_term` is -g, negated once per client, not once a step.
   """
+  terms = [gradient]
   if config.weight_decay:
-    gradient = gradient + config.weight_decay * weight
+    terms.append(config.weight_decay * weight)
   if config.proximal_mu:
-    gradient = gradient + config.proximal_mu * (weight - initial_weight)
-  if linear_term is not None:
-    gradient = gradient - linear_term
-  return gradient
+    terms.append(config.proximal_mu * (weight - initial_weight))
+  if negated_linear_term is not None:
+    terms.append(negated_linear_term)
+  return tf.add_n(terms)
 
 
 def weights_delta(initial: ModelWeights, final: ModelWeights) -> ModelWeights:
@@ -189,8 +191,8 @@ def train_locally(
     dataset: batches of `(x, y)`.
     learning_rate: scalar learning rate for this round.
     config: the `LocalTrainingConfig`.
-    linear_term: g of `local_objective_gradient`'s linear term, one tensor per trainable
-      weight (FedDyn's, `feddyn.train_feddyn`); None: no linear term.
+    linear_term: g of the local objective's linear term (`local_objective_gradient`), one
+      tensor per trainable weight (FedDyn's, `feddyn.train_feddyn`); None: no linear term.
     proximal_center: the trainable weights the proximal term pulls towards (Ditto's global
       model); None: `initial_weights`' (FedProx's).
 
@@ -217,7 +219,7 @@ def train_locally(
   per_position = per_position_logits(model) if config.train_positions == "every" else None
   forward = model if per_position is None else per_position
 
-  linear = linear_term if linear_term is not None else [None] * len(trainable)
+  negated_linear = [-t for t in linear_term] if linear_term is not None else [None] * len(trainable)
   center = proximal_center if proximal_center is not None else initial_weights.trainable
 
   def step(carry, batch):
@@ -236,8 +238,8 @@ def train_locally(
       mean_loss = batch_loss / n
     grads = tape.gradient(mean_loss, trainable)
     grads = [
-      local_objective_gradient(g, w, w0, config, linear_term)
-      for g, w, w0, linear_term in zip(grads, trainable, center, linear)
+      local_objective_gradient(g, w, w0, config, negated)
+      for g, w, w0, negated in zip(grads, trainable, center, negated_linear)
     ]
     opt_state, new_weights = optimizer.next(opt_state, tuple(trainable), tuple(grads))
     for v, t in zip(trainable, new_weights):
@@ -319,6 +321,31 @@ def weights_type_of(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
     )
 
 
+def model_to_overwrite(model_fn: Callable[[], tf.keras.Model]) -> tf.keras.Model:
+  """`model_fn()` with its variables created as zeros instead of their initializers' values,
+  for a client's computation that assigns every weight before reading it (`train_locally`):
+  TFF runs a computation's variable initializers at every call, and drawing the LEAF CNN's
+  random initialization, discarded at once, was 7% of a FedAvg round's CPU
+  (benchmarks/RESULTS.md, "Clients' models created as zeros"). A model with variables that
+  are not its weights (which `ModelWeights` would not assign) keeps its initializers."""
+  created = []
+
+  def zeros(next_creator, **kwargs):
+    shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
+    if shape is not None and tf.TensorShape(shape).is_fully_defined() and dtype is not None:
+      kwargs["initial_value"] = lambda: tf.zeros(shape, dtype)
+    variable = next_creator(**kwargs)
+    created.append(variable)
+    return variable
+
+  with tf.variable_creator_scope(zeros):
+    model = model_fn()
+  weights = {v.ref() for v in model.weights}
+  if all(v.ref() in weights for v in created):
+    return model
+  return model_fn()
+
+
 def check_data_fits_model(model_fn: Callable[[], tf.keras.Model], element_spec) -> None:
   """Raises `TypeMismatchError` unless batches `(x, y)` fit the model."""
   with tf.Graph().as_default():
@@ -353,7 +380,9 @@ def build_client_work(
   check_data_fits_model(model_fn, element_spec)
 
   def local_update(initial_weights, dataset, learning_rate, optimizer):
-    return train_locally(model_fn(), optimizer, initial_weights, dataset, learning_rate, config)
+    return train_locally(
+      model_to_overwrite(model_fn), optimizer, initial_weights, dataset, learning_rate, config
+    )
 
   return build_sgd_client_work(local_update, weights_type_of(model_fn), element_spec, config)
 

@@ -85,8 +85,9 @@ def build_feddyn_client_work(
   @tff.tensorflow.computation(weights_type, data_type, tf.float32, state_type)
   def client_update(download, dataset, learning_rate, dyn_state):
     g = list(stateful_client_work.unflatten(dyn_state, specs))
+    model = client_work_lib.model_to_overwrite(model_fn)
     result, metrics, new_g = train_feddyn(
-      model_fn(), optimizer, download, dataset, learning_rate, config, alpha, g
+      model, optimizer, download, dataset, learning_rate, config, alpha, g
     )
     return result, metrics, stateful_client_work.flatten(new_g)
 

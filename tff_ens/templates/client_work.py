@@ -119,7 +119,8 @@ def local_objective_gradient(
   coupled weight decay; FedDyn's (Acar et al., ICLR 2021, Algorithm 1, line 7)
   in the form of `feddyn.train_feddyn`. Its gradient is grad F + weight_decay * w
   + mu * (w - w0) - g, summed left to right by one `tf.add_n` (one pass over the weights for
-  all the terms); `negated_linear_term` is -g, negated once per client, not once a step.
+  the sum, not one per term); `negated_linear_term` is -g, negated once per client, not once
+  a step.
   """
   terms = [gradient]
   if config.weight_decay:

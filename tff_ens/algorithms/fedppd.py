@@ -289,9 +289,8 @@ def build_client_work(
 
   @tff.tensorflow.computation(weights_type, data_type, tf.int32)
   def client_update(initial_weights, dataset, round_num):
-    return train_teacher_student(
-      teacher_fn(), student_fn(), initial_weights, dataset, round_num, config
-    )
+    teacher, student = (client_work_lib.model_to_overwrite(fn) for fn in (teacher_fn, student_fn))
+    return train_teacher_student(teacher, student, initial_weights, dataset, round_num, config)
 
   @tff.tensorflow.computation(tf.int32)
   def round_number(round_num):

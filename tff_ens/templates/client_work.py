@@ -324,7 +324,8 @@ def weights_type_of(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
 
 def model_to_overwrite(model_fn: Callable[[], tf.keras.Model]) -> tf.keras.Model:
   """`model_fn()` with its variables created as zeros instead of their initializers' values,
-  for a client's computation that assigns every weight before reading it (`train_locally`):
+  for a client's computation that assigns every weight before reading it (`train_locally`,
+  FedPPD's `train_teacher_student`):
   TFF runs a computation's variable initializers at every call, and drawing the LEAF CNN's
   random initialization, discarded at once, was 7% of a FedAvg round's CPU
   (benchmarks/RESULTS.md, "Clients' models created as zeros"). A model with variables that

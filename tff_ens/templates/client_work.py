@@ -325,17 +325,20 @@ def weights_type_of(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
 def model_to_overwrite(model_fn: Callable[[], tf.keras.Model]) -> tf.keras.Model:
   """`model_fn()` with its variables created as zeros instead of their initializers' values,
   for a client's computation that assigns every weight before reading it (`train_locally`,
-  FedPPD's `train_teacher_student`):
-  TFF runs a computation's variable initializers at every call, and drawing the LEAF CNN's
-  random initialization, discarded at once, was 7% of a FedAvg round's CPU
-  (benchmarks/RESULTS.md, "Clients' models created as zeros"). A model with variables that
+  FedPPD's `train_teacher_student`): TFF runs a computation's variable initializers at every
+  call, and drawing the LEAF CNN's random initialization, discarded at once, was 7% of a
+  FedAvg round's CPU (benchmarks/RESULTS.md, "Clients' models created as zeros"). The zeros
+  are a stateful `Empty` op, which TensorFlow's graph optimizer does not fold: with
+  `tf.zeros` (a `Fill`) the worker peaked 0.3-0.5 GiB higher. A model with variables that
   are not its weights (which `ModelWeights` would not assign) keeps its initializers."""
   created = []
 
   def zeros(next_creator, **kwargs):
     shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
     if shape is not None and tf.TensorShape(shape).is_fully_defined() and dtype is not None:
-      kwargs["initial_value"] = lambda: tf.zeros(shape, dtype)
+      kwargs["initial_value"] = lambda: tf.raw_ops.Empty(
+        shape=tf.TensorShape(shape).as_list(), dtype=dtype, init=True
+      )
     variable = next_creator(**kwargs)
     created.append(variable)
     return variable

@@ -334,10 +334,10 @@ def model_to_overwrite(model_fn: Callable[[], tf.keras.Model]) -> tf.keras.Model
   created = []
 
   def zeros(next_creator, **kwargs):
-    shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
-    if shape is not None and tf.TensorShape(shape).is_fully_defined() and dtype is not None:
+    shape, dtype = tf.TensorShape(kwargs.get("shape")), kwargs.get("dtype")
+    if shape.is_fully_defined() and dtype is not None:
       kwargs["initial_value"] = lambda: tf.raw_ops.Empty(
-        shape=tf.TensorShape(shape).as_list(), dtype=dtype, init=True
+        shape=shape.as_list(), dtype=dtype, init=True
       )
     variable = next_creator(**kwargs)
     created.append(variable)

@@ -106,6 +106,14 @@ class Rounds:
     """Every how many rounds the held state is copied (`ResidentState.cut_every`)."""
     return self._held.cut_every
 
+  def copy_seconds(self, in_files: bool) -> float:
+    """Seconds to copy the held state once (`ResidentState.cut`), through a file on the
+    worker or through this process."""
+    self._held.copy_in_files = in_files
+    start = time.perf_counter()
+    self._held.cut()
+    return time.perf_counter() - start
+
   def next(self, datasets):
     self._round += 1
     cohort = np.arange(len(datasets))
@@ -130,8 +138,10 @@ def time_alone(build, on_worker: bool, datasets, rounds: int, growth_mib: int = 
 
   Returns their wall and CPU seconds (after one untimed round: tracing,
   caches), the worker's peak resident bytes, the algorithm's bytes down
-  and up per client and round, and every how many rounds the held state was copied
-  (`ResidentState.cut_every`; None: not within these rounds).
+  and up per client and round, every how many rounds the held state was copied
+  (`ResidentState.cut_every`; None: not within these rounds), and, with the state on the
+  worker, the seconds of three copies of it after the rounds through a file and through this
+  process, alternated (`Rounds.copy_seconds`; else empty).
   """
   wall, cpu = [], []
   with (
@@ -147,7 +157,11 @@ def time_alone(build, on_worker: bool, datasets, rounds: int, growth_mib: int = 
       run.next(datasets)
       wall.append(time.perf_counter() - start)
       cpu.append(report.cpu_seconds() - start_cpu)
-  return wall, cpu, memory.peak, algorithm.bytes_per_client_round(), run.cut_every
+    copies = {True: [], False: []}
+    for _ in range(3 if on_worker else 0):
+      for in_files in copies:
+        copies[in_files].append(run.copy_seconds(in_files))
+  return wall, cpu, memory.peak, algorithm.bytes_per_client_round(), run.cut_every, copies
 
 
 def distribution_seconds(
@@ -281,6 +295,7 @@ def main(argv):
   peaks = [0] * len(variants)
   transfers = [None] * len(variants)
   cut_every = [set() for _ in variants]
+  copies = [{True: [], False: []} for _ in variants]
   for _ in range(FLAGS.passes):
     for i, (growth, name, k, objective, delivery, transport) in enumerate(variants):
       build = functools.partial(
@@ -295,10 +310,12 @@ def main(argv):
           name, ensemble_size=k, local_objective=objective, member_delivery=delivery
         ),
       )
-      times, cpu_times, peak, transfers[i], cut = time_alone(
+      times, cpu_times, peak, transfers[i], cut, copy_times = time_alone(
         build, growth is not None, datasets, FLAGS.rounds, growth or 0
       )
       cut_every[i].add(cut)
+      for in_files, seconds in copy_times.items():
+        copies[i][in_files] += seconds
       wall[i] += times
       cpu[i] += cpu_times
       peaks[i] = max(peaks[i], peak)
@@ -308,8 +325,8 @@ def main(argv):
     moving = distribution_seconds(model_fn, k, len(datasets), FLAGS.rounds)
   print(f"models to {len(datasets)} clients: {moving}", flush=True)
   rows = []
-  for variant, times, cpu_times, peak, (down, up), cuts in zip(
-    variants, wall, cpu, peaks, transfers, cut_every
+  for variant, times, cpu_times, peak, (down, up), cuts, copy_times in zip(
+    variants, wall, cpu, peaks, transfers, cut_every, copies
   ):
     growth, name, k, objective, delivery, transport = variant
     rows.append(
@@ -332,6 +349,9 @@ def main(argv):
         down,
         up,
         ", ".join("-" if c is None else str(c) for c in sorted(cuts, key=str)),
+        " / ".join(f"{statistics.median(copy_times[f]):.2f}" for f in (True, False))
+        if copy_times[True]
+        else "-",
       )
     )
   # Ratios are to FedAvg run the same way (state in Python, or on the worker with the
@@ -349,21 +369,23 @@ def main(argv):
     "system) depend less on other load than wall time. The mean includes "
     "the rounds that copy the held state (`ResidentState`, every N rounds once a "
     "growth budget is measured; -: none in the timed rounds), which the median "
-    "may leave out.",
+    "may leave out. The copy's seconds are medians of copies of the held state after a "
+    "variant's rounds, alternated: through a file the worker writes and reads back (the "
+    "CLI's) and through this process.",
     "",
     *report.run_facts(run, "benchmarks/ensemble_round.py"),
     "",
     "| variant | median s/round | ratio to FedAvg (same state place) | mean s/round | "
     "mean ratio | median CPU s/round | CPU ratio | state copied every N rounds | "
-    "worker peak memory | bytes down / up per client |",
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    "a copy's s: file / through Python | worker peak memory | bytes down / up per client |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
-  for place, name, median, mean, median_cpu, peak, down, up, cuts in rows:
+  for place, name, median, mean, median_cpu, peak, down, up, cuts, copy in rows:
     baseline, baseline_mean, baseline_cpu = baselines[place]
     lines.append(
       f"| {name} | {median:.2f} | {median / baseline:.2f} | {mean:.2f} | "
       f"{mean / baseline_mean:.2f} | {median_cpu:.2f} | {median_cpu / baseline_cpu:.2f} | "
-      f"{cuts} | {peak / 2**30:.2f} GiB | {down:,} / {up:,} |"
+      f"{cuts} | {copy} | {peak / 2**30:.2f} GiB | {down:,} / {up:,} |"
     )
   lines += [
     "",

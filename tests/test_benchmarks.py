@@ -36,7 +36,7 @@ def test_ensemble_round_times_both_deliveries_and_the_client_states(tmp_path):
   )
   assert "| fedavg, state on the worker (CLI), copied after 1024 MiB of growth |" in text
   assert "| fedavg, state on the worker (CLI) |" in text
-  assert "| state copied every N rounds |" in text
+  assert "| state copied every N rounds | a copy's s: file / through Python |" in text
   assert "| fedensemble, K=2, select, state on the worker (CLI) |" in text
   assert "| fedensemble, K=2, broadcast, state on the worker (CLI) |" in text
   for transport in ("files", "values"):

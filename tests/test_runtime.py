@@ -4,6 +4,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -476,6 +477,45 @@ def test_resident_state_cuts_the_workers_chain_of_held_states():
   # Every round adds 1 + 2 + 3 to half the previous value.
   np.testing.assert_allclose(state_cut["big"][:3], 12 * (1 - 0.5**rounds), rtol=1e-6)
   np.testing.assert_array_equal(state_cut["pair"][1], 1 + 6 * rounds)
+
+
+def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatch, tmp_path):
+  # A local worker copies its held state through a file in memory, or in the temporary
+  # directory when memory has no room for it, or else through this process: the same
+  # state each way, and no file left behind.
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  made = []
+  temporary_directory = tempfile.TemporaryDirectory
+
+  def recorded(*args, **kwargs):
+    directory = temporary_directory(*args, **kwargs)
+    made.append(pathlib.Path(directory.name))
+    return directory
+
+  monkeypatch.setattr(tempfile, "TemporaryDirectory", recorded)
+  states, places = [], []
+  with runtime.execution_context():
+    for in_files, memory_has_room in [(True, True), (True, False), (False, True)]:
+      if not memory_has_room:
+        monkeypatch.setattr(runtime, "_free_bytes", lambda directory: 0)
+      made.clear()
+      held = runtime.ResidentState(
+        _big_next, _BIG_INITIAL, max_growth_bytes=0, copy_in_files=in_files
+      )
+      for _ in range(3):
+        held.next([1, 2, 3])
+      states.append(held.value)
+      places.append({directory.parent for directory in made})
+      assert len(made) == (2 if in_files else 0)  # Before rounds 2 and 3.
+      assert not any(directory.exists() for directory in made)
+  if os.path.isdir("/dev/shm"):
+    assert places[0] == {pathlib.Path("/dev/shm")}
+  assert places[1] == {tmp_path}
+  assert places[2] == set()
+  for state in states[1:]:
+    np.testing.assert_array_equal(state["big"], states[0]["big"])
+    np.testing.assert_array_equal(state["pair"][1], states[0]["pair"][1])
+    assert state["pair"][0] == states[0]["pair"][0] == 3
 
 
 @pytest.mark.parametrize(

@@ -433,14 +433,14 @@ class ResidentState:
   worker writes the state to a file, in memory where there is room, and reads it
   back from the file's path (`_save_and_load`); a remote one makes it again from the
   serialized bytes of its tensors, one at a time, passing through this process
-  (`_CopyingExecutor.copy`, `_split_and_join`): for a K=5 FedDyn-ensemble's 264 MB,
-  0.26 s against 0.95 s on 2 cores (benchmarks/RESULTS.md, "The held state copied
-  through a file"). The default, 1 GiB,
+  (`_CopyingExecutor.copy`, `_split_and_join`): a K=5 Fed-ensemble's 132 MB in 0.25 s
+  against 0.88 s, a K=5 FedDyn-ensemble's 264 MB in 0.66 s against 2.59 s, on 2 cores
+  (benchmarks/RESULTS.md, "The held state copied through a file"). The default, 1 GiB,
   copies a K=5 ensemble's state every few rounds on the FEMNIST slice, where it
-  shortens the median round by 0.4 s, and every round at 100 clients a round on
-  the full-size FEMNIST, where one round outgrows it (benchmarks/RESULTS.md,
-  "Fed-ensemble round time with the held state copied after 1 GiB"). The state is
-  also uploaded again in the round after `value` downloaded it.
+  shortens the median round by 0.65-0.95 s against a copy every round, and every
+  round at 100 clients a round on the full-size FEMNIST, where one round outgrows it
+  (benchmarks/RESULTS.md, "Fed-ensemble round time with the held state copied after
+  1 GiB"). The state is also uploaded again in the round after `value` downloaded it.
 
   With a context over several workers (TFF's mergeable form) the state goes
   through the context as usual.

@@ -478,7 +478,10 @@ class ResidentState:
       self._split_and_join = _split_and_join(state_type, self._paths)
       self._save_and_load = _save_and_load(state_type, self._paths)
       tensor_types = [_at(self._state_member, path) for path in self._paths]
-      sizes = [np.prod(t.shape) * np.dtype(t.dtype).itemsize for t in tensor_types]
+      # A dimension not known before the run counts as 0.
+      sizes = [
+        np.prod([d or 0 for d in t.shape or ()]) * np.dtype(t.dtype).itemsize for t in tensor_types
+      ]
       self._state_bytes = int(sum(sizes))
       # The state's smallest tensor: computing it waits for a copy to be complete.
       self._smallest = int(np.argmin(sizes or [0]))

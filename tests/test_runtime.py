@@ -499,7 +499,8 @@ def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatc
   memory_has_room = memory.is_dir() and runtime._free_bytes(str(memory)) > 2 * (_BIG * 4 + 12)
   states, places = [], []
   with runtime.execution_context():
-    for in_files, memory_full in [(True, False), (True, True), (False, False)]:
+    # Through this process, through a file in memory, then with no room in memory.
+    for in_files, memory_full in [(False, False), (True, False), (True, True)]:
       if memory_full:
         monkeypatch.setattr(runtime, "_free_bytes", lambda directory: 0)
       made.clear()
@@ -512,9 +513,9 @@ def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatc
       places.append({directory.parent for directory in made})
       assert len(made) == (2 if in_files else 0)  # Before rounds 2 and 3.
       assert not any(directory.exists() for directory in made)
-  assert places[0] == ({memory} if memory_has_room else {tmp_path})
-  assert places[1] == {tmp_path}
-  assert places[2] == set()
+  assert places[0] == set()
+  assert places[1] == ({memory} if memory_has_room else {tmp_path})
+  assert places[2] == {tmp_path}
   for state in states[1:]:
     np.testing.assert_array_equal(state["big"], states[0]["big"])
     np.testing.assert_array_equal(state["pair"][1], states[0]["pair"][1])

@@ -520,8 +520,7 @@ class ResidentState:
       elif self._cut_due():
         # Copied only before the state is used again: a state that `value` downloaded
         # in between is uploaded fresh instead.
-        self._remote = self._copy(self._remote)
-        self._rounds_held = 0
+        self._cut()
       values = [self._remote] + [
         self._run(self._executor.create_value(tff.tensorflow.transform_args(a), t))
         for a, t in zip(args, list(parameter)[1:])
@@ -542,8 +541,12 @@ class ResidentState:
     """Copies the held state on the worker now, cutting its chain (see the class doc)."""
     if self._remote is not None:
       with self._worker_errors():
-        self._remote = self._copy(self._remote)
-      self._rounds_held = 0
+        self._cut()
+
+  def _cut(self) -> None:
+    """Replaces the held state by its copy."""
+    self._remote = self._copy(self._remote)
+    self._rounds_held = 0
 
   def _cut_due(self) -> bool:
     """Whether to cut the held state's chain now (see the class doc)."""
@@ -622,23 +625,23 @@ class ResidentState:
     with tempfile.TemporaryDirectory(
       prefix="tff_ens_state_", dir=_MEMORY_DIRECTORY if in_memory else None
     ) as directory:
-      prefix = os.path.join(directory, "state")
+      prefix = self._run(
+        self._executor.create_value(
+          os.path.join(directory, "state"), tff.FederatedType(np.str_, tff.SERVER)
+        )
+      )
       saved = self._run(
         self._executor.create_call(
-          self._save, self._run(self._executor.create_struct([remote, self._at_server(prefix)]))
+          self._save, self._run(self._executor.create_struct([remote, prefix]))
         )
       )
       self._run(saved.compute())
       del saved  # Disposed on the worker: it held `remote`.
-      copy = self._run(self._executor.create_call(self._load, self._at_server(prefix)))
+      copy = self._run(self._executor.create_call(self._load, prefix))
       # Its files are removed only once it is read.
       parts = self._run(self._executor.create_call(self._split, copy))
       self._run(self._run(self._executor.create_selection(parts, self._smallest)).compute())
     return copy
-
-  def _at_server(self, path: str):
-    """The string `path` as a SERVER-placed value on the worker."""
-    return self._run(self._executor.create_value(path, tff.FederatedType(np.str_, tff.SERVER)))
 
   def _download(self, remote, index: int):
     """Result `index` of the computation, held in `remote`, as a Python structure; the state

@@ -493,11 +493,7 @@ def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatc
     return directory
 
   monkeypatch.setattr(tempfile, "TemporaryDirectory", recorded)
-  memory = pathlib.Path("/dev/shm")
-  # A machine whose /dev/shm has no room for twice the 10 MB state copies it in the
-  # temporary directory.
-  memory_has_room = memory.is_dir() and runtime._free_bytes(str(memory)) > 2 * (_BIG * 4 + 12)
-  states, places = [], []
+  states, places, in_memory = [], [], None
   with runtime.execution_context():
     # Through this process, through a file in memory, then with no room in memory.
     for in_files, memory_full in [(False, False), (True, False), (True, True)]:
@@ -507,6 +503,10 @@ def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatc
       held = runtime.ResidentState(
         _big_next, _BIG_INITIAL, max_growth_bytes=0, copy_in_files=in_files
       )
+      if in_files and not memory_full:
+        # A machine whose memory has no room for the 10 MB state copies it in the temporary
+        # directory.
+        in_memory = runtime._copy_directory(held._state_bytes)
       for _ in range(3):
         held.next([1, 2, 3])
       states.append(held.value)
@@ -514,7 +514,7 @@ def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatc
       assert len(made) == (2 if in_files else 0)  # Before rounds 2 and 3.
       assert not any(directory.exists() for directory in made)
   assert places[0] == set()
-  assert places[1] == ({memory} if memory_has_room else {tmp_path})
+  assert places[1] == {pathlib.Path(in_memory or tmp_path)}
   assert places[2] == {tmp_path}
   for state in states[1:]:
     np.testing.assert_array_equal(state["big"], states[0]["big"])

@@ -619,11 +619,8 @@ class ResidentState:
     its tensors' bytes, one at a time, through this process."""
     if not (self.copy_in_files and self._worker.process is not None and self._paths):
       return self._join_parts([self._run(self._executor.copy(t)) for t in self._tensors(remote)])
-    in_memory = os.path.isdir(_MEMORY_DIRECTORY) and _free_bytes(_MEMORY_DIRECTORY) > (
-      2 * self._state_bytes
-    )
     with tempfile.TemporaryDirectory(
-      prefix="tff_ens_state_", dir=_MEMORY_DIRECTORY if in_memory else None
+      prefix="tff_ens_state_", dir=_copy_directory(self._state_bytes)
     ) as directory:
       prefix = self._run(
         self._executor.create_value(
@@ -676,6 +673,14 @@ class ResidentState:
     # RemoteExecutor's coroutines make blocking gRPC calls and never wait on
     # each other, so each runs to completion on its own event loop.
     return asyncio.run(coroutine)
+
+
+def _copy_directory(state_bytes: int) -> str | None:
+  """Where a copy of a held state of `state_bytes` is written: memory if it has room for
+  twice the state, else None (the system's temporary directory)."""
+  if os.path.isdir(_MEMORY_DIRECTORY) and _free_bytes(_MEMORY_DIRECTORY) > 2 * state_bytes:
+    return _MEMORY_DIRECTORY
+  return None
 
 
 def _free_bytes(directory: str) -> int:

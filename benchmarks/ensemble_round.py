@@ -1,11 +1,11 @@
 r"""Round time and worker memory of Fed-ensemble against FedAvg.
 
-  uv run python benchmarks/ensemble_round.py [--rounds=5] [--passes=2] \
+  uv run python benchmarks/ensemble_round.py [--rounds=5] [--warmup_rounds=1] [--passes=2] \
       [--sizes=1,5] [--feddyn_sizes=5] [--deliveries=select,broadcast] \
       [--transports=files,values] [--places=worker,python]
 
 The same 10 FEMNIST writers, LEAF CNN, 1 epoch, batch 20, SGD 0.05: the
-median wall time of a round (after one untimed round) of `fedavg` and of
+median wall time of a round (after `--warmup_rounds` untimed ones) of `fedavg` and of
 `fedensemble` with K in `--sizes` (and with FedDyn's local objective for K
 in `--feddyn_sizes`), each with every `--member_delivery` of `--deliveries`
 (the select of one member per client, or the broadcast of all K of which the
@@ -20,11 +20,11 @@ rounds, and the peak resident memory is its worker's over its rounds.
 (Interleaved in one worker, as this benchmark first ran them, the variants
 disturbed each other: K=5 took 3.64 s a round there, 2.71 s alone.) These
 are a fresh worker's first rounds, slower than a run's later ones (a CLI
-run's K=5 rounds 2-5 took 2.3-3.3 s, most later ones 1.4-2.0 s), so the
-ratios here overstate a run's: `cli_round_time.py` times whole CLI runs, and
-this benchmark splits the difference into its parts. Each client trains one
-model in every variant, so the difference is the server side: K models in
-the state, the per-client `federated_select` and the K-slot
+run's K=5 rounds 2-5 took 2.3-3.3 s, most later ones 1.4-2.0 s), so with
+few `--warmup_rounds` the ratios here overstate a run's: `cli_round_time.py`
+times whole CLI runs, and this benchmark splits the difference into its
+parts. Each client trains one model in every variant, so the difference is
+the server side: K models in the state, the per-client `federated_select` and the K-slot
 `federated_aggregate`; with FedDyn also its clients' states (one model-sized
 vector each), kept on disk as the CLI keeps them (`ClientStateStore`) and
 moved with each `--client_transport` of `--transports`: files the
@@ -62,6 +62,12 @@ SECTION = "## Fed-ensemble round time"
 
 report.define_flags()
 flags.DEFINE_integer("rounds", 5, "Timed rounds per variant and pass.")
+flags.DEFINE_integer(
+  "warmup_rounds",
+  1,
+  "Untimed rounds before them (tracing, caches; more: past a fresh worker's growth).",
+  lower_bound=1,
+)
 flags.DEFINE_integer("passes", 2, "Passes over the variants.")
 flags.DEFINE_list("sizes", ["1", "5"], "Ensemble sizes K to time.")
 flags.DEFINE_list("feddyn_sizes", ["5"], "Ensemble sizes K to time with --local_objective=feddyn.")
@@ -133,11 +139,11 @@ class Rounds:
       self._key_state = result.metrics["distributor"]
 
 
-def time_alone(build, on_worker: bool, datasets, rounds: int, growth_mib: int = 0):
+def time_alone(build, on_worker: bool, datasets, rounds: int, growth_mib: int, warmup_rounds: int):
   """`rounds` rounds of `build()` in a fresh worker.
 
-  Returns their wall and CPU seconds (after one untimed round: tracing,
-  caches), the worker's peak resident bytes, the algorithm's bytes down
+  Returns their wall and CPU seconds (after `warmup_rounds` untimed ones: tracing,
+  caches, the worker's growth), the worker's peak resident bytes, the algorithm's bytes down
   and up per client and round, every how many rounds the held state was copied
   (`ResidentState.cut_every`; None: not within these rounds), and, with the state on the
   worker, the seconds of three copies of it after the rounds through a file and through this
@@ -151,7 +157,8 @@ def time_alone(build, on_worker: bool, datasets, rounds: int, growth_mib: int = 
   ):
     algorithm = build()
     run = Rounds(algorithm, on_worker, directory, growth_mib)
-    run.next(datasets)
+    for _ in range(warmup_rounds):
+      run.next(datasets)
     for _ in range(rounds):
       start, start_cpu = time.perf_counter(), report.cpu_seconds()
       run.next(datasets)
@@ -311,7 +318,7 @@ def main(argv):
         ),
       )
       times, cpu_times, peak, transfers[i], cut, copy_times = time_alone(
-        build, growth is not None, datasets, FLAGS.rounds, growth or 0
+        build, growth is not None, datasets, FLAGS.rounds, growth or 0, FLAGS.warmup_rounds
       )
       cut_every[i].add(cut)
       for in_files, seconds in copy_times.items():
@@ -362,7 +369,7 @@ def main(argv):
     "",
     "Ten fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05). "
     "Each variant runs alone in a TFF worker of its own, as a CLI run "
-    f"does: one untimed round, then {FLAGS.rounds} timed ones, in "
+    f"does: {FLAGS.warmup_rounds} untimed round(s), then {FLAGS.rounds} timed ones, in "
     f"{FLAGS.passes} passes over the variants; the median is over the "
     f"{FLAGS.rounds * FLAGS.passes} timed rounds, the peak resident memory "
     "is the worker's. CPU seconds (this process and the worker, user + "

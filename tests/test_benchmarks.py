@@ -28,12 +28,14 @@ def test_ensemble_round_times_both_deliveries_and_the_client_states(tmp_path):
     "ensemble_round.py",
     tmp_path / "results.md",
     "--rounds=1",
+    "--warmup_rounds=2",
     "--passes=1",
     "--sizes=2",
     "--feddyn_sizes=2",
     "--places=worker",
     "--growth_mib=1024,0",
   )
+  assert "2 untimed round(s), then 1 timed ones" in text
   assert "| fedavg, state on the worker (CLI), copied after 1024 MiB of growth |" in text
   assert "| fedavg, state on the worker (CLI) |" in text
   assert "| state copied every N rounds | a copy's s: file / through Python |" in text

@@ -16,7 +16,8 @@ rounds: the worker (`runtime.ResidentState`, as the CLI runs them) or Python
 in a worker of its own, as a CLI run does, and `--passes` passes over the
 variants (FedAvg, K=1, K=5, FedAvg, ...) spread slow periods of this shared
 machine over all of them; the median is over all of a variant's timed
-rounds, and the peak resident memory is its worker's over its rounds.
+rounds, and the peak resident memory is its worker's over its rounds and the
+copies of its state timed after them.
 (Interleaved in one worker, as this benchmark first ran them, the variants
 disturbed each other: K=5 took 3.64 s a round there, 2.71 s alone.) These
 are a fresh worker's first rounds, slower than a run's later ones (a CLI
@@ -372,8 +373,9 @@ def main(argv):
     f"does: {FLAGS.warmup_rounds} untimed round(s), then {FLAGS.rounds} timed ones, in "
     f"{FLAGS.passes} passes over the variants; the median is over the "
     f"{FLAGS.rounds * FLAGS.passes} timed rounds, the peak resident memory "
-    "is the worker's. CPU seconds (this process and the worker, user + "
-    "system) depend less on other load than wall time. The mean includes "
+    "is the worker's, the copies timed after the rounds included. CPU seconds "
+    "(this process and the worker, user + system) depend less on other load than "
+    "wall time. The mean includes "
     "the rounds that copy the held state (`ResidentState`, every N rounds once a "
     "growth budget is measured; -: none in the timed rounds), which the median "
     "may leave out. The copy's seconds are medians of copies of the held state after a "

@@ -482,8 +482,15 @@ def test_resident_state_cuts_the_workers_chain_of_held_states():
 def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatch, tmp_path):
   # A local worker copies its held state through a file in memory, or in the temporary
   # directory when memory has no room for it, or else through this process: the same
-  # state each way, and no file left behind.
+  # state each way, and no file left behind; a copy directory a killed process left there
+  # over an hour ago is removed, another process's copy under way and other files are not.
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  left_behind, other = tmp_path / "tff_ens_state_left", tmp_path / "other"
+  under_way = tmp_path / "tff_ens_state_under_way"
+  for directory, age in [(left_behind, 7200), (other, 7200), (under_way, 0)]:
+    directory.mkdir()
+    (directory / "state.index").write_bytes(b"x")
+    os.utime(directory, (time.time() - age,) * 2)
   made = []
   temporary_directory = tempfile.TemporaryDirectory
 
@@ -516,6 +523,7 @@ def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatc
   assert places[0] == set()
   assert places[1] == {pathlib.Path(in_memory or tmp_path)}
   assert places[2] == {tmp_path}
+  assert not left_behind.exists() and other.exists() and under_way.exists()
   for state in states[1:]:
     np.testing.assert_array_equal(state["big"], states[0]["big"])
     np.testing.assert_array_equal(state["pair"][1], states[0]["pair"][1])

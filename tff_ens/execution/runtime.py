@@ -23,9 +23,11 @@ from collections.abc import Iterator, Sequence
 import contextlib
 import dataclasses
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from typing import Any, Optional
 
 import grpc
@@ -392,6 +394,10 @@ def _packed(type_spec, tensors: Iterator):
 # Where a local worker writes its held state to copy it (`ResidentState`), if it has room
 # for it: a file system in memory; else the system's temporary directory.
 _MEMORY_DIRECTORY = "/dev/shm"
+_COPY_PREFIX = "tff_ens_state_"
+# A copy lasts seconds (the class doc of `ResidentState`); a copy directory older than this
+# was left by a process that died during its copy.
+_STALE_COPY_SECONDS = 3600
 
 # `ResidentState`'s default growth budget (the CLI's --worker_growth_mib): a copy every N
 # rounds, N the most rounds a local worker grew within 1 GiB.
@@ -619,9 +625,9 @@ class ResidentState:
     its tensors' bytes, one at a time, through this process."""
     if not (self.copy_in_files and self._worker.process is not None and self._paths):
       return self._join_parts([self._run(self._executor.copy(t)) for t in self._tensors(remote)])
-    with tempfile.TemporaryDirectory(
-      prefix="tff_ens_state_", dir=_copy_directory(self._state_bytes)
-    ) as directory:
+    parent = _copy_directory(self._state_bytes) or tempfile.gettempdir()
+    _remove_stale_copies(parent)
+    with tempfile.TemporaryDirectory(prefix=_COPY_PREFIX, dir=parent) as directory:
       prefix = self._run(
         self._executor.create_value(
           os.path.join(directory, "state"), tff.FederatedType(np.str_, tff.SERVER)
@@ -681,6 +687,18 @@ def _copy_directory(state_bytes: int) -> str | None:
   if os.path.isdir(_MEMORY_DIRECTORY) and _free_bytes(_MEMORY_DIRECTORY) > 2 * state_bytes:
     return _MEMORY_DIRECTORY
   return None
+
+
+def _remove_stale_copies(parent: str) -> None:
+  """Removes the copy directories in `parent` older than `_STALE_COPY_SECONDS`: a process
+  killed during a copy (SIGKILL, the out-of-memory killer) leaves its directory, in
+  `/dev/shm` the memory of a whole state until the machine restarts."""
+  for entry in os.scandir(parent):
+    if (
+      entry.name.startswith(_COPY_PREFIX)
+      and time.time() - entry.stat(follow_symlinks=False).st_mtime > _STALE_COPY_SECONDS
+    ):
+      shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _free_bytes(directory: str) -> int:

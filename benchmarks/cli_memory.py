@@ -13,12 +13,14 @@ counts the rounds in `metrics.csv` (`--cli_flags` adds flags to every run: the f
 FEMNIST's 100-client rounds). It prints each one's peak; the peak of their sum, with the
 rounds done then and each one's share; each one after round 5 and after the last round (the
 first sample once that round's row is written); the worker's growth between the two, and
-between its peaks over the first and the last rounds after round 5 (`report.peak_growth`);
-and the median `seconds` of a round; it logs the worker's peak during each round. With
-`--settings`, each variant runs once per setting (`NAME=VALUE`: an environment variable,
-which the worker inherits; `--FLAG=VALUE`: a flag of the run; empty: neither), one after
-the other, and the table gives each run's median round against the variant's first
-setting. Writes the section "## Memory of the CLI's default runs" of `--results`.
+each one's peak over the last rounds after round 5 against its peak over as many before
+them (`report.peak_growth`; the driver's rise at an evaluation and checkpoint, every 10
+rounds by default, falls in both windows: rounds 6-12 and 14-20 of 20); and the median
+`seconds` of a round; it logs each one's peak during each round. With `--settings`, each
+variant runs once per setting (`NAME=VALUE`: an environment variable, which the worker
+inherits; `--FLAG=VALUE`: a flag of the run; empty: neither), one after the other, and the
+table gives each run's median round against the variant's first setting. Writes the
+section "## Memory of the CLI's default runs" of `--results`.
 """
 
 import csv
@@ -84,8 +86,8 @@ def _run_setting(setting: str) -> tuple[dict[str, str], list[str]]:
 
 def measure(variant: str, output_dir: str, environment: dict[str, str], extra: list[str]) -> dict:
   """Runs the CLI for `variant` with the `extra` flags in `environment`, sampling its memory;
-  the peaks (bytes), the memory after each round (`after[r] = (driver, worker)`), the
-  worker's peak during each round (`during[r]`) and the seconds of each round."""
+  the peaks (bytes), the memory after each round (`after[r] = (driver, worker)`), each one's
+  peak during each round (`during[r] = (driver, worker)`) and the seconds of each round."""
   command = report.cli_command(variant, FLAGS.rounds, output_dir, *FLAGS.cli_flags, *extra)
   metrics = os.path.join(output_dir, "metrics.csv")
   result = dict(driver=0, worker=0, total=0, total_at=(0, 0, 0), after={}, during={})
@@ -107,8 +109,8 @@ def measure(variant: str, output_dir: str, environment: dict[str, str], extra: l
           result["total"] = own + worker
           result["total_at"] = (rounds_done, worker, own)
         result["after"].setdefault(rounds_done, (own, worker))
-        during = result["during"]
-        during[rounds_done + 1] = max(during.get(rounds_done + 1, 0), worker)
+        peaks = result["during"].get(rounds_done + 1, (0, 0))
+        result["during"][rounds_done + 1] = (max(peaks[0], own), max(peaks[1], worker))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -138,14 +140,20 @@ def main(argv):
         last = after.get(FLAGS.rounds, (0, 0))
         mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
         growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
-        peak_growth = report.peak_growth(m["during"], GROWTH_FROM, FLAGS.rounds)
-        print(
-          f"{variant} {setting}: worker peak GiB during each round: "
-          + ", ".join(
-            f"{r}: {gib(b)}" for r, b in sorted(m["during"].items()) if r <= FLAGS.rounds
-          ),
-          flush=True,
-        )
+        peak_growth = {
+          process: report.peak_growth(
+            {r: peaks[i] for r, peaks in m["during"].items()}, GROWTH_FROM, FLAGS.rounds
+          )
+          for i, process in enumerate(("driver", "worker"))
+        }
+        for i, process in enumerate(("driver", "worker")):
+          print(
+            f"{variant} {setting}: {process} peak GiB during each round: "
+            + ", ".join(
+              f"{r}: {gib(b[i])}" for r, b in sorted(m["during"].items()) if r <= FLAGS.rounds
+            ),
+            flush=True,
+          )
         median = statistics.median(m["seconds"])
         if j == 0:
           first_median = median  # The ratio's base: the variant's first setting.
@@ -154,8 +162,8 @@ def main(argv):
           f"{f'`{setting}`' if setting else '-'} | "
           f"{gib(m['worker'])} | {gib(m['driver'])} | {gib(m['total'])} | "
           f"{m['total_at'][0]}: {gib(m['total_at'][1])} + {gib(m['total_at'][2])} | "
-          f"{gib(mid[1])} | {gib(last[1])} | {growth} | {peak_growth} | "
-          f"{gib(mid[0])} | {gib(last[0])} | "
+          f"{gib(mid[1])} | {gib(last[1])} | {growth} | {peak_growth['worker']} | "
+          f"{gib(mid[0])} | {gib(last[0])} | {peak_growth['driver']} | "
           f"{median:.1f} | {median / first_median:.2f} |"
         )
         print(rows[-1], flush=True)
@@ -168,13 +176,15 @@ def main(argv):
     SECTION,
     "",
     f"`{command}` with the variant's flags, and every flag not given there at its default "
-    "(seed 0, 10 clients a round, 1 epoch, batch 20, LEAF CNN; evaluation and a checkpoint at "
-    "the end), "
+    "(seed 0, 10 clients a round, 1 epoch, batch 20, LEAF CNN; evaluation and a checkpoint "
+    "every 10 rounds and at the end), "
     "one run at a time; resident memory sampled every 0.2 s: the driver (the CLI's process), its "
     "TFF worker (its children), the peak of their sum and when it was reached, each after a "
-    "round (once the round's row is in `metrics.csv`), the worker's peak over the last rounds "
-    "against its peak over as many after round 5 (which a copy of the held state every few "
-    "rounds does not sway, as it sways a single sample), and the median `seconds` of a round.",
+    "round (once the round's row is in `metrics.csv`, after the round's evaluation), each one's "
+    "peak over the last rounds against its peak over as many after round 5 (which a copy of "
+    "the held state every few rounds does not sway, as it sways a single sample; the driver's "
+    "windows compare like with like when they hold as many evaluations, as rounds 6-12 and "
+    "14-20 of 20 do), and the median `seconds` of a round.",
     "",
     *report.run_facts(run, "benchmarks/cli_memory.py"),
     "",
@@ -182,9 +192,10 @@ def main(argv):
     "worker + driver peak GiB | at the sum's peak: rounds done: worker + driver GiB | "
     f"worker after round {r5} | worker after round {rn} | "
     f"worker growth | worker's peak in rounds {last} against {first} | "
-    f"driver after round {r5} | driver after round {rn} | median s/round | "
+    f"driver after round {r5} | driver after round {rn} | "
+    f"driver's peak in rounds {last} against {first} | median s/round | "
     "round time against the variant's first setting |",
-    "| --- | --- | --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 8,
+    "| --- | --- | --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 9,
     *rows,
   ]
   report.publish(SECTION, lines)

@@ -66,7 +66,9 @@ def test_cli_memory_measures_a_cli_run(tmp_path):
     "--cli_flags=--clients_per_round=3",
   )
   assert "`python -m tff_ens.main --task=femnist --rounds=1 --clients_per_round=3`" in text
+  (header,) = [line for line in text.splitlines() if line.startswith("| variant |")]
   (row,) = [line for line in text.splitlines() if line.startswith("| fedavg |")]
+  assert row.count("|") == header.count("|")
   worker_peak, driver_peak, total_peak = (float(c) for c in row.split("|")[4:7])
   assert 0 < worker_peak < total_peak and 0 < driver_peak < total_peak
   assert total_peak <= worker_peak + driver_peak + 0.01  # Each printed to 0.01 GiB.

@@ -10,6 +10,7 @@ the final model(s) in Keras format. File names are in `run_files`.
 import asyncio
 import csv
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -174,6 +175,11 @@ class RunOutputs:
     self._loop.run_until_complete(
       self._checkpoints.save({"round": round_num, "state": state}, round_num)
     )
+    # TFF's writer (`tf.saved_model.save` of the state made variables) leaves that copy of
+    # the state in reference cycles, which a long run's driver frees only at Python's rare
+    # full collections: one state more for every checkpoint until then (benchmarks/
+    # RESULTS.md, "The driver's memory across evaluations and checkpoints").
+    gc.collect()
 
   def release_metrics(self, round_num: int, row: dict):
     async def release():

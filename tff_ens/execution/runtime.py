@@ -693,12 +693,16 @@ def _remove_stale_copies(parent: str) -> None:
   """Removes the copy directories in `parent` older than `_STALE_COPY_SECONDS`: a process
   killed during a copy (SIGKILL, the out-of-memory killer) leaves its directory, in
   `/dev/shm` the memory of a whole state until the machine restarts."""
-  for entry in os.scandir(parent):
-    if (
-      entry.name.startswith(_COPY_PREFIX)
-      and time.time() - entry.stat(follow_symlinks=False).st_mtime > _STALE_COPY_SECONDS
-    ):
-      shutil.rmtree(entry.path, ignore_errors=True)
+  with os.scandir(parent) as entries:
+    for entry in entries:
+      if not entry.name.startswith(_COPY_PREFIX):
+        continue
+      try:
+        modified = entry.stat(follow_symlinks=False).st_mtime
+      except FileNotFoundError:  # Another process's copy, just removed.
+        continue
+      if time.time() - modified > _STALE_COPY_SECONDS:
+        shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _free_bytes(directory: str) -> int:

@@ -140,18 +140,13 @@ def main(argv):
         last = after.get(FLAGS.rounds, (0, 0))
         mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
         growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
-        peak_growth = {
-          process: report.peak_growth(
-            {r: peaks[i] for r, peaks in m["during"].items()}, GROWTH_FROM, FLAGS.rounds
-          )
-          for i, process in enumerate(("driver", "worker"))
-        }
+        peak_growth = {}
         for i, process in enumerate(("driver", "worker")):
+          during = {r: peaks[i] for r, peaks in m["during"].items()}
+          peak_growth[process] = report.peak_growth(during, GROWTH_FROM, FLAGS.rounds)
           print(
             f"{variant} {setting}: {process} peak GiB during each round: "
-            + ", ".join(
-              f"{r}: {gib(b[i])}" for r, b in sorted(m["during"].items()) if r <= FLAGS.rounds
-            ),
+            + ", ".join(f"{r}: {gib(b)}" for r, b in sorted(during.items()) if r <= FLAGS.rounds),
             flush=True,
           )
         median = statistics.median(m["seconds"])

@@ -91,7 +91,7 @@ def main(argv):
   wall = {name: [] for name in variants}
   cpu = {name: [] for name in variants}
   with runtime.execution_context(max_concurrent_computation_calls=1):
-    (worker,) = psutil.Process().children()
+    worker = report.local_worker()
     for update in variants.values():
       update(datasets()[0])
     for p in range(FLAGS.passes):

@@ -123,6 +123,14 @@ def publish(section: str, lines: list[str]) -> None:
     write_section(flags.FLAGS.results, section, text)
 
 
+def local_worker(parent: psutil.Process | None = None) -> psutil.Process:
+  """The TFF `worker_binary` that `parent` (default: this process) started, below its
+  launcher (`worker_process.start_worker`)."""
+  parent = parent or psutil.Process()
+  (worker,) = [c for c in parent.children(recursive=True) if c.name() == "worker_binary"]
+  return worker
+
+
 class PeakMemory:
   """The peak resident memory, sampled every `interval` seconds while entered, of this process
   or (with `children`) of its child processes together (TFF's worker)."""

@@ -26,7 +26,6 @@ import time
 from absl import app
 from absl import flags
 import numpy as np
-import psutil
 
 import report
 from tasks import femnist
@@ -74,7 +73,7 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
     report.PeakMemory() as driver,
     tempfile.TemporaryDirectory() as directory,
   ):
-    (worker,) = [c for c in psutil.Process().children() if "worker_binary" in " ".join(c.cmdline())]
+    worker = report.local_worker()
     algorithm = algorithms.build_algorithm(
       name,
       lambda k=0: femnist.build_model("cnn", seed=k),

@@ -9,10 +9,11 @@ drawn without replacement), in two setups:
 
 * "local": `runtime.execution_context()`, one local `worker_binary`, as
   `python -m tff_ens.main` runs without `--workers`;
-* "2 workers": two worker services on 127.0.0.1 (`worker_process.start_worker`, what
-  `python -m tff_ens.worker` runs) and `execution_context(workers=...)`, as
-  `--workers=127.0.0.1:P1,127.0.0.1:P2` runs: each round's clients are split
-  in two halves and the partial aggregates merged.
+* "2 workers": two worker services on 127.0.0.1 over mutual TLS
+  (`worker_service.WorkerService`, what `python -m tff_ens.worker --credentials=DIR`
+  runs) and `execution_context(workers=..., credentials_dir=DIR)`, as
+  `--workers=localhost:P1,localhost:P2 --worker_credentials=DIR` runs: each round's
+  clients are split in two halves and the partial aggregates merged.
 
 Both setups share this machine's cores and train at most
 `--concurrent_clients` clients at once in all (the local worker that many,
@@ -24,7 +25,9 @@ compared. Writes the section "## Scale-out on TFF workers" of
 """
 
 import contextlib
+import os
 import statistics
+import tempfile
 import time
 
 from absl import app
@@ -37,7 +40,8 @@ import report
 from tasks import femnist
 from tff_ens import algorithms
 from tff_ens.execution import runtime
-from tff_ens.execution import worker_process
+from tff_ens.execution import tls
+from tff_ens.execution import worker_service
 from tff_ens.program import simulation
 from tff_ens.templates import client_work
 
@@ -63,20 +67,23 @@ WARM_UP_CLIENTS = 2
 
 @contextlib.contextmanager
 def two_local_workers(concurrent_clients: int):
-  """Two worker services on free 127.0.0.1 ports; yields their addresses."""
-  processes = []
-  try:
-    addresses = []
-    for _ in range(2):
-      port = portpicker.pick_unused_port()
-      processes.append(
-        worker_process.start_worker(port, max_concurrent_computation_calls=concurrent_clients)
-      )
-      addresses.append(f"127.0.0.1:{port}")
-    yield addresses
-  finally:
-    for process in processes:
-      worker_process.stop_worker(process)
+  """Two worker services on free 127.0.0.1 ports, over mutual TLS with new credentials, as
+  `python -m tff_ens.worker` serves; yields their addresses and the credentials."""
+  with tempfile.TemporaryDirectory() as directory:
+    credentials = os.path.join(directory, "credentials")
+    tls.make(credentials, [])
+    with contextlib.ExitStack() as stack:
+      services = [
+        stack.enter_context(
+          worker_service.WorkerService(
+            portpicker.pick_unused_port(),
+            credentials,
+            max_concurrent_computation_calls=concurrent_clients,
+          )
+        )
+        for _ in range(2)
+      ]
+      yield [f"localhost:{s.port}" for s in services], credentials
 
 
 def cohort_datasets(data, cohort_size: int, round_num: int) -> tuple[list, np.ndarray]:
@@ -98,11 +105,9 @@ def setup_context(setup: str, concurrent_clients: int):
     with runtime.execution_context(max_concurrent_computation_calls=concurrent_clients):
       yield
   else:
-    with (
-      two_local_workers(concurrent_clients // 2) as addresses,
-      runtime.execution_context(workers=addresses),
-    ):
-      yield
+    with two_local_workers(concurrent_clients // 2) as (addresses, credentials):
+      with runtime.execution_context(workers=addresses, credentials_dir=credentials):
+        yield
 
 
 def time_setups(algorithm, data, cohorts: list[int], rounds: int, concurrent_clients: int):

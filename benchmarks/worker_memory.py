@@ -20,7 +20,6 @@ import sys
 from absl import app
 from absl import flags
 import numpy as np
-import psutil
 import tensorflow_federated as tff
 
 import report
@@ -38,14 +37,6 @@ flags.DEFINE_integer("rounds", 12, "Rounds per variant.")
 flags.DEFINE_string("algorithm", "fedensemble", "Algorithm to run (K = 5).")
 flags.DEFINE_list("cohorts", ["2", "3", "4", "5", "6"], "Cohort sizes, cycled over the rounds.")
 FLAGS = flags.FLAGS
-
-
-def _worker(process: psutil.Process) -> psutil.Process:
-  return next(
-    c
-    for c in process.children()
-    if c.name() == "worker_binary" or "worker_binary" in " ".join(c.cmdline())
-  )
 
 
 def measure(data, factory: str) -> list[int | str]:
@@ -66,7 +57,7 @@ def measure(data, factory: str) -> list[int | str]:
         **algorithms.settings_read(FLAGS.algorithm, ensemble_size=5),
       )
       state = algorithm.process.initialize()
-      worker = _worker(psutil.Process())
+      worker = report.local_worker()
       writers = data.train.client_ids
       rss = []
       for round_num in range(FLAGS.rounds):

@@ -44,7 +44,12 @@ ALLOWED = {
   ),
 }
 # The command lines sit above every layer.
-ENTRY_POINTS = ("tff_ens/main.py", "tff_ens/worker.py", "tff_ens/compare.py")
+ENTRY_POINTS = (
+  "tff_ens/main.py",
+  "tff_ens/worker.py",
+  "tff_ens/credentials.py",
+  "tff_ens/compare.py",
+)
 
 
 def _package_of(module: str) -> str | None:

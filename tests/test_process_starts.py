@@ -20,7 +20,6 @@ import textwrap
 import time
 
 import grpc
-import portpicker
 import pytest
 import tensorflow_federated as tff
 
@@ -80,9 +79,9 @@ def test_the_hooks_count_fork_and_not_vfork_or_posix_spawn():
 
 
 def _start_a_worker():
-  process = worker_process.start_worker(portpicker.pick_unused_port())
-  worker_processes.SEEN_PIDS.add(process.pid)
-  worker_process.stop_worker(process)
+  worker = worker_process.start_worker()
+  worker_processes.SEEN_PIDS.add(worker.pid)
+  worker_process.stop_worker(worker)
 
 
 def _start_a_device(path: str):
@@ -140,24 +139,22 @@ def _stress(rounds: int, serve_every: int, computations_on_workers: bool) -> flo
   with runtime.execution_context():
     for i in range(rounds):
       assert worker_processes.sum_of_doubles([i, 1]) == 2 * (i + 1)
-      processes, channels, addresses = [], [], []
+      workers, channels = [], []
       try:
         for _ in range(2):
-          port = portpicker.pick_unused_port()
-          addresses.append(f"127.0.0.1:{port}")
-          processes.append(worker_process.start_worker(port))
-          worker_processes.SEEN_PIDS.add(processes[-1].pid)
+          workers.append(worker_process.start_worker())
+          worker_processes.SEEN_PIDS.add(workers[-1].pid)
         if i % serve_every == 0:
-          for address, process in zip(addresses, processes):
-            channels.append(grpc.insecure_channel(address))
+          for worker in workers:
+            channels.append(grpc.insecure_channel(worker.address))
             stub = tff.framework.RemoteExecutorGrpcStub(channels[-1])
-            worker_process.wait_until_serving(stub, address, process)
+            worker_process.wait_until_serving(stub, worker.address, worker.process)
           if computations_on_workers:
-            with runtime.execution_context(workers=addresses):
+            with runtime.execution_context(workers=[w.address for w in workers]):
               assert worker_processes.sum_of_doubles([i, 1, 2]) == 2 * (i + 3)
       finally:
-        for process in processes:
-          worker_process.stop_worker(process)
+        for worker in workers:
+          worker_process.stop_worker(worker)
         for channel in channels:
           channel.close()
   assert fork_hooks.counts() == before

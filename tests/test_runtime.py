@@ -132,6 +132,7 @@ import psutil
 import tensorflow as tf
 import tensorflow_federated as tff
 from tff_ens.execution import runtime
+from tff_ens.execution import worker_process
 
 # KeyboardInterrupt on SIGINT even if pytest runs with SIGINT ignored.
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -165,8 +166,8 @@ def _child_in_block(body: str):
     + textwrap.dedent("""
       with runtime.execution_context():
         assert total([1, 2, 3]) == 6
-        (worker,) = [c for c in psutil.Process().children()
-                     if 'data/worker_binary' in ' '.join(c.cmdline())]
+        (worker,) = [c for c in psutil.Process().children(recursive=True)
+                     if c.cmdline()[:1] == [worker_process.worker_binary_path()]]
         print(worker.pid, flush=True)
   """)
     + textwrap.indent(textwrap.dedent(body), "  ")
@@ -228,14 +229,14 @@ def test_sigint_during_a_computation_stops_the_worker():
 
 
 def test_two_workers_split_clients_and_agree_with_local(two_workers):
-  addresses, processes = two_workers
+  addresses, local_workers = two_workers
   clients = list(range(1, 7))
   with runtime.execution_context():
     local = _busy_sum_of_doubles(clients)
   assert local == 42
   with runtime.execution_context(workers=addresses):
     assert _busy_sum_of_doubles(clients) == local  # Warm-up (compilation).
-    workers = [psutil.Process(p.pid) for p in processes]
+    workers = [psutil.Process(w.pid) for w in local_workers]
     cpu_before = [sum(w.cpu_times()[:2]) for w in workers]
     assert _busy_sum_of_doubles(clients) == local
     cpu_used = [sum(w.cpu_times()[:2]) - b for w, b in zip(workers, cpu_before)]
@@ -243,7 +244,7 @@ def test_two_workers_split_clients_and_agree_with_local(two_workers):
   # Each worker computed some of the clients.
   assert min(cpu_used) > 0.2 * max(cpu_used), cpu_used
   # Our workers are still serving; the context only disconnected.
-  assert all(p.poll() is None for p in processes)
+  assert all(w.process.poll() is None for w in local_workers)
 
 
 def test_two_workers_refuse_clients_placed_results(two_workers):

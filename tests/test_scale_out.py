@@ -41,7 +41,8 @@ from tiny import tiny_model
 
 # The fixtures every test here uses (pytest finds them by name).
 no_stray_workers = worker_processes.no_stray_workers
-two_workers = worker_processes.two_workers
+credentials = worker_processes.credentials
+tls_workers = worker_processes.tls_workers
 
 
 # Four tiny clients of different sizes; two workers get two each.
@@ -53,15 +54,15 @@ CLIENT_DATA = [
 ]
 
 
-def _cpu_seconds(process) -> float:
-  times = psutil.Process(process.pid).cpu_times()
+def _cpu_seconds(service) -> float:
+  times = psutil.Process(service.worker.pid).cpu_times()
   return times.user + times.system
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedensemble", "fedbe"])
-def test_two_workers_round_equals_local_round(name, two_workers):
+def test_two_tls_workers_round_equals_local_round(name, tls_workers, credentials):
   # FedBE: the clients train on the workers, the server step runs here.
-  addresses, processes = two_workers
+  addresses, services = tls_workers
   algorithm = algorithms.build_algorithm(
     name,
     lambda k=0: tiny_model(seed=10 * k, batch_norm=True),
@@ -85,13 +86,13 @@ def test_two_workers_round_equals_local_round(name, two_workers):
     local_state, local_round = algorithm.next_fn(state, datasets, clients)
     local_models = algorithm.models_fn(local_state)
     initial_models = algorithm.models_fn(state)
-  cpu_before = [_cpu_seconds(p) for p in processes]
-  with runtime.execution_context(workers=addresses):
+  cpu_before = [_cpu_seconds(s) for s in services]
+  with runtime.execution_context(workers=addresses, credentials_dir=credentials):
     split_state, split_round = algorithm.next_fn(state, datasets, clients)
     split_models = algorithm.models_fn(split_state)
   local_metrics, split_metrics = local_round.metrics, split_round.metrics
   # Both workers computed (the clients were split, not sent to one).
-  assert all(_cpu_seconds(p) > b for p, b in zip(processes, cpu_before))
+  assert all(_cpu_seconds(s) > b for s, b in zip(services, cpu_before))
   tf.nest.map_structure(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-5), local_models, split_models
   )
@@ -119,8 +120,10 @@ def _checkpoints(output_dir) -> list[str]:
 
 
 @pytest.mark.slow
-def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_workers, tmp_path):
-  addresses, processes = two_workers
+def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(
+  tls_workers, credentials, tmp_path
+):
+  addresses, services = tls_workers
   config = dataclasses.replace(
     QUICK,
     rounds=3,
@@ -128,6 +131,7 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_worker
     eval_every=3,
     output_dir=str(tmp_path),
     workers=",".join(addresses),
+    worker_credentials=credentials,
   )
   killed_at = []
 
@@ -135,7 +139,7 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_worker
     deadline = time.monotonic() + 240
     while not _checkpoints(tmp_path) and time.monotonic() < deadline:
       time.sleep(0.05)
-    processes[1].kill()
+    psutil.Process(services[1].worker.pid).kill()
     killed_at.append(time.monotonic())
 
   killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
@@ -156,7 +160,9 @@ def test_killed_worker_ends_the_run_with_one_line_and_resume_finishes(two_worker
   assert not (tmp_path / run_files.SUMMARY_FILE).exists()
 
   # The run continues on this machine, on a local worker.
-  summary = training.run_experiment(dataclasses.replace(config, workers="", resume=True))
+  summary = training.run_experiment(
+    dataclasses.replace(config, workers="", worker_credentials="", resume=True)
+  )
   rows = read_metrics(tmp_path)
   assert [int(r["round"]) for r in rows] == [1, 2, 3]
   # Rounds up to the checkpoint were kept, not trained again.
@@ -206,23 +212,28 @@ def test_unreachable_worker_is_a_usage_error_naming_the_flag(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def worker_clis():
-  """`python -m tff_ens.worker` on a free port and on a port a plain socket
-  holds, started at once so that their imports overlap.
+def worker_clis(credentials):
+  """`python -m tff_ens.worker` with credentials on a free port and on a port a plain socket
+  holds, and without credentials, started at once so that their imports overlap.
 
-  Yields {"free" or "busy": (process, port)}; the processes are killed and
-  reaped at the end.
+  Yields {"free", "busy" or "bare": (process, port)}; the processes are killed and reaped
+  at the end.
   """
   with socket.socket() as busy:
     busy.bind(("", 0))
     busy.listen()
-    ports = {"free": portpicker.pick_unused_port(), "busy": busy.getsockname()[1]}
+    ports = {
+      "free": portpicker.pick_unused_port(),
+      "busy": busy.getsockname()[1],
+      "bare": portpicker.pick_unused_port(),
+    }
     started = {}
     try:
       for name, port in ports.items():
+        door = [] if name == "bare" else [f"--credentials={credentials}"]
         started[name] = (
           subprocess.Popen(
-            [sys.executable, "-m", "tff_ens.worker", f"--port={port}"],
+            [sys.executable, "-m", "tff_ens.worker", f"--port={port}", *door],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -238,26 +249,40 @@ def worker_clis():
 
 
 @pytest.mark.slow
-def test_worker_cli_serves_and_stops_on_sigterm(worker_clis):
+def test_worker_cli_serves_and_stops_on_sigterm(worker_clis, credentials):
   # (SIGINT takes the same path: both raise KeyboardInterrupt.)
   cli, port = worker_clis["free"]
   line = cli.stdout.readline()
-  assert f"serving on port {port}" in line, cli.stderr.read()[-2000:]
-  assert f"--workers=THIS_HOST:{port}" in line
-  (worker,) = [c for c in psutil.Process(cli.pid).children() if worker_processes.is_worker(c)]
+  assert f"serving on port {port} of all interfaces, mutual TLS" in line, cli.stderr.read()[-2000:]
+  assert f"--workers=THIS_HOST:{port} --worker_credentials=" in line
+  (worker,) = [
+    c for c in psutil.Process(cli.pid).children(recursive=True) if worker_processes.is_worker(c)
+  ]
   worker_processes.SEEN_PIDS.add(worker.pid)
-  with runtime.execution_context(workers=[f"127.0.0.1:{port}"]):
+  with runtime.execution_context(workers=[f"127.0.0.1:{port}"], credentials_dir=credentials):
     assert worker_processes.sum_of_doubles([1, 2, 3]) == 12
   cli.send_signal(signal.SIGTERM)
   assert cli.wait(timeout=30) == 0
   assert worker_processes.is_gone(worker.pid)
 
 
-# Sets up worker_clis: two `python -m tff_ens.worker` importing TensorFlow at once, 140 s on a
-# loaded machine (tests/watchdog.py).
+# Sets up worker_clis: three `python -m tff_ens.worker` importing TensorFlow at once, 140 s on
+# a loaded machine (tests/watchdog.py).
 @pytest.mark.timeout_seconds(600)
-def test_worker_cli_on_a_busy_port_fails_with_one_line(worker_clis):
-  cli, port = worker_clis["busy"]
+@pytest.mark.parametrize(
+  "name, error",
+  [
+    ("busy", "error: port {port} is in use: choose another --port"),
+    (
+      "bare",
+      "error: a worker service serves only drivers it can verify: pass --credentials=DIR "
+      "(made by `python -m tff_ens.credentials --dir=DIR --hosts=WORKER_HOST,...`), or "
+      "--insecure_loopback for plaintext on 127.0.0.1 only",
+    ),
+  ],
+)
+def test_worker_cli_refuses_to_start_with_one_line(worker_clis, name, error):
+  cli, port = worker_clis[name]
   _, stderr = cli.communicate(timeout=180)
   assert cli.returncode == 2
-  assert stderr.strip().splitlines()[-1] == (f"error: port {port} is in use: choose another --port")
+  assert stderr.strip().splitlines()[-1] == error.format(port=port)

@@ -1,7 +1,8 @@
 """The `worker_binary` processes of a test module: finding, awaiting, stopping.
 
 Test modules that start TFF workers import `no_stray_workers` (autouse: no
-worker before the module's tests, none left after), `two_workers`, and the
+worker before the module's tests, none left after), `two_workers` (isolated local
+workers), `tls_workers` (worker services over mutual TLS, with `credentials`), and the
 small computations below to run on them. A test that hangs is ended by the
 watchdog (tests/watchdog.py).
 """
@@ -15,7 +16,9 @@ import psutil
 import pytest
 import tensorflow_federated as tff
 
+from tff_ens.execution import tls
 from tff_ens.execution import worker_process
+from tff_ens.execution import worker_service
 
 
 @tff.tensorflow.computation(np.int32)
@@ -34,8 +37,9 @@ SEEN_PIDS = set()
 
 
 def is_worker(proc: psutil.Process) -> bool:
+  """Whether `proc` runs TFF's worker binary (not a launcher naming it in its arguments)."""
   try:
-    return any("data/worker_binary" in arg for arg in proc.cmdline())
+    return proc.cmdline()[:1] == [worker_process.worker_binary_path()]
   except (psutil.NoSuchProcess, psutil.ZombieProcess):
     return False
 
@@ -96,16 +100,38 @@ def no_stray_workers():
 
 @pytest.fixture
 def two_workers():
-  """Two worker services on free 127.0.0.1 ports, always stopped afterwards."""
-  processes = []
+  """Two isolated local workers (`worker_process.LocalWorker`s, reached at their `unix:`
+  addresses), always stopped afterwards."""
+  workers = []
   try:
-    addresses = []
     for _ in range(2):
-      port = portpicker.pick_unused_port()
-      processes.append(worker_process.start_worker(port))
-      SEEN_PIDS.add(processes[-1].pid)
-      addresses.append(f"127.0.0.1:{port}")
-    yield addresses, processes
+      workers.append(worker_process.start_worker())
+      SEEN_PIDS.add(workers[-1].pid)
+    yield [w.address for w in workers], workers
   finally:
-    for process in processes:
-      worker_process.stop_worker(process)
+    for worker in workers:
+      worker_process.stop_worker(worker)
+
+
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory):
+  """A credentials directory (`tls.make`) for the module's worker services."""
+  directory = str(tmp_path_factory.mktemp("credentials") / "run")
+  tls.make(directory, [])
+  return directory
+
+
+@pytest.fixture
+def tls_workers(credentials):
+  """Two worker services (`worker_service.WorkerService`) on free loopback ports, serving
+  mutual TLS with `credentials`, always stopped afterwards. Yields their addresses and the
+  services."""
+  services = []
+  try:
+    for _ in range(2):
+      services.append(worker_service.WorkerService(portpicker.pick_unused_port(), credentials))
+      SEEN_PIDS.add(services[-1].worker.pid)
+    yield [f"localhost:{s.port}" for s in services], services
+  finally:
+    for service in services:
+      service.stop()

@@ -32,20 +32,12 @@ from typing import Any, Optional
 
 import grpc
 import numpy as np
-import portpicker
 import tensorflow as tf
 import tensorflow_federated as tff
 from tensorflow_federated.proto.v0 import executor_pb2
 
+from tff_ens.execution import tls
 from tff_ens.execution import worker_process
-
-# As in TFF's `executor_factory.py`: allow messages up to 2 GB.
-_GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
-_GRPC_CHANNEL_OPTIONS = [
-  ("grpc.max_message_length", _GRPC_MAX_MESSAGE_BYTES),
-  ("grpc.max_receive_message_length", _GRPC_MAX_MESSAGE_BYTES),
-  ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE_BYTES),
-]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +47,12 @@ class _Worker:
   stub: tff.framework.RemoteExecutorGrpcStub
   channel: grpc.Channel
   address: str
-  process: Optional[subprocess.Popen]
+  local: Optional[worker_process.LocalWorker]  # None for a worker given by address.
   executors: list  # Closed when the context exits.
+
+  @property
+  def process(self) -> Optional[subprocess.Popen]:
+    return None if self.local is None else self.local.process
 
 
 # Per thread (as TFF's context stack): the single worker of each installed
@@ -172,21 +168,58 @@ def _compile_to_mergeable_form(comp):
   return tff.backends.native.compile_to_mergeable_comp_form(comp)
 
 
+def _channel(address: str, credentials_dir: Optional[str]) -> grpc.Channel:
+  """A gRPC channel to a worker: mutual TLS with `credentials_dir`; else plaintext, which
+  only a Unix-domain socket or a loopback address may take."""
+  if credentials_dir is not None:
+    return grpc.secure_channel(address, tls.channel_credentials(credentials_dir), tls.GRPC_OPTIONS)
+  if not tls.is_local(address):
+    raise tls.CredentialsError(
+      f"{address} is reached over the network: pass the driver's credentials (a directory "
+      f"made by `{tls.MAKE_COMMAND}`) to verify the worker and be verified by it"
+    )
+  return grpc.insecure_channel(address, tls.GRPC_OPTIONS)
+
+
+def _context(factories: list) -> tff.framework.SyncContext:
+  """TFF's context over the workers' executor factories: one directly, several through the
+  mergeable form, with the compiler and transforms of TFF's
+  `create_sync_local_cpp_execution_context`."""
+  transforms = dict(
+    transform_args=tff.tensorflow.transform_args,
+    transform_result=tff.tensorflow.transform_result,
+  )
+  compiler_fn = tff.backends.native.desugar_and_transform_to_native
+  if len(factories) == 1:
+    return tff.framework.SyncExecutionContext(factories[0], compiler_fn, **transforms)
+  return tff.framework.MergeableCompExecutionContext(
+    async_contexts=[
+      tff.framework.AsyncExecutionContext(f, compiler_fn, **transforms) for f in factories
+    ],
+    compiler_fn=_compile_to_mergeable_form,
+    **transforms,
+  )
+
+
 @contextlib.contextmanager
 def execution_context(
   *,
   workers: Sequence[str] = (),
+  credentials_dir: Optional[str] = None,
+  local_worker: str = "isolated",
   max_concurrent_computation_calls: int = -1,
 ) -> Iterator[None]:
   """Installs a TFF C++ execution context for the duration of the block and shuts it down on exit.
 
-  With no `workers`, starts a local `worker_binary` (see `worker_process.start_worker`) on a
-  free port and stops it on exit. With `workers` ("host:port" of running TFF
-  worker services, e.g. `worker_process.start_worker` or `python -m tff_ens.worker`), connects
-  to them: one worker is used directly; with several, each computation is
-  compiled to TFF's mergeable form and its clients are split across the
-  workers. That needs computations with no aggregation depending on another
-  (`tff.learning` processes are fine) and without CLIENTS-placed results.
+  With no `workers`, starts a local `worker_binary` (`worker_process.start_worker`, isolated
+  as `local_worker` says) and stops it on exit. With `workers` (gRPC targets of running TFF
+  worker services: "host:port" of `python -m tff_ens.worker`, or the "unix:PATH" address of a
+  `worker_process.start_worker`), connects to them: one worker is used directly; with
+  several, each computation is compiled to TFF's mergeable form and its clients are split
+  across the workers. That needs computations with no aggregation depending on another
+  (`tff.learning` processes are fine) and without CLIENTS-placed results. Workers on other
+  hosts are reached over mutual TLS with `credentials_dir` (`tls`); plaintext only reaches a
+  Unix-domain socket or a loopback address.
 
   On exit, normal or by exception (KeyboardInterrupt included), the previous
   context is current again, the workers' executors are released and a worker
@@ -196,6 +229,8 @@ def execution_context(
 
   Args:
     workers: Addresses of running worker services; empty to start a local one.
+    credentials_dir: A `tls` credentials directory, for `workers` over TLS.
+    local_worker: The local worker's isolation, one of `worker_process.ISOLATIONS`.
     max_concurrent_computation_calls: For the local worker: how many calls of
       one computation (e.g. one per client) run in parallel; nonpositive means
       no limit. On 2 cores all clients in parallel can be slower than a small
@@ -205,6 +240,7 @@ def execution_context(
   Raises:
     worker_process.WorkerError: If a worker does not come up or is unreachable, on entry or
       when a computation finds it gone.
+    tls.CredentialsError: For a network address without credentials, or bad credentials.
     ValueError: If `max_concurrent_computation_calls` is set with `workers`.
   """
   if workers and max_concurrent_computation_calls > 0:
@@ -212,51 +248,29 @@ def execution_context(
       "max_concurrent_computation_calls is a flag of the worker process; "
       "pass it to start_worker for workers given by address."
     )
-  process = None
+  local = None
   channels = []
   executors = []
   try:
-    if workers:
-      addresses = list(workers)
-    else:
-      port = portpicker.pick_unused_port()
-      process = worker_process.start_worker(
-        port,
-        max_concurrent_computation_calls=max_concurrent_computation_calls,
+    if not workers:
+      local = worker_process.start_worker(
+        isolation=local_worker, max_concurrent_computation_calls=max_concurrent_computation_calls
       )
-      addresses = [f"localhost:{port}"]
+    process = None if local is None else local.process
+    addresses = list(workers) or [local.address]
     factories = []
     for address in addresses:
-      channel = grpc.insecure_channel(address, _GRPC_CHANNEL_OPTIONS)
-      channels.append(channel)
-      stub = tff.framework.RemoteExecutorGrpcStub(channel)
+      channels.append(_channel(address, None if local else credentials_dir))
+      stub = tff.framework.RemoteExecutorGrpcStub(channels[-1])
       worker_process.wait_until_serving(stub, address, process)
       factories.append(_executor_factory(stub, address, process, executors))
-
-    transforms = dict(
-      transform_args=tff.tensorflow.transform_args,
-      transform_result=tff.tensorflow.transform_result,
-    )
-    # The same compiler and transforms as TFF's
-    # `create_sync_local_cpp_execution_context`.
-    compiler_fn = tff.backends.native.desugar_and_transform_to_native
-    if len(factories) == 1:
-      context = tff.framework.SyncExecutionContext(factories[0], compiler_fn, **transforms)
-    else:
-      context = tff.framework.MergeableCompExecutionContext(
-        async_contexts=[
-          tff.framework.AsyncExecutionContext(f, compiler_fn, **transforms) for f in factories
-        ],
-        compiler_fn=_compile_to_mergeable_form,
-        **transforms,
-      )
     if not hasattr(_installed, "workers"):
       _installed.workers = []
     _installed.workers.append(
-      _Worker(stub, channel, addresses[0], process, executors) if len(factories) == 1 else None
+      _Worker(stub, channels[0], addresses[0], local, executors) if len(factories) == 1 else None
     )
     try:
-      with tff.framework.get_context_stack().install(context):
+      with tff.framework.get_context_stack().install(_context(factories)):
         yield
     finally:
       _installed.workers.pop()
@@ -267,11 +281,8 @@ def execution_context(
       for channel in channels:
         channel.close()
     finally:
-      if process is not None:
-        worker_process.stop_worker(process)
-
-
-_EXECUTOR_SERVICE = "/tensorflow_federated.v0.ExecutorGroup/"
+      if local is not None:
+        worker_process.stop_worker(local)
 
 
 class _CopyingExecutor(tff.framework.RemoteExecutor):
@@ -281,11 +292,11 @@ class _CopyingExecutor(tff.framework.RemoteExecutor):
     super().__init__(stub, **kwargs)
     # Without (de)serializers: the serialized value passes through as bytes.
     self._compute_bytes = channel.unary_unary(
-      _EXECUTOR_SERVICE + "Compute",
+      tls.EXECUTOR_SERVICE + "Compute",
       request_serializer=executor_pb2.ComputeRequest.SerializeToString,
     )
     self._create_from_bytes = channel.unary_unary(
-      _EXECUTOR_SERVICE + "CreateValue",
+      tls.EXECUTOR_SERVICE + "CreateValue",
       response_deserializer=executor_pb2.CreateValueResponse.FromString,
     )
 
@@ -562,7 +573,7 @@ class ResidentState:
       self._cut_every = 1
       return True
     try:
-      rss = _resident_bytes(self._worker.process.pid)
+      rss = _resident_bytes(self._worker.local.pid)
     except OSError:  # The worker is gone; the next call reports it.
       return False
     if self._first_rss is None:

@@ -55,7 +55,8 @@ class ClientStateStore:
     """`spec`: what a client keeps (`algorithms.algorithm.ClientStates`)."""
     self._dir = os.path.abspath(directory)  # TFF's worker may run in another directory.
     self._spec = spec
-    os.makedirs(self._dir, exist_ok=True)
+    # Owner only: what clients keep (personal models, FedDyn's g) is derived from their data.
+    os.makedirs(self._dir, mode=0o700, exist_ok=True)
     # (client, model) -> rounds it was written at, ascending.
     self._rounds = collections.defaultdict(list)
     # The newest checkpoint's round (`rewind`, `prune`): versions after it that a newer one

@@ -20,6 +20,7 @@ from tff_ens import algorithms
 from tff_ens import settings
 from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.algorithms import fedavg
+from tff_ens.execution import tls
 from tff_ens.program import active_learning
 from tff_ens.program import run_settings
 from tff_ens.templates import client_work
@@ -95,6 +96,8 @@ RESUME_FREE_KEYS = (
   "max_concurrent_clients",
   "worker_growth_mib",
   "workers",
+  "worker_credentials",
+  "local_worker",
   "device_processes",
   "distill_curve_every",
   "stop_grace_seconds",
@@ -135,12 +138,14 @@ class _Run:
     resolve(self)
 
   def worker_addresses(self) -> list[str]:
-    """The "host:port" addresses of --workers (empty: a local worker)."""
+    """The "host:port" (or "unix:PATH") addresses of --workers (empty: a local worker)."""
     if not self.workers:
       return []
     addresses = [a.strip() for a in self.workers.split(",")]
     for address in addresses:
       host, _, port = address.rpartition(":")
+      if address.startswith("unix:/"):
+        continue  # A local worker's socket (`worker_process.LocalWorker.address`).
       if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(
           f"--workers={self.workers}: {address!r} is not host:port: pass "
@@ -341,6 +346,30 @@ def _check_run(config, run: Run) -> None:
       "--workers is given: start each worker with `python -m "
       "tff_ens.worker --max_concurrent_clients=N` instead"
     )
+  _check_workers(config, run)
+
+
+def _check_workers(config, run: Run) -> None:
+  """--workers on other hosts need --worker_credentials, and the credentials must load."""
+  if config.worker_credentials:
+    if not run.workers:
+      raise UsageError(
+        "--worker_credentials is for --workers: a local worker needs none (drop the flag)"
+      )
+    try:
+      tls.load(config.worker_credentials, "driver")
+    except tls.CredentialsError as e:
+      raise UsageError(f"--worker_credentials={config.worker_credentials}: {e}") from None
+    return
+  remote = [a for a in run.workers if not tls.is_local(a)]
+  if remote:
+    raise UsageError(
+      f"--workers={config.workers}: {remote[0]} is reached over the network: pass "
+      "--worker_credentials=DIR, the driver's part of the credentials its workers serve with "
+      f"(`{tls.MAKE_COMMAND}`)"
+    )
+  if run.workers and config.local_worker != "isolated":
+    raise UsageError("--local_worker is for runs without --workers (drop the flag)")
 
 
 def _check_litert_clients(config, run: Run) -> None:

@@ -28,6 +28,8 @@ _UNSHOWN_FLAGS = (
   "max_concurrent_clients",
   "worker_growth_mib",
   "workers",
+  "worker_credentials",
+  "local_worker",
   "resume",
   "server_device",
   "device_processes",

@@ -13,6 +13,8 @@ import tasks
 from tasks import resnet
 from tff_ens import algorithms
 from tff_ens.execution import runtime
+from tff_ens.execution import tls
+from tff_ens.execution import worker_process
 from tff_ens.settings import setting
 
 ALGORITHM_HELP = (
@@ -139,7 +141,22 @@ class RunSettings:
   workers: str = setting(
     "",
     "Run on TFF worker services at host:port,host:port (each started with `python -m "
-    "tff_ens.worker --port=PORT`), clients split across them; empty: a local worker.",
+    "tff_ens.worker --port=PORT --credentials=DIR`), clients split across them, over mutual "
+    "TLS (--worker_credentials); empty: a local worker.",
+  )
+  worker_credentials: str = setting(
+    "",
+    "Directory of the driver's TLS credentials for --workers (ca.pem, driver.pem, driver.key: "
+    f"`{tls.MAKE_COMMAND}`); workers on loopback addresses may also be reached without, "
+    "when they were started with --insecure_loopback (docs/security.md).",
+  )
+  local_worker: str = setting(
+    "isolated",
+    "The local TFF worker (without --workers): isolated, in a network namespace of its own "
+    "that only this run reaches, through a socket only its user can open; or open, listening "
+    "on a TCP port of all interfaces without credentials, as TFF starts it: any local user "
+    "or host that reaches the port runs code as you (docs/security.md).",
+    choices=worker_process.ISOLATIONS,
   )
   client_transport: str = setting(
     "files",

@@ -33,15 +33,23 @@ def _execution_context(run: experiment.Run):
     try:
       stack.enter_context(
         runtime.execution_context(
-          workers=run.workers, max_concurrent_computation_calls=config.max_concurrent_clients
+          workers=run.workers,
+          credentials_dir=config.worker_credentials or None,
+          local_worker=config.local_worker,
+          max_concurrent_computation_calls=config.max_concurrent_clients,
         )
       )
+    except worker_process.IsolationError as e:
+      raise experiment.UsageError(
+        f"{e}; or pass --local_worker=open for a worker that every local user and host that "
+        "reaches its port can run code in"
+      ) from None
     except worker_process.WorkerError as e:
       if not run.workers:
         raise
       raise experiment.UsageError(
         f"--workers={config.workers}: {e} Start it there with `python -m "
-        "tff_ens.worker --port=PORT`, or fix the address"
+        "tff_ens.worker --port=PORT --credentials=DIR`, or fix the address"
       ) from None
     yield
 

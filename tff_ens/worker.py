@@ -17,6 +17,9 @@ import os
 import signal
 import sys
 
+from tff_ens.execution import cpp_log
+
+cpp_log.quiet_unless_verbose(sys.argv)
 # Before gRPC is imported: as in tff_ens/main.py, no gRPC fork handlers.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
@@ -139,6 +142,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   define_flags()
   app.run(main)

@@ -10,7 +10,7 @@ shared machine fall on all of them, and reads the `seconds` of every round
 from each run's `metrics.csv` (a round: sampling, the clients' datasets and
 `next`; evaluation and checkpoints are outside it and run only at the last
 round here). The issue's target is the median: at most 1.15x FedAvg's; the
-mean also counts the rounds in which `runtime.ResidentState` uploads the
+mean also counts the rounds in which `resident_state.ResidentState` uploads the
 state again after a download. A variant is `ALGORITHM[:K[:OBJECTIVE]]`, e.g. `fedensemble:5:feddyn`.
 `ensemble_round.py` splits the difference into its parts.
 """

@@ -11,7 +11,7 @@ in `--feddyn_sizes`), each with every `--member_delivery` of `--deliveries`
 (the select of one member per client, or the broadcast of all K of which the
 client keeps its own), all through the TFF C++ runtime of
 `runtime.execution_context`, in the `--places` the state stays between
-rounds: the worker (`runtime.ResidentState`, as the CLI runs them) or Python
+rounds: the worker (`resident_state.ResidentState`, as the CLI runs them) or Python
 (`next` through the execution context, every round). Each variant runs alone
 in a worker of its own, as a CLI run does, and `--passes` passes over the
 variants (FedAvg, K=1, K=5, FedAvg, ...) spread slow periods of this shared
@@ -54,6 +54,7 @@ import tensorflow_federated as tff
 import report
 from tasks import femnist
 from tff_ens import algorithms
+from tff_ens.execution import resident_state
 from tff_ens.execution import runtime
 from tff_ens.program import client_states
 from tff_ens.program import simulation
@@ -83,7 +84,7 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list(
   "growth_mib",
-  [str(runtime.MAX_GROWTH_BYTES // 2**20)],
+  [str(resident_state.MAX_GROWTH_BYTES // 2**20)],
   "The held state's growth budgets (the CLI's --worker_growth_mib) to time with the state on "
   "the worker: 0 copies it every round.",
 )
@@ -98,7 +99,7 @@ class Rounds:
   def __init__(self, algorithm, on_worker: bool, directory: str, growth_mib: int = 0):
     self._algorithm = algorithm
     state = algorithm.process.initialize()
-    self._held = runtime.ResidentState(
+    self._held = resident_state.ResidentState(
       algorithm.process.next, state, max_growth_bytes=growth_mib * 2**20
     )
     self._state = None if on_worker else state
@@ -132,7 +133,9 @@ class Rounds:
     if self._state is None:
       outputs = self._held.next(*args)
     else:
-      self._state, *outputs = runtime.state_first(self._algorithm.process.next(self._state, *args))
+      self._state, *outputs = resident_state.state_first(
+        self._algorithm.process.next(self._state, *args)
+      )
       outputs = tuple(outputs)
     result = self._algorithm.result(outputs)
     if self._store is not None:
@@ -256,7 +259,7 @@ def distribution_seconds(
     ("broadcast", broadcast, indices),
     ("client_states", client_states_through, states),
   ]:
-    held = runtime.ResidentState(comp, initial_members())
+    held = resident_state.ResidentState(comp, initial_members())
     held.next(argument)  # Untimed: uploads the models, compiles.
     times = []
     for _ in range(rounds):

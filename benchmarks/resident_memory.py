@@ -9,7 +9,7 @@ state derived from that call is held there, back to the last state uploaded
 from Python. For each algorithm, the benchmark runs `--rounds` rounds on ten
 fixed FEMNIST writers (LEAF CNN, 1 epoch, batch 20, SGD 0.05; K = 5 for
 Fed-ensemble), each way in a fresh worker: the state through Python every
-round; held on the worker without a cut (`runtime.ResidentState` with no
+round; held on the worker without a cut (`resident_state.ResidentState` with no
 memory budget); and held as the CLI holds it (`ResidentState`'s default
 copy of the state made on the worker every round), each in the
 `--places` given; and with each `--client_transport` of `--transports` where
@@ -30,6 +30,7 @@ import numpy as np
 import report
 from tasks import femnist
 from tff_ens import algorithms
+from tff_ens.execution import resident_state
 from tff_ens.execution import runtime
 from tff_ens.program import client_states
 from tff_ens.program import simulation
@@ -93,7 +94,7 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
       store = client_states.ClientStateStore(directory, algorithm.client_states)
     state = algorithm.process.initialize()
     if place != "python":
-      held = runtime.ResidentState(
+      held = resident_state.ResidentState(
         algorithm.process.next, state, **({"max_growth_bytes": 2**60} if place == "uncut" else {})
       )
     cohort = np.arange(len(datasets))
@@ -104,7 +105,7 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
       args = algorithm.next_args(datasets, cohort, states=states)
       start = time.perf_counter()
       if place == "python":
-        state, *outputs = runtime.state_first(algorithm.process.next(state, *args))
+        state, *outputs = resident_state.state_first(algorithm.process.next(state, *args))
       else:
         outputs = held.next(*args)
       if store is not None:

@@ -2,7 +2,7 @@ r"""What moving a held state costs: its upload, its copy on the worker and its d
 
   uv run python benchmarks/state_moves.py [--models=1,5,10] [--rounds=6]
 
-`runtime.ResidentState` keeps a process's state on TFF's worker; it uploads it in the first
+`resident_state.ResidentState` keeps a process's state on TFF's worker; it uploads it in the first
 round, copies it on the worker before each later round (the CLI's default, which cuts the
 worker's chain of held values) and downloads it for evaluation and checkpoints. For a state of
 N LEAF CNNs' weights (26.4 MB each; Fed-ensemble's K=5 is 5, FedDyn-ensemble's 10), each N in
@@ -26,6 +26,7 @@ import tensorflow_federated as tff
 
 import report
 from tasks import femnist
+from tff_ens.execution import resident_state
 from tff_ens.execution import runtime
 
 SECTION = "## Moving the held state"
@@ -79,7 +80,7 @@ def measure(models: int) -> dict:
       report.PeakMemory(interval=0.05) as own,
       report.PeakMemory(children=True, interval=0.05) as child,
     ):
-      held = runtime.ResidentState(next_fn, initial)
+      held = resident_state.ResidentState(next_fn, initial)
       del initial
       seconds = []
       for _ in range(FLAGS.rounds):
@@ -121,7 +122,7 @@ def main(argv):
   lines = [
     SECTION,
     "",
-    f"A state of N LEAF CNNs' weights held on the worker by `runtime.ResidentState` for "
+    f"A state of N LEAF CNNs' weights held on the worker by `resident_state.ResidentState` for "
     f"{FLAGS.rounds} rounds of a computation without training (the state halved plus the two "
     "clients' sum), then downloaded; each N in a worker of its own. Round 1 uploads the "
     "state; each later round copies it on the worker first (the CLI's default).",

@@ -14,6 +14,7 @@ from tests.femnist_runs import read_metrics
 from tff_ens.algorithms import fedbe
 from tff_ens.algorithms import fedppd
 from tff_ens.algorithms import fedppd_distill
+from tff_ens.execution import resident_state
 from tff_ens.execution import runtime
 from tff_ens.math import fedppd_local
 from tff_ens.math import weight_posterior
@@ -438,7 +439,7 @@ def test_fedppd_distill_distills_the_teachers_when_asked():
     with runtime.execution_context():
       built = build()
       state = built.process.initialize()
-      new_state, metrics = runtime.state_first(built.process.next(state, data))[:2]
+      new_state, metrics = resident_state.state_first(built.process.next(state, data))[:2]
       return (
         fedppd.split(
           built.process.get_model_weights(new_state),

@@ -21,6 +21,7 @@ import tensorflow_federated as tff
 
 from tests import worker_processes
 from tests.femnist_runs import QUICK
+from tff_ens.execution import resident_state
 from tff_ens.execution import runtime
 from tff_ens.execution import worker_process
 from tff_ens.program import reporting
@@ -92,7 +93,7 @@ def test_local_context_disposes_values_as_soon_as_python_drops_them():
   # of a server step's collect).
   with runtime.execution_context():
     assert worker_processes.sum_of_doubles([1, 2]) == 6
-    executors = runtime._current_worker().executors
+    executors = runtime.current_worker().executors
     assert executors
     assert all(e._dispose_batch_size == 1 for e in executors)
 
@@ -372,7 +373,7 @@ def test_resident_state_matches_state_through_python(several_workers, two_worker
     expected_state, expected_totals = _plain_rounds(cohorts)
   with runtime.execution_context(workers=addresses):
     # Copied before every round but the first and those after a read.
-    held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER, max_growth_bytes=0)
+    held = resident_state.ResidentState(_counter_next, _INITIAL_COUNTER, max_growth_bytes=0)
     totals, read = [], []
     for i, xs in enumerate(cohorts):
       totals.append(held.next(xs)["total"])
@@ -389,7 +390,7 @@ def test_resident_state_matches_state_through_python(several_workers, two_worker
 
 def test_resident_state_with_a_dead_worker_gives_one_line_error():
   with runtime.execution_context():
-    held = runtime.ResidentState(_counter_next, _INITIAL_COUNTER)
+    held = resident_state.ResidentState(_counter_next, _INITIAL_COUNTER)
     assert held.next([1, 2])["total"] == 6
     (worker,) = worker_processes.descendants()
     worker.kill()
@@ -442,7 +443,7 @@ def _held_run(max_growth_bytes, rounds):
   """(worker's RSS after each held round, final state, the cut's period)."""
   with runtime.execution_context():
     (worker,) = worker_processes.descendants()
-    held = runtime.ResidentState(_big_next, _BIG_INITIAL, max_growth_bytes=max_growth_bytes)
+    held = resident_state.ResidentState(_big_next, _BIG_INITIAL, max_growth_bytes=max_growth_bytes)
     rss = []
     for _ in range(rounds):
       held.next([1, 2, 3])
@@ -506,15 +507,15 @@ def test_resident_state_copies_through_a_file_or_through_python_alike(monkeypatc
     # Through this process, through a file in memory, then with no room in memory.
     for in_files, memory_full in [(False, False), (True, False), (True, True)]:
       if memory_full:
-        monkeypatch.setattr(runtime, "_free_bytes", lambda directory: 0)
+        monkeypatch.setattr(resident_state, "_free_bytes", lambda directory: 0)
       made.clear()
-      held = runtime.ResidentState(
+      held = resident_state.ResidentState(
         _big_next, _BIG_INITIAL, max_growth_bytes=0, copy_in_files=in_files
       )
       if in_files and not memory_full:
         # A machine whose memory has no room for the 10 MB state copies it in the temporary
         # directory.
-        in_memory = runtime._copy_directory(held._state_bytes)
+        in_memory = resident_state._copy_directory(held._state_bytes)
       for _ in range(3):
         held.next([1, 2, 3])
       states.append(held.value)

@@ -63,7 +63,7 @@ def test_the_local_worker_listens_on_no_port_and_its_socket_is_its_users():
     assert worker.pid in tree
     assert _listening_ports(tree) == []
     # Its one way in: a socket in a directory that only this user can enter.
-    address = runtime._current_worker().address
+    address = runtime.current_worker().address
     assert address.startswith("unix:")
     directory = os.path.dirname(address.removeprefix("unix:"))
     assert os.stat(directory).st_mode & 0o777 == 0o700
@@ -91,7 +91,7 @@ _OTHER_USER = 65534  # nobody
 def test_another_user_cannot_reach_the_local_workers_socket():
   with runtime.execution_context():
     assert worker_processes.sum_of_doubles([1]) == 2
-    path = runtime._current_worker().address.removeprefix("unix:")
+    path = runtime.current_worker().address.removeprefix("unix:")
     script = textwrap.dedent(f"""
       import os, socket, sys
       os.setgroups([]); os.setgid({_OTHER_USER}); os.setuid({_OTHER_USER})

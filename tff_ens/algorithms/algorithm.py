@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_ens.execution import runtime
+from tff_ens.execution import resident_state
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
 
@@ -263,7 +263,7 @@ class FederatedAlgorithm:
   def next_fn(self, state, datasets, cohort) -> tuple[Any, RoundResult]:
     """`(state, RoundResult)` of one round through the execution context."""
     outputs = self.process.next(state, *self.next_args(datasets, cohort))
-    state, *outputs = runtime.state_first(outputs)
+    state, *outputs = resident_state.state_first(outputs)
     return state, self.result(tuple(outputs))
 
   def bytes_per_client_round(self) -> tuple[int, int]:

@@ -130,6 +130,22 @@ def _popen(command: list[str], log_path: Optional[str], **kwargs) -> subprocess.
     )
 
 
+_SOCKET = "socket"
+# Linux's limit on a Unix-domain socket's path (sun_path), its final NUL included.
+_MAX_SOCKET_PATH = 108
+
+
+def _socket_directory() -> str:
+  """A new directory that only this user can enter (mode 0700), in the temporary directory,
+  or in /tmp where that one's path is too long for the socket in it."""
+  for parent in (None, "/tmp"):
+    directory = tempfile.mkdtemp(prefix="tff_ens_worker_", dir=parent)
+    if len(os.path.join(directory, _SOCKET).encode()) < _MAX_SOCKET_PATH:
+      return directory
+    os.rmdir(directory)
+  raise WorkerError(f"no directory for the TFF worker's socket: {directory} is too long")
+
+
 def start_worker(
   *,
   isolation: str = "isolated",
@@ -169,8 +185,8 @@ def start_worker(
     command = _launcher("exec", worker_binary_path(), f"--port={port}", *flags)
     process = _popen(command, log_path)
     return LocalWorker(process, f"localhost:{port}", process.pid)
-  directory = tempfile.mkdtemp(prefix="tff_ens_worker_")  # Mode 0700.
-  path = os.path.join(directory, "socket")
+  directory = _socket_directory()
+  path = os.path.join(directory, _SOCKET)
   read_end, write_end = os.pipe()
   try:
     command = _launcher(

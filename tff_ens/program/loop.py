@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tff_ens.algorithms import algorithm as algorithm_lib
-from tff_ens.execution import runtime
+from tff_ens.execution import resident_state
 from tff_ens.program import active_learning
 from tff_ens.program import client_states as client_states_lib
 from tff_ens.program import device_clients
@@ -76,7 +76,7 @@ def train(
   last = _Round(key_state=state["distributor"] if keyed else None)
   # The state waits on the TFF worker between rounds; `held.value` downloads
   # it for evaluation and checkpoints.
-  held = runtime.ResidentState(
+  held = resident_state.ResidentState(
     algorithm.process.next, state, max_growth_bytes=config.worker_growth_mib * 2**20
   )
   del state  # Held from here on by `held` alone, until the worker has it.

@@ -12,7 +12,7 @@ import dataclasses
 import tasks
 from tasks import resnet
 from tff_ens import algorithms
-from tff_ens.execution import runtime
+from tff_ens.execution import resident_state
 from tff_ens.execution import tls
 from tff_ens.execution import worker_process
 from tff_ens.settings import setting
@@ -131,7 +131,7 @@ class RunSettings:
     "Clients trained at once by the TFF runtime (<= 0: no limit; see benchmarks/RESULTS.md).",
   )
   worker_growth_mib: int = setting(
-    runtime.MAX_GROWTH_BYTES // 2**20,
+    resident_state.MAX_GROWTH_BYTES // 2**20,
     "The state waiting on the local TFF worker between rounds is copied there afresh (which "
     "frees what earlier rounds left behind it) every N rounds, N the most rounds the worker "
     "grew within this many MiB (at least 1), or every round (0): less memory, slower rounds "

@@ -167,9 +167,9 @@ def _compile_to_mergeable_form(comp):
 
 
 def _channel(address: str, credentials_dir: Optional[str]) -> grpc.Channel:
-  """A gRPC channel to a worker: mutual TLS with `credentials_dir`; else plaintext, which
-  only a Unix-domain socket or a loopback address may take."""
-  if credentials_dir is not None:
+  """A gRPC channel to a worker: plaintext to a Unix-domain socket (its permissions are the
+  door); else mutual TLS with `credentials_dir`, or plaintext to a loopback address."""
+  if credentials_dir is not None and not address.startswith("unix:"):
     return grpc.secure_channel(address, tls.channel_credentials(credentials_dir), tls.GRPC_OPTIONS)
   if not tls.is_local(address):
     raise tls.CredentialsError(
@@ -258,7 +258,7 @@ def execution_context(
     addresses = list(workers) or [local.address]
     factories = []
     for address in addresses:
-      channels.append(_channel(address, None if local else credentials_dir))
+      channels.append(_channel(address, credentials_dir))
       stub = tff.framework.RemoteExecutorGrpcStub(channels[-1])
       worker_process.wait_until_serving(stub, address, process)
       factories.append(_executor_factory(stub, address, process, executors))

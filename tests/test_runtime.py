@@ -555,3 +555,59 @@ def test_a_run_writes_its_summary_after_its_worker_has_stopped(algorithm, monkey
   assert workers_at_summary == [[]]
   assert 0 < summary["test_accuracy"] <= 1
   assert summary["algorithm"] == algorithm["algorithm"]
+
+
+def _recorded_cohorts(monkeypatch) -> list[int]:
+  """The CLIENTS cardinality of every executor made on a worker from now on."""
+  seen = []
+  set_cardinalities = tff.framework.RemoteExecutor.set_cardinalities
+
+  def recording(self, cardinalities):
+    seen.append(cardinalities.get(tff.CLIENTS, 0))
+    return set_cardinalities(self, cardinalities)
+
+  monkeypatch.setattr(tff.framework.RemoteExecutor, "set_cardinalities", recording)
+  return seen
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedensemble"])
+def test_a_round_in_chunks_equals_the_round_in_one_call(name, monkeypatch):
+  # Seven clients in chunks of at most 3 (three chunks, merged as they finish) against one
+  # call: the same models and metrics up to float summation order, and the worker saw no
+  # executor for more than 3 clients. The state is held on the worker (ResidentState) for
+  # the whole round and goes through the context for the chunked one.
+  from tff_ens import algorithms
+  from tff_ens.templates import client_work
+  from tiny import SPEC
+  from tiny import one_batch
+  from tiny import tiny_model
+
+  algorithm = algorithms.build_algorithm(
+    name,
+    lambda k=0: tiny_model(seed=10 * k),
+    SPEC,
+    client_work.LocalTrainingConfig(learning_rate=0.5),
+    seed=1,
+    clients_per_round=7,
+    **({"ensemble_size": 2} if name == "fedensemble" else {}),
+  )
+  rng = np.random.default_rng(0)
+  datasets = [
+    one_batch(rng.normal(size=(n, 4)), rng.integers(0, 3, n)) for n in (2, 3, 1, 4, 2, 3, 2)
+  ]
+  clients = np.arange(7)
+  results = {}
+  for chunk in (0, 3):
+    seen = _recorded_cohorts(monkeypatch)
+    with runtime.execution_context(clients_per_chunk=chunk):
+      initial = algorithm.process.initialize()
+      before = tf.nest.flatten(algorithm.models_fn(initial))
+      held = resident_state.ResidentState(algorithm.process.next, initial)
+      outputs = held.next(*algorithm.next_args(datasets, clients))
+      results[chunk] = (algorithm.models_fn(held.value), algorithm.result(outputs).metrics)
+    assert max(seen) == (7 if chunk == 0 else 3), seen
+  whole, chunked = (tf.nest.flatten(results[c]) for c in (0, 3))
+  assert len(whole) == len(chunked) > 4
+  for a, b in zip(whole, chunked):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  assert not np.allclose(before[0], tf.nest.flatten(results[3][0])[0])  # It trained.

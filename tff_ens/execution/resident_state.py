@@ -267,15 +267,15 @@ class ResidentState:
     Returns its metrics, or, for a computation with more results after the
     state (`(state, metrics, client states)`), the tuple of them all.
     """
-    if self._worker is None:
+    clients = self._cohort_size(args)
+    chunk = 0 if self._worker is None else self._worker.clients_per_chunk
+    if self._worker is None or 0 < chunk < clients:
+      # Through the context, which runs a cohort larger than a chunk in chunks.
       self._state, *results = state_first(self._next(self.value, *args))
       return results[0] if len(results) == 1 else tuple(results)
     parameter = self._compiled.type_signature.parameter
-    clients = {len(a) for a, t in zip(args, list(parameter)[1:]) if runtime.is_per_client(t)}
-    if len(clients) > 1:
-      raise ValueError(f"CLIENTS-placed arguments of different lengths: {sorted(clients)}")
     with self._worker_errors():
-      self._use_executor(clients.pop() if clients else 0)
+      self._use_executor(clients)
       if self._remote is None:
         self._remote = self._upload(self._state)
       elif self._cut_due():
@@ -297,6 +297,16 @@ class ResidentState:
       )
     self._rounds_held += 1
     return results[0] if len(results) == 1 else results
+
+  def _cohort_size(self, args) -> int:
+    """The clients of a call on the held state with `args` (0 without a worker)."""
+    if self._worker is None:
+      return 0
+    parameter = list(self._compiled.type_signature.parameter)[1:]
+    clients = {len(a) for a, t in zip(args, parameter) if runtime.is_per_client(t)}
+    if len(clients) > 1:
+      raise ValueError(f"CLIENTS-placed arguments of different lengths: {sorted(clients)}")
+    return clients.pop() if clients else 0
 
   def cut(self) -> None:
     """Copies the held state on the worker now, cutting its chain (see the class doc)."""

@@ -31,6 +31,7 @@ from typing import Optional
 
 import grpc
 import tensorflow_federated as tff
+from tensorflow_federated.python.core.impl.executors import cardinalities_utils
 
 from tff_ens.execution import tls
 from tff_ens.execution import worker_process
@@ -45,6 +46,7 @@ class InstalledWorker:
   address: str
   local: Optional[worker_process.LocalWorker]  # None for a worker given by address.
   executors: list  # Closed when the context exits.
+  clients_per_chunk: int  # Calls with more clients run in chunks (0: never).
 
   @property
   def process(self) -> Optional[subprocess.Popen]:
@@ -179,24 +181,68 @@ def _channel(address: str, credentials_dir: Optional[str]) -> grpc.Channel:
   return grpc.insecure_channel(address, tls.GRPC_OPTIONS)
 
 
+_COMPILER = tff.backends.native.desugar_and_transform_to_native
+_TRANSFORMS = dict(
+  transform_args=tff.tensorflow.transform_args,
+  transform_result=tff.tensorflow.transform_result,
+)
+
+
+def _mergeable(factories: list, subrounds: Optional[int] = None):
+  """TFF's mergeable-form context over the workers' factories: `subrounds` calls (default:
+  one per worker), each on a share of the clients, run on the workers as they become free
+  and merged as they finish."""
+  return tff.framework.MergeableCompExecutionContext(
+    async_contexts=[
+      tff.framework.AsyncExecutionContext(f, _COMPILER, **_TRANSFORMS) for f in factories
+    ],
+    compiler_fn=_compile_to_mergeable_form,
+    num_subrounds=subrounds,
+    **_TRANSFORMS,
+  )
+
+
 def _context(factories: list) -> tff.framework.SyncContext:
   """TFF's context over the workers' executor factories: one directly, several through the
   mergeable form, with the compiler and transforms of TFF's
   `create_sync_local_cpp_execution_context`."""
-  transforms = dict(
-    transform_args=tff.tensorflow.transform_args,
-    transform_result=tff.tensorflow.transform_result,
-  )
-  compiler_fn = tff.backends.native.desugar_and_transform_to_native
   if len(factories) == 1:
-    return tff.framework.SyncExecutionContext(factories[0], compiler_fn, **transforms)
-  return tff.framework.MergeableCompExecutionContext(
-    async_contexts=[
-      tff.framework.AsyncExecutionContext(f, compiler_fn, **transforms) for f in factories
-    ],
-    compiler_fn=_compile_to_mergeable_form,
-    **transforms,
-  )
+    return tff.framework.SyncExecutionContext(factories[0], _COMPILER, **_TRANSFORMS)
+  return _mergeable(factories)
+
+
+def clients_of(comp, arg) -> int:
+  """The clients of a call: the cardinality of its CLIENTS-placed arguments (0 without)."""
+  parameter = comp.type_signature.parameter
+  if arg is None or parameter is None:
+    return 0
+  return cardinalities_utils.infer_cardinalities(arg, parameter).get(tff.CLIENTS, 0)
+
+
+class _ChunkedContext(tff.framework.SyncContext):
+  """A context whose calls with more clients than `clients_per_chunk` run in chunks.
+
+  A call of n clients on W workers runs as one call (`_context`) while ceil(n / chunk) <= W;
+  else as ceil(n / chunk) chunks of at most `clients_per_chunk` clients, taken by the workers
+  one after another as they become free, each chunk's partial aggregate merged into the
+  others' as it finishes (TFF's mergeable form, the subrounds of its
+  `MergeableCompExecutionContext`). A worker then holds one chunk's client values at a time.
+  Computations with CLIENTS-placed results cannot run in chunks (`_compile_to_mergeable_form`).
+  """
+
+  def __init__(self, factories: list, clients_per_chunk: int):
+    self._factories = factories
+    self._whole = _context(factories)
+    self._clients_per_chunk = clients_per_chunk
+    self._by_chunks = {}  # Chunk count -> its context (each compiles once).
+
+  def invoke(self, comp, arg):
+    chunks = -(-clients_of(comp, arg) // self._clients_per_chunk)
+    if chunks <= len(self._factories):
+      return self._whole.invoke(comp, arg)
+    if chunks not in self._by_chunks:
+      self._by_chunks[chunks] = _mergeable(self._factories, chunks)
+    return self._by_chunks[chunks].invoke(comp, arg)
 
 
 @contextlib.contextmanager
@@ -206,6 +252,7 @@ def execution_context(
   credentials_dir: Optional[str] = None,
   local_worker: str = "isolated",
   max_concurrent_computation_calls: int = -1,
+  clients_per_chunk: int = 0,
 ) -> Iterator[None]:
   """Installs a TFF C++ execution context for the duration of the block and shuts it down on exit.
 
@@ -234,6 +281,9 @@ def execution_context(
       no limit. On 2 cores all clients in parallel can be slower than a small
       limit, so the training code picks it. Workers given in `workers` were
       configured when they were started.
+    clients_per_chunk: Calls with more clients than this (and than this many per worker)
+      run in chunks of at most this many, merged as they finish (`_ChunkedContext`), so
+      that a worker holds one chunk's client values at a time; 0: every call whole.
 
   Raises:
     worker_process.WorkerError: If a worker does not come up or is unreachable, on entry or
@@ -265,12 +315,15 @@ def execution_context(
     if not hasattr(_installed, "workers"):
       _installed.workers = []
     _installed.workers.append(
-      InstalledWorker(stub, channels[0], addresses[0], local, executors)
+      InstalledWorker(stub, channels[0], addresses[0], local, executors, clients_per_chunk)
       if len(factories) == 1
       else None
     )
+    context = (
+      _ChunkedContext(factories, clients_per_chunk) if clients_per_chunk else _context(factories)
+    )
     try:
-      with tff.framework.get_context_stack().install(_context(factories)):
+      with tff.framework.get_context_stack().install(context):
         yield
     finally:
       _installed.workers.pop()

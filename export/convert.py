@@ -41,6 +41,8 @@ import tensorflow_model_optimization as tfmot
 from export import ExportError
 from export import ensemble_module
 from export import metadata
+from export import not_sure
+from export import on_device
 from export import runs
 from export import trainable
 
@@ -49,6 +51,12 @@ QUANTIZATIONS = ensemble_module.QUANTIZATIONS
 # Formats built for image models (float inputs): tfmot's QAT, larq's binarized
 # convolutions and `trainable`'s layers and gradients (no LSTM among them).
 IMAGE_FORMATS = ("qat", "lce", "binary", "trainable")
+# The formats --static_batch (a fixed batch, for LiteRT.js) does not make, and why.
+STATIC_REFUSED = {
+  "lce": "lce files run only in LCE's interpreter, which LiteRT.js is not: use --format=binary",
+  "trainable": "the trainable file's signatures take any batch (a phone's local epochs); "
+  "export --format=float or --format=ensemble for the web",
+}
 # What `finalize` adds to the metadata of a file with variable tensors (an LSTM's state).
 RESET_VARIABLES = (
   "the file keeps state in variable tensors (the LSTM's) from one invocation to the next: "
@@ -90,8 +98,11 @@ class Options:
   seed: int = 0
 
 
-def check_format(run: runs.Run, output_format: str, quantization: str = "float"):
-  """ExportError unless `run` can be exported as `output_format` with `quantization`."""
+def check_format(
+  run: runs.Run, output_format: str, quantization: str = "float", static_batch: int | None = None
+):
+  """ExportError unless `run` can be exported as `output_format` with `quantization` (and
+  `static_batch`)."""
   if output_format not in FORMATS:
     raise ExportError(f"unknown --format={output_format}: choose one of {', '.join(FORMATS)}")
   if quantization not in QUANTIZATIONS:
@@ -118,6 +129,11 @@ def check_format(run: runs.Run, output_format: str, quantization: str = "float")
     raise ExportError(
       f"{run.run_dir} holds an ensemble of {len(run.model_paths)} models: use --format=ensemble"
     )
+  if static_batch is not None:
+    if not (isinstance(static_batch, int) and static_batch >= 1):
+      raise ExportError(f"--static_batch must be a positive number of examples, got {static_batch}")
+    if output_format in STATIC_REFUSED:
+      raise ExportError(f"--static_batch: {STATIC_REFUSED[output_format]}")
   if output_format in ("lce", "binary") and not run.is_binary:
     raise ExportError(
       f"--format={output_format} needs a run of a binarized model (--model="
@@ -132,10 +148,16 @@ def _takes_ids(task) -> bool:
 
 
 def describe(
-  run: runs.Run, output_format: str, *, quantized_io: bool = False, quantization: str = "float"
+  run: runs.Run,
+  output_format: str,
+  *,
+  quantized_io: bool = False,
+  quantization: str = "float",
+  static_batch: int | None = None,
 ) -> dict:
   """The metadata of `run` exported as `output_format` (see `metadata`). `quantized_io`:
-  int8 output, and int8 input if the task's is float (ids stay the task's INPUT_DTYPE)."""
+  int8 output, and int8 input if the task's is float (ids stay the task's INPUT_DTYPE).
+  `static_batch`: every signature takes exactly that many inputs (`n` below)."""
   task = run.task
   preprocessing = task.INPUT_DESCRIPTION["preprocessing"]
   quantized_input = quantized_io and not _takes_ids(task)
@@ -153,12 +175,14 @@ def describe(
     "algorithm": run.config.get("algorithm"),
     "class_labels": list(task.CLASS_LABELS),
     "input": {
-      "shape": [None, *task.INPUT_SHAPE],
+      "shape": [static_batch, *task.INPUT_SHAPE],
       "dtype": input_dtype,
       **task.INPUT_DESCRIPTION,
       "preprocessing": preprocessing,
     },
   }
+  if static_batch:
+    description["static_batch"] = static_batch
   shape = f"[n, {', '.join(map(str, task.INPUT_SHAPE))}] {input_dtype}"
   one, many = ensemble_module.input_names(task.INPUT_DTYPE)
   if output_format == "ensemble":
@@ -173,9 +197,13 @@ def describe(
         "classes], member_probabilities [n, K, classes], entropy [n], "
         "mutual_information [n] (nats)",
         "personalize": f"{many} {shape}, labels [n] int32 (n >= 1, the "
-        "phone's own labeled examples), temperature [] float32 > 0 -> "
-        "alpha [K] = softmax(-mean cross-entropy of each member / "
-        "temperature)",
+        "phone's own labeled examples), temperature [] float32 > 0"
+        + (
+          f", mask [n] float32 (1: an example, 0: padding of fewer than n={static_batch})"
+          if static_batch
+          else ""
+        )
+        + " -> alpha [K] = softmax(-mean cross-entropy of each member / temperature)",
       },
     )
   elif output_format == "trainable":
@@ -219,12 +247,12 @@ def calibration_data(
   return CalibrationData(np.asarray(x[chosen], task.INPUT_DTYPE), y[chosen])
 
 
-def _representative_dataset(data: CalibrationData):
-  """TFLite's representative dataset: one single-input batch at a time."""
+def _representative_dataset(data: CalibrationData, batch: int = 1):
+  """TFLite's representative dataset: one single-input batch of `batch` inputs at a time."""
 
   def generate():
-    for example in data.x:
-      yield [example[None]]
+    for start in range(0, len(data.x) - batch + 1, batch):
+      yield [data.x[start : start + batch]]
 
   return generate
 
@@ -263,32 +291,39 @@ def convert_model(
   output_format: str,
   data: CalibrationData | None = None,
   options: Options = Options(),
+  static_batch: int | None = None,
 ) -> bytes:
   """A single Keras model as a TFLite flatbuffer in `output_format` (without metadata).
 
   `data` (training clients' examples) is needed by int8 and qat. The input keeps the
-  model's dtype; int8 quantizes a float input, never integer ids.
+  model's dtype; int8 quantizes a float input, never integer ids. With `static_batch` the
+  graph takes that many inputs, its LSTMs unrolled (no state kept between calls), and int8
+  keeps float32 input and output (LiteRT.js has no int8 tensors).
   """
   if output_format == "lce":
     return lce.convert_keras_model(model)
   if output_format == "qat":
     model = fine_tune_quantization_aware(model, data, options)
+  if static_batch:
+    model = ensemble_module.unrolled(model)
   # One input per call, as LCE's converter does: group normalization's reshapes do not run
   # in TFLite with an unknown batch size, nor does the fused LSTM (its state has the batch's
   # size).
   input_dtype = model.inputs[0].dtype
-  single_input = tf.function(lambda x: model(x, training=False)).get_concrete_function(
-    tf.TensorSpec([1, *model.input_shape[1:]], input_dtype)
+  batch = static_batch or 1
+  fixed_input = tf.function(lambda x: model(x, training=False)).get_concrete_function(
+    tf.TensorSpec([batch, *model.input_shape[1:]], input_dtype)
   )
-  converter = tf.lite.TFLiteConverter.from_concrete_functions([single_input], model)
+  converter = tf.lite.TFLiteConverter.from_concrete_functions([fixed_input], model)
   if output_format in ("dynamic", "int8", "qat"):
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
   if output_format == "int8":
-    converter.representative_dataset = _representative_dataset(data)
+    converter.representative_dataset = _representative_dataset(data, batch)
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    if input_dtype.is_floating:
-      converter.inference_input_type = tf.int8
-    converter.inference_output_type = tf.int8
+    if not static_batch:
+      if input_dtype.is_floating:
+        converter.inference_input_type = tf.int8
+      converter.inference_output_type = tf.int8
   return converter.convert()
 
 
@@ -298,14 +333,16 @@ def export_run(
   data_dir: str | None = None,
   options: Options = Options(),
   quantization: str = "float",
+  static_batch: int | None = None,
 ) -> bytes:
   """`run` as a TFLite flatbuffer in `output_format`, with its metadata attached.
 
-  `data_dir` (default: the run's) is read for int8, qat and the int8 ensemble only, split as
-  the run's (`runs.Run.data_options`). Raises ExportError if the format or `quantization`
-  does not fit the run.
+  `data_dir` (default: the run's) is read for int8, qat and the int8 ensemble, split as the
+  run's (`runs.Run.data_options`), and for a `static_batch` file, whose metadata gets the
+  `not_sure` threshold (`not_sure`) from its outputs on the run's test inputs. Raises
+  ExportError if the format, `quantization` or `static_batch` does not fit the run.
   """
-  check_format(run, output_format, quantization)
+  check_format(run, output_format, quantization, static_batch)
   models = run.load_models()
   if output_format == "ensemble":
     ensemble_module.check_quantization(models, quantization)
@@ -340,13 +377,27 @@ def export_run(
       run.task.INPUT_DTYPE,
       *((data.x, data.y) if data else ()),
       seed=options.seed,
+      static_batch=static_batch,
     )
   else:
-    flatbuffer = convert_model(models[0], output_format, data, options)
-  return finalize(
-    flatbuffer,
-    describe(run, output_format, quantization=quantization, quantized_io=output_format == "int8"),
+    flatbuffer = convert_model(models[0], output_format, data, options, static_batch)
+  description = describe(
+    run,
+    output_format,
+    quantization=quantization,
+    quantized_io=output_format == "int8" and not static_batch,
+    static_batch=static_batch,
   )
+  if static_batch:
+    exported = on_device.load_bytes(finalize(flatbuffer, description))
+    description["not_sure"] = not_sure.threshold(
+      exported,
+      run.task.load_data(data_dir or run.config.get("data_dir"), **run.data_options(run.task)),
+      run.summary,
+      run.task.INPUT_DTYPE,
+      options.seed,
+    )
+  return finalize(flatbuffer, description)
 
 
 def finalize(flatbuffer: bytes, description: dict) -> bytes:

@@ -14,16 +14,36 @@ ensemble does not copy its weights. The schema is LiteRT's copy in the device en
 (`device/`, no TensorFlow), TensorFlow's in the main one.
 """
 
+import importlib.util
 import json
+import os
+import sys
 
 import numpy as np
 
-try:
-  from ai_edge_litert import schema_py_generated as schema
-except ImportError:
-  from tensorflow.lite.python import schema_py_generated as schema
-
 from export import ExportError
+
+
+def _tflite_schema():
+  """The TFLite schema's generated module: LiteRT's; else TensorFlow's, which where TensorFlow
+  is not imported yet is loaded from its file alone (it imports only flatbuffers and NumPy),
+  so that reading metadata (`python -m export.web`) does not import TensorFlow."""
+  if importlib.util.find_spec("ai_edge_litert") is not None:
+    from ai_edge_litert import schema_py_generated
+
+    return schema_py_generated
+  name = "tensorflow.lite.python.schema_py_generated"
+  if "tensorflow" in sys.modules:
+    return importlib.import_module(name)
+  (package_dir,) = importlib.util.find_spec("tensorflow").submodule_search_locations
+  path = os.path.join(package_dir, "lite", "python", "schema_py_generated.py")
+  spec = importlib.util.spec_from_file_location(f"{__name__}._tflite_schema", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+schema = _tflite_schema()
 
 METADATA_NAME = "tff_ens"
 # The metadata's "runtime": what runs the file (`export.on_device` follows it).

@@ -90,6 +90,11 @@ def define_flags():
     "export.web`. int8 keeps float32 input and output, LSTMs are unrolled, and the metadata "
     "gets the run's 'not sure' threshold (reads the run's test data).",
   )
+  flags.DEFINE_string(
+    "license",
+    convert.UNSET_LICENSE,
+    "The terms of the exported weights, written into the file's standard TFLite metadata.",
+  )
   flags.DEFINE_integer("seed", 0, "Seeds the draws of training examples.")
 
 
@@ -117,6 +122,7 @@ def main(argv):
       options,
       FLAGS.quantization,
       FLAGS.static_batch,
+      FLAGS.license,
     )
     try:
       with open(FLAGS.output, "wb") as f:

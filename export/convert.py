@@ -44,6 +44,7 @@ from export import metadata
 from export import not_sure
 from export import on_device
 from export import runs
+from export import standard_metadata
 from export import trainable
 
 FORMATS = ("float", "dynamic", "int8", "qat", "lce", "binary", "trainable", "ensemble")
@@ -51,6 +52,8 @@ QUANTIZATIONS = ensemble_module.QUANTIZATIONS
 # Formats built for image models (float inputs): tfmot's QAT, larq's binarized
 # convolutions and `trainable`'s layers and gradients (no LSTM among them).
 IMAGE_FORMATS = ("qat", "lce", "binary", "trainable")
+AUTHOR = "tff-ens (python -m export)"
+UNSET_LICENSE = "not set (python -m export --license=...)"
 # The formats --static_batch (a fixed batch, for LiteRT.js) does not make, and why.
 STATIC_REFUSED = {
   "lce": "lce files run only in LCE's interpreter, which LiteRT.js is not: use --format=binary",
@@ -154,10 +157,12 @@ def describe(
   quantized_io: bool = False,
   quantization: str = "float",
   static_batch: int | None = None,
+  license: str = UNSET_LICENSE,
 ) -> dict:
   """The metadata of `run` exported as `output_format` (see `metadata`). `quantized_io`:
   int8 output, and int8 input if the task's is float (ids stay the task's INPUT_DTYPE).
-  `static_batch`: every signature takes exactly that many inputs (`n` below)."""
+  `static_batch`: every signature takes exactly that many inputs (`n` below). `license`:
+  the weights' terms, for the standard metadata (`standard_metadata`)."""
   task = run.task
   preprocessing = task.INPUT_DESCRIPTION["preprocessing"]
   quantized_input = quantized_io and not _takes_ids(task)
@@ -168,6 +173,12 @@ def describe(
       "parameters"
     )
   description = {
+    "author": AUTHOR,
+    "license": license,
+    "version": f"tff-ens {standard_metadata.tff_ens_version()}; "
+    + ", ".join(
+      f"{key} {run.config[key]}" for key in ("algorithm", "rounds", "seed") if key in run.config
+    ),
     "format": output_format,
     "runtime": (metadata.RUNTIME_LCE if output_format == "lce" else metadata.RUNTIME_TFLITE),
     "task": run.config.get("task", "femnist"),
@@ -334,6 +345,7 @@ def export_run(
   options: Options = Options(),
   quantization: str = "float",
   static_batch: int | None = None,
+  license: str = UNSET_LICENSE,
 ) -> bytes:
   """`run` as a TFLite flatbuffer in `output_format`, with its metadata attached.
 
@@ -387,6 +399,7 @@ def export_run(
     quantization=quantization,
     quantized_io=output_format == "int8" and not static_batch,
     static_batch=static_batch,
+    license=license,
   )
   if static_batch:
     exported = on_device.load_bytes(finalize(flatbuffer, description))
@@ -403,7 +416,8 @@ def export_run(
 def finalize(flatbuffer: bytes, description: dict) -> bytes:
   """`flatbuffer` without tensor names, with each distinct buffer stored once and with
   `description` attached (`metadata`), to which a file with variable tensors adds
-  `reset_variables` (`RESET_VARIABLES`).
+  `reset_variables` (`RESET_VARIABLES`), and with TFLite's standard metadata and its
+  labels file (`standard_metadata`).
 
   By hand rather than with `flatbuffer_utils.strip_strings`, which also deletes the
   signature definitions (the ensemble's `predict` and `personalize`).
@@ -426,4 +440,7 @@ def finalize(flatbuffer: bytes, description: dict) -> bytes:
   if variables:
     description = {**description, "reset_variables": RESET_VARIABLES}
   metadata.add(model, description)
-  return flatbuffer_utils.convert_object_to_bytearray(model)
+  standard_metadata.add(model, description)
+  return standard_metadata.with_associated_files(
+    bytes(flatbuffer_utils.convert_object_to_bytearray(model)), description
+  )

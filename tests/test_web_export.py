@@ -7,12 +7,18 @@ unpadded examples. The metadata's "not sure" threshold is recomputed from the dy
 own outputs.
 """
 
+import io
+import zipfile
+
+import flatbuffers
 import numpy as np
 import pytest
 
 from export import ExportError
 from export import convert
+from export import metadata
 from export import not_sure
+from export import standard_metadata
 from tests.exported_runs import needs_device_env
 from tests.exported_runs import run_in_device_env
 from tests.exported_runs import small_femnist_model
@@ -159,3 +165,85 @@ def test_personalize_weights_by_hand_with_a_mask():
   expected = [-(np.log(0.5) + np.log(0.9)) / 2, -(np.log(0.1) + np.log(0.3)) / 2]
   got = ensemble_math.member_losses(probs, labels, mask=np.array([1.0, 1.0, 0.0]))
   np.testing.assert_allclose(got, expected)
+
+
+def _table(buffer: bytes, position: int):
+  return flatbuffers.table.Table(bytearray(buffer), position)
+
+
+def _field(table, slot: int) -> int:
+  return table.Offset(4 + 2 * slot)
+
+
+def _string(table, slot: int) -> str | None:
+  offset = _field(table, slot)
+  return table.String(offset + table.Pos).decode() if offset else None
+
+
+def _child(table, slot: int):
+  return _table(table.Bytes, table.Indirect(_field(table, slot) + table.Pos))
+
+
+def _children(table, slot: int) -> list:
+  offset = _field(table, slot)
+  start = table.Vector(offset)
+  return [
+    _table(table.Bytes, table.Indirect(start + 4 * i)) for i in range(table.VectorLen(offset))
+  ]
+
+
+def _floats(table, slot: int) -> list[float]:
+  offset = _field(table, slot)
+  start = table.Vector(offset)
+  return [
+    flatbuffers.encode.Get(flatbuffers.packer.float32, table.Bytes, start + 4 * i)
+    for i in range(table.VectorLen(offset))
+  ]
+
+
+def _byte(table, slot: int) -> int:
+  return table.Get(flatbuffers.number_types.Uint8Flags, _field(table, slot) + table.Pos)
+
+
+@pytest.mark.parametrize("name", ["one_float_b4.tflite", "ens_int8_b1.tflite"])
+def test_files_carry_tflites_standard_metadata(name, web_run):  # noqa: F811
+  """Read back by slot with flatbuffers' table accessors (metadata_schema.fbs's field
+  order) and zipfile, not by the writer's code."""
+  with open(web_run.path(name), "rb") as f:
+    flatbuffer = f.read()
+  model = metadata.schema.Model.GetRootAs(flatbuffer, 0)
+  entries = {
+    model.Metadata(i).Name().decode(): model.Metadata(i) for i in range(model.MetadataLength())
+  }
+  buffer = model.Buffers(entries["TFLITE_METADATA"].Buffer()).DataAsNumpy().tobytes()
+  assert buffer[4:8] == b"M001"
+  root = _table(buffer, flatbuffers.encode.Get(flatbuffers.packer.uoffset, buffer, 0))
+  description = web_run.metadata(name)
+  assert _string(root, 0) == f"tff-ens femnist {description['format']}"
+  assert _string(root, 2).startswith("tff-ens ") and _string(root, 4) == convert.AUTHOR
+  assert _string(root, 5) == convert.UNSET_LICENSE and _string(root, 7) == "1.1.0"
+  (subgraph,) = _children(root, 3)
+  inputs = {_string(t, 0): t for t in _children(subgraph, 2)}
+  (image,) = [inputs[n] for n in ("image", "images", "x") if n in inputs]
+  assert _string(image, 1) == description["input"]["preprocessing"]
+  # ImageProperties, GRAYSCALE 28x28; (pixel - mean) / std maps 8-bit pixels to [0, 1].
+  content = _child(image, 3)
+  assert _byte(content, 0) == 2 and _byte(_child(content, 1), 0) == 2
+  (unit,) = _children(image, 4)
+  mean, std = _floats(_child(unit, 1), 0), _floats(_child(unit, 1), 1)
+  assert (np.array([0, 255]) - mean[0]) / std[0] == pytest.approx([0.0, 1.0])
+  assert _floats(_child(image, 5), 0) == [1.0] and _floats(_child(image, 5), 1) == [0.0]
+  outputs = {_string(t, 0): t for t in _children(subgraph, 3)}
+  # A single model's logits and predict's probabilities name their labels file; subgraph 0
+  # of an ensemble may be personalize's, whose output is alpha.
+  for output in ("logits", "probabilities"):
+    if output in outputs:
+      (labels,) = _children(outputs[output], 6)
+      assert _string(labels, 0) == "labels.txt" and _byte(labels, 2) == 2
+  assert set(outputs) in (
+    {"logits"},
+    {"alpha"},
+    set(standard_metadata.OUTPUTS) - {"logits", "alpha"},
+  )
+  with zipfile.ZipFile(io.BytesIO(flatbuffer)) as archive:
+    assert archive.read("labels.txt").decode().splitlines() == description["class_labels"]

@@ -20,10 +20,15 @@
 - ensemble: the K members of a Fed-ensemble run in one file (`ensemble_module`), float32 or
   with its members quantized (`--quantization=dynamic|int8`, `ensemble_module.QUANTIZATIONS`).
 
+`static_batch` (`--static_batch=N`, for LiteRT.js on the web) fixes every signature's batch
+to N (an ensemble's `personalize` takes a mask of the real examples), keeps an int8 file's
+input and output float32, unrolls LSTMs, and adds the `not_sure` threshold to the metadata.
+
 Every file carries its description (`metadata`): class labels, the input's dtype and
-preprocessing, the outputs. An LSTM's file keeps its state in variable tensors between
-invocations (TFLite's fused UNIDIRECTIONAL_SEQUENCE_LSTM): its metadata says to reset them
-before each one (`finalize`), as `on_device` does.
+preprocessing, the outputs; and TFLite's standard metadata (`standard_metadata`). An
+LSTM's file keeps its state in variable tensors between invocations (TFLite's fused
+UNIDIRECTIONAL_SEQUENCE_LSTM): its metadata says to reset them before each one
+(`finalize`), as `on_device` does.
 Tensor names are dropped (2.3 kB of a 330 kB ResNet-8): inputs and outputs are found by
 position or by signature, whose names stay. Buffers of equal bytes are stored once (the
 selective quantizer gives each signature its own copy of the members' weights).

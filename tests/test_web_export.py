@@ -24,7 +24,6 @@ from tests.exported_runs import run_in_device_env
 from tests.exported_runs import small_femnist_model
 from tests.exported_runs import write_run
 from tests.web_runs import FILES
-from tests.web_runs import web_run  # noqa: F401 (a fixture)
 from tff_ens.math import ensemble_math
 from tff_ens.math import metrics
 
@@ -66,7 +65,7 @@ print(json.dumps({"dynamic": dynamic.tolist(), "static": static.tolist(),
 
 @pytest.mark.timeout_seconds(900)
 @pytest.mark.parametrize("static, reference", STATIC_AND_REFERENCE)
-def test_static_file_gives_the_dynamic_files_outputs(static, reference, web_run):  # noqa: F811
+def test_static_file_gives_the_dynamic_files_outputs(static, reference, web_run):
   for split in ("test", "ood"):
     for key in ("probabilities", "entropy", "mutual_information", "member_probabilities"):
       if f"{reference}/{split}/{key}" not in web_run.device:
@@ -85,14 +84,14 @@ def test_static_file_gives_the_dynamic_files_outputs(static, reference, web_run)
     assert np.abs(web_run.device[f"{static}/alpha"] - 1 / 3).max() > 1e-3
 
 
-def test_fixed_size_personalize_masks_the_padding(web_run):  # noqa: F811
+def test_fixed_size_personalize_masks_the_padding(web_run):
   alpha = run_in_device_env(RAW_PERSONALIZE, web_run.directory)
   np.testing.assert_allclose(alpha["static"], alpha["dynamic"], atol=1e-6)
   # The padding's (wrong) labels would change alpha if the mask did not drop them.
   assert np.abs(np.subtract(alpha["unmasked"], alpha["dynamic"])).max() > 1e-3
 
 
-def test_static_files_declare_their_shapes(web_run):  # noqa: F811
+def test_static_files_declare_their_shapes(web_run):
   for name, (_, output_format, _, static_batch) in FILES.items():
     description = web_run.metadata(name)
     assert description["input"]["shape"] == [static_batch, 28, 28, 1]
@@ -108,7 +107,7 @@ def test_static_files_declare_their_shapes(web_run):  # noqa: F811
 def test_not_sure_threshold_is_the_quantile_of_the_files_test_scores(
   name,
   reference,
-  web_run,  # noqa: F811
+  web_run,
 ):
   rule = web_run.metadata(name)["not_sure"]
   # The summary's mutual information AUROC (0.74) beat the entropy's (0.71).
@@ -122,7 +121,7 @@ def test_not_sure_threshold_is_the_quantile_of_the_files_test_scores(
   assert rule["run_ood_auroc"] == 0.74
 
 
-def test_single_model_threshold_uses_entropy(web_run):  # noqa: F811
+def test_single_model_threshold_uses_entropy(web_run):
   rule = web_run.metadata("one_float_b4.tflite")["not_sure"]
   p = web_run.device["one_float.tflite/test/probabilities"]
   entropy = -np.sum(p * np.log(np.clip(p, 1e-12, 1)), axis=-1)
@@ -206,7 +205,7 @@ def _byte(table, slot: int) -> int:
 
 
 @pytest.mark.parametrize("name", ["one_float_b4.tflite", "ens_int8_b1.tflite"])
-def test_files_carry_tflites_standard_metadata(name, web_run):  # noqa: F811
+def test_files_carry_tflites_standard_metadata(name, web_run):
   """Read back by slot with flatbuffers' table accessors (metadata_schema.fbs's field
   order) and zipfile, not by the writer's code."""
   with open(web_run.path(name), "rb") as f:

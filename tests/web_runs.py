@@ -1,4 +1,5 @@
-"""One small, real FEMNIST digits run exported for the web, shared by the web tests.
+"""One small, real FEMNIST digits run exported for the web, shared by the web tests (made
+once per session by the `web_run` and `served` fixtures of tests/chromium.py).
 
 Three small CNNs trained briefly with Keras on the slice's digit writers (a run directory as
 `tff_ens.program.training` writes it, `exported_runs.write_run`), exported as the float and
@@ -10,20 +11,16 @@ inputs, the letters (out of distribution) and a few writers' personalization.
 
 import dataclasses
 import os
-import re
-import subprocess
-import sys
 
 import larq as lq
 import numpy as np
-import pytest
 import tensorflow as tf
+from tensorflow.lite.tools import flatbuffer_utils
 
 from export import convert
 from export import metadata
 from tasks import femnist
 from tests.exported_runs import DATA_DIR
-from tests.exported_runs import REPO_ROOT
 from tests.exported_runs import run_in_device_env
 from tests.exported_runs import small_femnist_model
 from tests.exported_runs import write_run
@@ -59,6 +56,7 @@ BAD_FILES = (
   "ens_float.tflite",
   "one_int8.tflite",
   "lce.tflite",
+  "lce_as_tflite.tflite",
   "not_tff_ens.tflite",
   "truncated.tflite",
   "random.tflite",
@@ -141,8 +139,14 @@ def _bad_files(directory, good_flatbuffer: bytes):
   run = write_run(
     directory / "binary_run", [binary], {"classes": "digits", "model": "resnet8_binary"}
   )
+  lce_file = convert.export_run(run, "lce")
   with open(os.path.join(directory, "lce.tflite"), "wb") as f:
-    f.write(convert.export_run(run, "lce"))
+    f.write(lce_file)
+  # The same file claiming the stock runtime: LiteRT.js itself must refuse its custom ops.
+  model = flatbuffer_utils.convert_bytearray_to_object(bytearray(lce_file))
+  metadata.add(model, {**metadata.read(lce_file), "runtime": metadata.RUNTIME_TFLITE})
+  with open(os.path.join(directory, "lce_as_tflite.tflite"), "wb") as f:
+    f.write(flatbuffer_utils.convert_object_to_bytearray(model))
   model = small_femnist_model(7, femnist.DIGITS)
   plain = tf.lite.TFLiteConverter.from_keras_model(model).convert()
   with open(os.path.join(directory, "not_tff_ens.tflite"), "wb") as f:
@@ -153,9 +157,8 @@ def _bad_files(directory, good_flatbuffer: bytes):
     f.write(np.random.default_rng(0).bytes(4096))
 
 
-@pytest.fixture(scope="session")
-def web_run(tmp_path_factory) -> WebRun:
-  directory = tmp_path_factory.mktemp("web_run")
+def make_web_run(directory) -> WebRun:
+  """The run, its files and the device environment's outputs, in `directory`."""
   data = femnist.DIGITS.load_data(DATA_DIR)
   x, y = data.train.concatenated()
   members = [_trained_member(seed, x, y) for seed in range(ENSEMBLE_SIZE)]
@@ -177,7 +180,7 @@ def web_run(tmp_path_factory) -> WebRun:
       {"ood_auroc_entropy": 0.7, "ood_auroc_mutual_information": None},
     ),
   }
-  options = convert.Options(representative_examples=200)
+  options = convert.Options(representative_examples=60)
   for name, (run, output_format, quantization, static_batch) in FILES.items():
     flatbuffer = convert.export_run(
       runs_[run],
@@ -203,49 +206,3 @@ def web_run(tmp_path_factory) -> WebRun:
   with np.load(directory / "device_outputs.npz") as outputs:
     device = dict(outputs)
   return WebRun(str(directory), str(directory / "ensemble_run"), test_x, ood_x, writers, device)
-
-
-class Served:
-  """`python -m export.web` in a subprocess: its URL and its terminal's first lines."""
-
-  def __init__(self, run_dir: str, paths: list[str], *flags: str):
-    self.process = subprocess.Popen(
-      [
-        sys.executable,
-        "-m",
-        "export.web",
-        f"--run_dir={run_dir}",
-        f"--tflite={','.join(paths)}",
-        "--port=0",
-        *flags,
-      ],
-      cwd=REPO_ROOT,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    self.lines = []
-    self.url = None
-    for line in self.process.stdout:
-      self.lines.append(line.rstrip("\n"))
-      if match := re.search(r"(http://\S+/)$", line.strip()):
-        self.url = match.group(1)
-      if line.startswith("only these URLs"):
-        break
-    if self.url is None:
-      self.close()
-      raise AssertionError("export.web did not start:\n" + "\n".join(self.lines))
-
-  def close(self):
-    self.process.terminate()
-    self.process.wait(timeout=30)
-    self.process.stdout.close()
-
-
-@pytest.fixture(scope="session")
-def served(web_run):
-  """The web run's files served by `python -m export.web` for the session."""
-  names = [*WEB_FILES, *BAD_FILES]
-  server = Served(web_run.run_dir, [web_run.path(n) for n in names])
-  yield server
-  server.close()

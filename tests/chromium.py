@@ -17,19 +17,31 @@ from export.web.drive import CHROMIUM
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LITERT_JS = os.path.join(REPO_ROOT, "export", "web", "node_modules", "@litertjs", "core")
-MISSING_PREFIX = "browser tests need"
+MISSING_PREFIX = "web tests need"
+
+
+CHROMIUM_MISSING = "Chromium (apt-get install -y chromium, as root)"
+LITERT_JS_MISSING = "LiteRT.js (npm ci --prefix export/web)"
 
 
 def missing() -> str | None:
   """What the browser tests lack, as the line to print, or None."""
-  if not os.path.exists(CHROMIUM):
-    return f"{MISSING_PREFIX} Chromium: apt-get install -y chromium (as root)"
-  if not os.path.isdir(LITERT_JS):
-    return f"{MISSING_PREFIX} LiteRT.js: npm ci --prefix export/web"
-  return None
+  lacking = [
+    what
+    for what, there in (
+      (CHROMIUM_MISSING, os.path.exists(CHROMIUM)),
+      (LITERT_JS_MISSING, os.path.isdir(LITERT_JS)),
+    )
+    if not there
+  ]
+  return f"{MISSING_PREFIX} {' and '.join(lacking)}" if lacking else None
 
 
 needs_browser = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+# The server's tests need LiteRT.js only (it serves its files).
+needs_litert_js = pytest.mark.skipif(
+  not os.path.isdir(LITERT_JS), reason=f"{MISSING_PREFIX} {LITERT_JS_MISSING}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +69,6 @@ def pytest_terminal_summary(terminalreporter):
     for r in terminalreporter.stats.get("skipped", [])
     if isinstance(r.longrepr, tuple) and MISSING_PREFIX in str(r.longrepr[2])
   ]
-  if skipped:
-    reason = str(skipped[0].longrepr[2]).removeprefix("Skipped: ")
+  if skipped:  # The longest reason names everything missing.
+    reason = max((str(r.longrepr[2]) for r in skipped), key=len).removeprefix("Skipped: ")
     terminalreporter.write_line(f"{len(skipped)} skipped: {reason}")

@@ -5,7 +5,6 @@ needed (tests/test_web.py drives the page itself).
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,16 +15,13 @@ import pytest
 
 from export import convert
 from export.web import files
-from export.web import server
 from export.web.drive import Served
+from tests.chromium import needs_litert_js
 from tests.exported_runs import REPO_ROOT
 from tests.exported_runs import small_femnist_model
 from tests.exported_runs import write_run
 
-pytestmark = pytest.mark.skipif(
-  not os.path.isdir(server.LITERT_DIR),
-  reason="LiteRT.js is not installed: npm ci --prefix export/web",
-)
+pytestmark = needs_litert_js
 
 
 @pytest.fixture(scope="module")

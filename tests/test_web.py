@@ -10,6 +10,7 @@ export/web/); nothing is installed here.
 """
 
 import base64
+import os
 
 import numpy as np
 import pytest
@@ -228,3 +229,65 @@ def test_a_file_the_browser_cannot_run_gets_one_line(name, open_page):
   # The rest of the page stays: its title and the run it serves.
   assert page.page.inner_text("h1").startswith("tff-ens")
   assert not [e for e in page.errors if e.startswith("page error")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout_seconds(1800)
+def test_shakespeare_page_gives_the_next_characters_distribution(chromium, tmp_path):
+  """A Fed-ensemble of two small trained LSTMs on the Tempest's PROSPERO, exported with
+  --static_batch=1 (unrolled: minutes), against LiteRT Python, and its text page."""
+  import tensorflow as tf
+
+  from export import convert
+  from export import on_device
+  from export.web.drive import Served
+  from tasks import plays
+  from tasks import shakespeare
+  from tests.exported_runs import REPO_ROOT
+  from tests.exported_runs import write_run
+
+  tempest = os.path.join(REPO_ROOT, "..", "shared", "data", "shakespeare", "tempest_gut.txt")
+  (tmp_path / "plays").mkdir()
+  (tmp_path / "plays" / "tempest_gut.txt").symlink_to(os.path.abspath(tempest))
+  prospero = plays.windows(plays.encode(plays.read_play(tempest).roles()["PROSPERO"]))
+  members = []
+  for seed in range(2):  # 30 Adam steps of 50 samples each.
+    tf.keras.utils.set_random_seed(seed)
+    members.append(shakespeare.lstm(seed, units=16))
+    members[-1].compile(
+      tf.keras.optimizers.Adam(0.01),
+      tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    members[-1].fit(
+      prospero[0][:1500].astype(np.int32), prospero[1][:1500], batch_size=50, verbose=0
+    )
+  run = write_run(
+    tmp_path / "run",
+    members,
+    {"task": "shakespeare", "model": "lstm", "data_dir": str(tmp_path / "plays")},
+    {"personalization_temperature": 0.5},
+  )
+  path = tmp_path / "run" / "web.tflite"
+  path.write_bytes(convert.export_run(run, "ensemble", static_batch=1))
+  ids = prospero[0][np.linspace(0, len(prospero[0]) - 1, 20).astype(int)].astype(np.int32)
+  expected = on_device.load(str(path)).predict(ids)["probabilities"]
+  served = Served(str(tmp_path / "run"), [str(path)])
+  page = Page(chromium, served.url, "web.tflite")
+  try:
+    assert page.ready["info"]["task"] == "shakespeare"
+    got = page.page.evaluate(
+      "(x) => window.tffEns.predict(x).then((o) => o.probabilities)", ids.tolist()
+    )
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    page.page.fill("#text", "What is your name, good si")
+    page.page.wait_for_function("document.querySelectorAll('#next5 li').length === 5")
+    context = plays.context_ids("What is your name, good si")
+    best = np.argsort(-on_device.load(str(path)).predict(context[None])["probabilities"][0])[:5]
+    labels = page.page.locator("#next5 li .label").all_inner_texts()
+    vocabulary = page.ready["info"]["input"]["vocabulary"]
+    shown = {"\u2423": " ", "\u23ce": "\n"}
+    assert [vocabulary.index(shown.get(c, c)) for c in labels] == best.tolist()
+    assert page.errors == []
+  finally:
+    page.close()
+    served.close()

@@ -421,8 +421,8 @@ def export_run(
 def finalize(flatbuffer: bytes, description: dict) -> bytes:
   """`flatbuffer` without tensor names, with each distinct buffer stored once and with
   `description` attached (`metadata`), to which a file with variable tensors adds
-  `reset_variables` (`RESET_VARIABLES`), and with TFLite's standard metadata and its
-  labels file (`standard_metadata`).
+  `reset_variables` (`RESET_VARIABLES`), and, for a whole description (`describe`'s), with
+  TFLite's standard metadata and its labels file (`standard_metadata`).
 
   By hand rather than with `flatbuffer_utils.strip_strings`, which also deletes the
   signature definitions (the ensemble's `predict` and `personalize`).
@@ -445,6 +445,8 @@ def finalize(flatbuffer: bytes, description: dict) -> bytes:
   if variables:
     description = {**description, "reset_variables": RESET_VARIABLES}
   metadata.add(model, description)
+  if not standard_metadata.applies(description):
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model))
   standard_metadata.add(model, description)
   return standard_metadata.with_associated_files(
     bytes(flatbuffer_utils.convert_object_to_bytearray(model)), description

@@ -45,6 +45,15 @@ OUTPUTS = {
 }
 
 
+# The tff-ens description's keys the standard metadata is made of (`export.convert.describe`).
+DESCRIPTION_KEYS = ("author", "class_labels", "format", "input", "license", "task", "version")
+
+
+def applies(description: dict) -> bool:
+  """Whether `description` is a whole one, as `export.convert.describe` makes it."""
+  return all(key in description for key in DESCRIPTION_KEYS)
+
+
 def tff_ens_version() -> str:
   try:
     return importlib.metadata.version("tff-ens")

@@ -2,7 +2,8 @@ r"""Command line: export a trained run to a TFLite file.
 
   python -m export --run_dir=RUN \
       --format=float|dynamic|int8|qat|lce|binary|trainable|ensemble \
-      [--quantization=float|dynamic|int8] [--client=WRITER] --output=FILE.tflite
+      [--quantization=float|dynamic|int8] [--client=WRITER] [--static_batch=N] \
+      --output=FILE.tflite
 
 RUN is a `python -m tff_ens.main` output directory; `ensemble` needs a Fed-ensemble run
 (`--quantization` quantizes its members), `lce` and `binary` a run of a binarized model,
@@ -11,7 +12,8 @@ RUN is a `python -m tff_ens.main` output directory; `ensemble` needs a Fed-ensem
 a client's own model (Ditto's personal model, LG-FedAvg's local layers under the global ones)
 instead of the global one.
 `int8`, `qat` and the int8 ensemble read the run's training clients (`--data_dir`, default
-the run's). See `export.convert`.
+the run's), `--static_batch` (a file for the web, `export.web`) its test clients. See
+`export.convert`.
 """
 
 import logging as std_logging
@@ -80,6 +82,19 @@ def define_flags():
   flags.DEFINE_float(
     "qat_learning_rate", convert.Options.qat_learning_rate, "qat: learning rate of the fine-tuning."
   )
+  flags.DEFINE_integer(
+    "static_batch",
+    None,
+    "Every signature takes exactly this many inputs (personalize: up to it, with a mask), "
+    "for runtimes that run only declared shapes: LiteRT.js, the web page of `python -m "
+    "export.web`. int8 keeps float32 input and output, LSTMs are unrolled, and the metadata "
+    "gets the run's 'not sure' threshold (reads the run's test data).",
+  )
+  flags.DEFINE_string(
+    "license",
+    convert.UNSET_LICENSE,
+    "The terms of the exported weights, written into the file's standard TFLite metadata.",
+  )
   flags.DEFINE_integer("seed", 0, "Seeds the draws of training examples.")
 
 
@@ -106,6 +121,8 @@ def main(argv):
       FLAGS.data_dir,
       options,
       FLAGS.quantization,
+      FLAGS.static_batch,
+      FLAGS.license,
     )
     try:
       with open(FLAGS.output, "wb") as f:
@@ -118,7 +135,10 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)
     return 2
   quantized = f" --quantization={FLAGS.quantization}" if FLAGS.format == "ensemble" else ""
-  print(f"wrote {FLAGS.output} ({len(flatbuffer):,} bytes, --format={FLAGS.format}{quantized})")
+  static = f" --static_batch={FLAGS.static_batch}" if FLAGS.static_batch else ""
+  print(
+    f"wrote {FLAGS.output} ({len(flatbuffer):,} bytes, --format={FLAGS.format}{quantized}{static})"
+  )
   return 0
 
 

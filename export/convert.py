@@ -20,10 +20,15 @@
 - ensemble: the K members of a Fed-ensemble run in one file (`ensemble_module`), float32 or
   with its members quantized (`--quantization=dynamic|int8`, `ensemble_module.QUANTIZATIONS`).
 
+`static_batch` (`--static_batch=N`, for LiteRT.js on the web) fixes every signature's batch
+to N (an ensemble's `personalize` takes a mask of the real examples), keeps an int8 file's
+input and output float32, unrolls LSTMs, and adds the `not_sure` threshold to the metadata.
+
 Every file carries its description (`metadata`): class labels, the input's dtype and
-preprocessing, the outputs. An LSTM's file keeps its state in variable tensors between
-invocations (TFLite's fused UNIDIRECTIONAL_SEQUENCE_LSTM): its metadata says to reset them
-before each one (`finalize`), as `on_device` does.
+preprocessing, the outputs; and TFLite's standard metadata (`standard_metadata`). An
+LSTM's file keeps its state in variable tensors between invocations (TFLite's fused
+UNIDIRECTIONAL_SEQUENCE_LSTM): its metadata says to reset them before each one
+(`finalize`), as `on_device` does.
 Tensor names are dropped (2.3 kB of a 330 kB ResNet-8): inputs and outputs are found by
 position or by signature, whose names stay. Buffers of equal bytes are stored once (the
 selective quantizer gives each signature its own copy of the members' weights).
@@ -41,7 +46,10 @@ import tensorflow_model_optimization as tfmot
 from export import ExportError
 from export import ensemble_module
 from export import metadata
+from export import not_sure
+from export import on_device
 from export import runs
+from export import standard_metadata
 from export import trainable
 
 FORMATS = ("float", "dynamic", "int8", "qat", "lce", "binary", "trainable", "ensemble")
@@ -49,6 +57,14 @@ QUANTIZATIONS = ensemble_module.QUANTIZATIONS
 # Formats built for image models (float inputs): tfmot's QAT, larq's binarized
 # convolutions and `trainable`'s layers and gradients (no LSTM among them).
 IMAGE_FORMATS = ("qat", "lce", "binary", "trainable")
+AUTHOR = "tff-ens (python -m export)"
+UNSET_LICENSE = "not set (python -m export --license=...)"
+# The formats --static_batch (a fixed batch, for LiteRT.js) does not make, and why.
+STATIC_REFUSED = {
+  "lce": "lce files run only in LCE's interpreter, which LiteRT.js is not: use --format=binary",
+  "trainable": "the trainable file's signatures take any batch (a phone's local epochs); "
+  "export --format=float or --format=ensemble for the web",
+}
 # What `finalize` adds to the metadata of a file with variable tensors (an LSTM's state).
 RESET_VARIABLES = (
   "the file keeps state in variable tensors (the LSTM's) from one invocation to the next: "
@@ -90,8 +106,11 @@ class Options:
   seed: int = 0
 
 
-def check_format(run: runs.Run, output_format: str, quantization: str = "float"):
-  """ExportError unless `run` can be exported as `output_format` with `quantization`."""
+def check_format(
+  run: runs.Run, output_format: str, quantization: str = "float", static_batch: int | None = None
+):
+  """ExportError unless `run` can be exported as `output_format` with `quantization` (and
+  `static_batch`)."""
   if output_format not in FORMATS:
     raise ExportError(f"unknown --format={output_format}: choose one of {', '.join(FORMATS)}")
   if quantization not in QUANTIZATIONS:
@@ -118,6 +137,11 @@ def check_format(run: runs.Run, output_format: str, quantization: str = "float")
     raise ExportError(
       f"{run.run_dir} holds an ensemble of {len(run.model_paths)} models: use --format=ensemble"
     )
+  if static_batch is not None:
+    if not (isinstance(static_batch, int) and static_batch >= 1):
+      raise ExportError(f"--static_batch must be a positive number of examples, got {static_batch}")
+    if output_format in STATIC_REFUSED:
+      raise ExportError(f"--static_batch: {STATIC_REFUSED[output_format]}")
   if output_format in ("lce", "binary") and not run.is_binary:
     raise ExportError(
       f"--format={output_format} needs a run of a binarized model (--model="
@@ -132,10 +156,18 @@ def _takes_ids(task) -> bool:
 
 
 def describe(
-  run: runs.Run, output_format: str, *, quantized_io: bool = False, quantization: str = "float"
+  run: runs.Run,
+  output_format: str,
+  *,
+  quantized_io: bool = False,
+  quantization: str = "float",
+  static_batch: int | None = None,
+  license: str = UNSET_LICENSE,
 ) -> dict:
   """The metadata of `run` exported as `output_format` (see `metadata`). `quantized_io`:
-  int8 output, and int8 input if the task's is float (ids stay the task's INPUT_DTYPE)."""
+  int8 output, and int8 input if the task's is float (ids stay the task's INPUT_DTYPE).
+  `static_batch`: every signature takes exactly that many inputs (`n` below). `license`:
+  the weights' terms, for the standard metadata (`standard_metadata`)."""
   task = run.task
   preprocessing = task.INPUT_DESCRIPTION["preprocessing"]
   quantized_input = quantized_io and not _takes_ids(task)
@@ -146,6 +178,12 @@ def describe(
       "parameters"
     )
   description = {
+    "author": AUTHOR,
+    "license": license,
+    "version": f"tff-ens {standard_metadata.tff_ens_version()}; "
+    + ", ".join(
+      f"{key} {run.config[key]}" for key in ("algorithm", "rounds", "seed") if key in run.config
+    ),
     "format": output_format,
     "runtime": (metadata.RUNTIME_LCE if output_format == "lce" else metadata.RUNTIME_TFLITE),
     "task": run.config.get("task", "femnist"),
@@ -153,12 +191,14 @@ def describe(
     "algorithm": run.config.get("algorithm"),
     "class_labels": list(task.CLASS_LABELS),
     "input": {
-      "shape": [None, *task.INPUT_SHAPE],
+      "shape": [static_batch, *task.INPUT_SHAPE],
       "dtype": input_dtype,
       **task.INPUT_DESCRIPTION,
       "preprocessing": preprocessing,
     },
   }
+  if static_batch:
+    description["static_batch"] = static_batch
   shape = f"[n, {', '.join(map(str, task.INPUT_SHAPE))}] {input_dtype}"
   one, many = ensemble_module.input_names(task.INPUT_DTYPE)
   if output_format == "ensemble":
@@ -173,9 +213,13 @@ def describe(
         "classes], member_probabilities [n, K, classes], entropy [n], "
         "mutual_information [n] (nats)",
         "personalize": f"{many} {shape}, labels [n] int32 (n >= 1, the "
-        "phone's own labeled examples), temperature [] float32 > 0 -> "
-        "alpha [K] = softmax(-mean cross-entropy of each member / "
-        "temperature)",
+        "phone's own labeled examples), temperature [] float32 > 0"
+        + (
+          f", mask [n] float32 (1: an example, 0: padding of fewer than n={static_batch})"
+          if static_batch
+          else ""
+        )
+        + " -> alpha [K] = softmax(-mean cross-entropy of each member / temperature)",
       },
     )
   elif output_format == "trainable":
@@ -219,12 +263,12 @@ def calibration_data(
   return CalibrationData(np.asarray(x[chosen], task.INPUT_DTYPE), y[chosen])
 
 
-def _representative_dataset(data: CalibrationData):
-  """TFLite's representative dataset: one single-input batch at a time."""
+def _representative_dataset(data: CalibrationData, batch: int = 1):
+  """TFLite's representative dataset: one single-input batch of `batch` inputs at a time."""
 
   def generate():
-    for example in data.x:
-      yield [example[None]]
+    for start in range(0, len(data.x) - batch + 1, batch):
+      yield [data.x[start : start + batch]]
 
   return generate
 
@@ -263,32 +307,39 @@ def convert_model(
   output_format: str,
   data: CalibrationData | None = None,
   options: Options = Options(),
+  static_batch: int | None = None,
 ) -> bytes:
   """A single Keras model as a TFLite flatbuffer in `output_format` (without metadata).
 
   `data` (training clients' examples) is needed by int8 and qat. The input keeps the
-  model's dtype; int8 quantizes a float input, never integer ids.
+  model's dtype; int8 quantizes a float input, never integer ids. With `static_batch` the
+  graph takes that many inputs, its LSTMs unrolled (no state kept between calls), and int8
+  keeps float32 input and output (LiteRT.js has no int8 tensors).
   """
   if output_format == "lce":
     return lce.convert_keras_model(model)
   if output_format == "qat":
     model = fine_tune_quantization_aware(model, data, options)
+  if static_batch:
+    model = ensemble_module.unrolled(model)
   # One input per call, as LCE's converter does: group normalization's reshapes do not run
   # in TFLite with an unknown batch size, nor does the fused LSTM (its state has the batch's
   # size).
   input_dtype = model.inputs[0].dtype
-  single_input = tf.function(lambda x: model(x, training=False)).get_concrete_function(
-    tf.TensorSpec([1, *model.input_shape[1:]], input_dtype)
+  batch = static_batch or 1
+  fixed_input = tf.function(lambda x: model(x, training=False)).get_concrete_function(
+    tf.TensorSpec([batch, *model.input_shape[1:]], input_dtype)
   )
-  converter = tf.lite.TFLiteConverter.from_concrete_functions([single_input], model)
+  converter = tf.lite.TFLiteConverter.from_concrete_functions([fixed_input], model)
   if output_format in ("dynamic", "int8", "qat"):
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
   if output_format == "int8":
-    converter.representative_dataset = _representative_dataset(data)
+    converter.representative_dataset = _representative_dataset(data, batch)
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    if input_dtype.is_floating:
-      converter.inference_input_type = tf.int8
-    converter.inference_output_type = tf.int8
+    if not static_batch:
+      if input_dtype.is_floating:
+        converter.inference_input_type = tf.int8
+      converter.inference_output_type = tf.int8
   return converter.convert()
 
 
@@ -298,14 +349,17 @@ def export_run(
   data_dir: str | None = None,
   options: Options = Options(),
   quantization: str = "float",
+  static_batch: int | None = None,
+  license: str = UNSET_LICENSE,
 ) -> bytes:
   """`run` as a TFLite flatbuffer in `output_format`, with its metadata attached.
 
-  `data_dir` (default: the run's) is read for int8, qat and the int8 ensemble only, split as
-  the run's (`runs.Run.data_options`). Raises ExportError if the format or `quantization`
-  does not fit the run.
+  `data_dir` (default: the run's) is read for int8, qat and the int8 ensemble, split as the
+  run's (`runs.Run.data_options`), and for a `static_batch` file, whose metadata gets the
+  `not_sure` threshold (`not_sure`) from its outputs on the run's test inputs. Raises
+  ExportError if the format, `quantization` or `static_batch` does not fit the run.
   """
-  check_format(run, output_format, quantization)
+  check_format(run, output_format, quantization, static_batch)
   models = run.load_models()
   if output_format == "ensemble":
     ensemble_module.check_quantization(models, quantization)
@@ -340,19 +394,35 @@ def export_run(
       run.task.INPUT_DTYPE,
       *((data.x, data.y) if data else ()),
       seed=options.seed,
+      static_batch=static_batch,
     )
   else:
-    flatbuffer = convert_model(models[0], output_format, data, options)
-  return finalize(
-    flatbuffer,
-    describe(run, output_format, quantization=quantization, quantized_io=output_format == "int8"),
+    flatbuffer = convert_model(models[0], output_format, data, options, static_batch)
+  description = describe(
+    run,
+    output_format,
+    quantization=quantization,
+    quantized_io=output_format == "int8" and not static_batch,
+    static_batch=static_batch,
+    license=license,
   )
+  if static_batch:
+    exported = on_device.load_bytes(finalize(flatbuffer, description))
+    description["not_sure"] = not_sure.threshold(
+      exported,
+      run.task.load_data(data_dir or run.config.get("data_dir"), **run.data_options(run.task)),
+      run.summary,
+      run.task.INPUT_DTYPE,
+      options.seed,
+    )
+  return finalize(flatbuffer, description)
 
 
 def finalize(flatbuffer: bytes, description: dict) -> bytes:
   """`flatbuffer` without tensor names, with each distinct buffer stored once and with
   `description` attached (`metadata`), to which a file with variable tensors adds
-  `reset_variables` (`RESET_VARIABLES`).
+  `reset_variables` (`RESET_VARIABLES`), and, for a whole description (`describe`'s), with
+  TFLite's standard metadata and its labels file (`standard_metadata`).
 
   By hand rather than with `flatbuffer_utils.strip_strings`, which also deletes the
   signature definitions (the ensemble's `predict` and `personalize`).
@@ -375,4 +445,9 @@ def finalize(flatbuffer: bytes, description: dict) -> bytes:
   if variables:
     description = {**description, "reset_variables": RESET_VARIABLES}
   metadata.add(model, description)
-  return flatbuffer_utils.convert_object_to_bytearray(model)
+  if not standard_metadata.applies(description):
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model))
+  standard_metadata.add(model, description)
+  return standard_metadata.with_associated_files(
+    bytes(flatbuffer_utils.convert_object_to_bytearray(model)), description
+  )

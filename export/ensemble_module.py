@@ -11,6 +11,10 @@ models in one file and
   (Sec. IV-C, eq. 3-4; `tff_ens.math.ensemble_math.personalization_weights`). alpha = 1/K is the
   uniform ensemble.
 
+With `static_batch` both signatures take exactly that many inputs (LiteRT.js, the web's
+runtime, runs only declared shapes), and `personalize` also takes a `mask` [static_batch]
+that leaves padding out of the members' mean losses (`ensemble_math.member_losses`).
+
 A task whose inputs are integer ids (Shakespeare's characters) names them `ids` in both
 signatures (`input_names`). Its LSTM members are converted unrolled (Keras' `unroll=True`,
 the same weights): the fused LSTM of a single model (`export.convert`) converts for a fixed
@@ -34,6 +38,7 @@ The math is `tff_ens.math.ensemble_math`'s, the formulas the NumPy evaluation co
 """
 
 import collections
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -56,10 +61,16 @@ class EnsembleModule(tf.Module):
   `personalize`, whose alpha length is fixed to K.
   """
 
-  def __init__(self, members: list[tf.keras.Model], input_shape: tuple[int, ...], input_dtype):
+  def __init__(
+    self,
+    members: list[tf.keras.Model],
+    input_shape: tuple[int, ...],
+    input_dtype,
+    static_batch: int | None = None,
+  ):
     super().__init__(name="ensemble")
-    self.members = [_unrolled(m) for m in members]
-    image = tf.TensorSpec([None, *input_shape], input_dtype)
+    self.members = [unrolled(m) for m in members]
+    image = tf.TensorSpec([static_batch, *input_shape], input_dtype)
     one, many = input_names(input_dtype)
 
     def predict(image, alpha):
@@ -74,8 +85,8 @@ class EnsembleModule(tf.Module):
         "mutual_information": mutual_information,
       }
 
-    def personalize(images, labels, temperature):
-      losses = ensemble_math.member_losses(self.member_probabilities(images), labels, tnp)
+    def personalize(images, labels, temperature, mask=None):
+      losses = ensemble_math.member_losses(self.member_probabilities(images), labels, tnp, mask)
       return {"alpha": ensemble_math.personalization_weights(losses, temperature, tnp)}
 
     self.predict = tf.function(
@@ -85,12 +96,14 @@ class EnsembleModule(tf.Module):
         tf.TensorSpec([len(members)], tf.float32, name="alpha"),
       ],
     )
+    # A fixed batch pads the examples to `static_batch`: the mask says which are real.
     self.personalize = tf.function(
       personalize,
       input_signature=[
         tf.TensorSpec.from_spec(image, name=many),
-        tf.TensorSpec([None], tf.int32, name="labels"),
+        tf.TensorSpec([static_batch], tf.int32, name="labels"),
         tf.TensorSpec([], tf.float32, name="temperature"),
+        *([tf.TensorSpec([static_batch], tf.float32, name="mask")] if static_batch else []),
       ],
     )
 
@@ -104,7 +117,7 @@ def input_names(input_dtype) -> tuple[str, str]:
   return ("ids", "ids") if np.issubdtype(input_dtype, np.integer) else ("image", "images")
 
 
-def _unrolled(model: tf.keras.Model) -> tf.keras.Model:
+def unrolled(model: tf.keras.Model) -> tf.keras.Model:
   """`model` with its LSTM layers unrolled (`unroll=True`) and the same weights; `model`
   itself if it has none."""
   if not _has_lstm(model):
@@ -116,9 +129,9 @@ def _unrolled(model: tf.keras.Model) -> tf.keras.Model:
       config["unroll"] = True
     return type(layer).from_config(config)
 
-  unrolled = tf.keras.models.clone_model(model, clone_function=clone)
-  unrolled.set_weights(model.get_weights())
-  return unrolled
+  copy = tf.keras.models.clone_model(model, clone_function=clone)
+  copy.set_weights(model.get_weights())
+  return copy
 
 
 def _has_lstm(model: tf.keras.Model) -> bool:
@@ -141,11 +154,17 @@ def operator_types(flatbuffer: bytes) -> set[str]:
 
 
 def _calibration_inputs(
-  inputs: np.ndarray, labels: np.ndarray, ensemble_size: int, seed: int, batch_size: int = 10
+  inputs: np.ndarray,
+  labels: np.ndarray,
+  ensemble_size: int,
+  seed: int,
+  batch_size: int = 10,
+  masked: bool = False,
 ):
   """TFLite's representative dataset for both signatures: full batches of `inputs` with
-  alpha drawn from Dir(1) for `predict`, their `labels` for `personalize` (TFLite's
-  calibrator resizes the inputs but not the labels to a last, smaller batch)."""
+  alpha drawn from Dir(1) for `predict`, their `labels` (and, `masked`, a mask of ones) for
+  `personalize` (TFLite's calibrator resizes the inputs but not the labels to a last,
+  smaller batch)."""
   one, many = input_names(inputs.dtype)
 
   def generate():
@@ -154,12 +173,14 @@ def _calibration_inputs(
       batch = slice(start, start + batch_size)
       alpha = rng.dirichlet(np.ones(ensemble_size)).astype(np.float32)
       yield "predict", {one: inputs[batch], "alpha": alpha}
+      mask = {"mask": np.ones(batch_size, np.float32)} if masked else {}
       yield (
         "personalize",
         {
           many: inputs[batch],
           "labels": labels[batch].astype(np.int32),
           "temperature": np.float32(1.0),
+          **mask,
         },
       )
 
@@ -184,15 +205,20 @@ def convert_ensemble(
   inputs: np.ndarray | None = None,
   labels: np.ndarray | None = None,
   seed: int = 0,
+  static_batch: int | None = None,
 ) -> bytes:
   """One TFLite flatbuffer with the `predict` and `personalize` signatures for inputs of
-  `input_dtype` [n, *input_shape].
+  `input_dtype` [n, *input_shape], n any or exactly `static_batch` (then `personalize`
+  takes a `mask` [static_batch] of the real examples).
 
   `quantization` is one of `QUANTIZATIONS` (module docstring); int8 calibrates on labeled
   `inputs` (of `input_dtype`) and `labels` [n].
   """
   check_quantization(members, quantization)
-  converter = _converter(EnsembleModule(members, input_shape, input_dtype))
+  module = functools.partial(
+    EnsembleModule, input_shape=input_shape, input_dtype=input_dtype, static_batch=static_batch
+  )
+  converter = _converter(module(members))
   if quantization == "float":
     return converter.convert()
   converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -202,10 +228,16 @@ def convert_ensemble(
   # stack and sum away) that a member alone does not use, and RESHAPE, which the math
   # shares with the members' flatten: alpha[:, None] quantized would not sum to one.
   math_ops = {"RESHAPE"} | (
-    operator_types(_converter(EnsembleModule(members[:2], input_shape, input_dtype)).convert())
-    - operator_types(tf.lite.TFLiteConverter.from_keras_model(_unrolled(members[0])).convert())
+    operator_types(_converter(module(members[:2])).convert())
+    - operator_types(tf.lite.TFLiteConverter.from_keras_model(unrolled(members[0])).convert())
   )
-  converter.representative_dataset = _calibration_inputs(inputs, labels, len(members), seed)
+  converter.representative_dataset = _calibration_inputs(
+    inputs,
+    labels,
+    len(members),
+    seed,
+    **({"batch_size": static_batch, "masked": True} if static_batch else {}),
+  )
   debugger = tf.lite.experimental.QuantizationDebugger(
     converter=converter,
     debug_dataset=converter.representative_dataset,

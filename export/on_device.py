@@ -139,6 +139,12 @@ class _Exported:
     return inputs
 
 
+def padded(examples: np.ndarray, size: int) -> np.ndarray:
+  """`examples` [m <= size, ...] and copies of its first one, [size, ...]: a fixed-batch
+  signature's input, whose outputs past m are dropped (or masked)."""
+  return np.concatenate([examples, np.repeat(examples[:1], size - len(examples), axis=0)])
+
+
 def _chunks(size: int, chunk_size) -> list[slice]:
   """Consecutive slices of at most `chunk_size` of `size` examples."""
   if not (isinstance(chunk_size, (int, np.integer)) and chunk_size >= 1):
@@ -175,21 +181,25 @@ class Classifier(_Exported):
   def logits(self, inputs: np.ndarray) -> np.ndarray:
     """float32 [n, classes] logits of inputs [n, *input_shape] (`check_inputs`).
 
-    One input per call, as an app classifies: the converted graphs have batch size 1, and
-    some (group normalization's reshapes, the fused LSTM) cannot be resized to another.
+    As many inputs per call as the graph's fixed batch (1 unless exported with
+    --static_batch; the last call padded), as an app classifies: some graphs (group
+    normalization's reshapes, the fused LSTM) cannot be resized to another batch.
     """
     inputs = self.check_inputs(inputs, "image" if self.input_dtype is None else "ids")
     if self._lce is not None:
       return np.asarray(self._lce.predict(inputs), np.float32)
     if self._infer is not None:
       return self._infer(x=inputs)["logits"]
+    batch = self._input["shape"][0]
     outputs = []
-    for example in inputs:
+    for chunk in _chunks(len(inputs), batch):
       if self._reset_variables:
         self._interpreter.reset_all_variables()
-      self._interpreter.set_tensor(self._input["index"], _quantize(example[None], self._input))
+      examples = padded(inputs[chunk], batch)
+      self._interpreter.set_tensor(self._input["index"], _quantize(examples, self._input))
       self._interpreter.invoke()
-      outputs.append(_dequantize(self._interpreter.get_tensor(self._output["index"]), self._output))
+      logits = self._interpreter.get_tensor(self._output["index"])[: len(inputs[chunk])]
+      outputs.append(_dequantize(logits, self._output))
     return np.concatenate(outputs)
 
   def predict_classes(self, inputs: np.ndarray) -> np.ndarray:
@@ -215,7 +225,10 @@ class Ensemble(_Exported):
     (self._personalize_input,) = set(signatures["personalize"]["inputs"]) - {
       "labels",
       "temperature",
+      "mask",
     }
+    # A fixed-batch file (--static_batch) takes exactly this many examples per call.
+    self.static_batch = description.get("static_batch")
     self.runtime = f"{RUNTIME} (Interpreter, signature runners)"
 
   def uniform_alpha(self) -> np.ndarray:
@@ -230,10 +243,13 @@ class Ensemble(_Exported):
     its own, so the chunks' concatenation is the one-call result to float32 rounding)."""
     image = self.check_inputs(image, self._predict_input)
     alpha = self.uniform_alpha() if alpha is None else self._check_alpha(alpha)
-    outputs = [
-      self._predict(**{self._predict_input: image[chunk], "alpha": alpha})
-      for chunk in _chunks(len(image), chunk_size)
-    ]
+    outputs = []
+    for chunk in _chunks(len(image), self.static_batch or chunk_size):
+      examples = image[chunk]
+      if self.static_batch:
+        examples = padded(examples, self.static_batch)
+      output = self._predict(**{self._predict_input: examples, "alpha": alpha})
+      outputs.append({key: value[: len(image[chunk])] for key, value in output.items()})
     return {key: np.concatenate([o[key] for o in outputs]) for key in outputs[0]}
 
   def personalize(
@@ -277,12 +293,13 @@ class Ensemble(_Exported):
       raise ExportError(f"temperature must be > 0 (inf: uniform), got {temperature}")
     labels = labels.astype(np.int32)
     mean_log_alpha = np.zeros(self.ensemble_size)
-    for chunk in _chunks(len(images), chunk_size):
-      alpha = self._personalize(
-        **{self._personalize_input: images[chunk]},
-        labels=labels[chunk],
-        temperature=np.float32(1.0),
-      )["alpha"]
+    for chunk in _chunks(len(images), self.static_batch or chunk_size):
+      inputs = {self._personalize_input: images[chunk], "labels": labels[chunk]}
+      if self.static_batch:  # Padded, with a mask of the chunk's examples.
+        mask = np.arange(self.static_batch) < len(labels[chunk])
+        inputs = {name: padded(x, self.static_batch) for name, x in inputs.items()}
+        inputs["mask"] = mask.astype(np.float32)
+      alpha = self._personalize(**inputs, temperature=np.float32(1.0))["alpha"]
       mean_log_alpha += len(labels[chunk]) / len(labels) * np.log(alpha.astype(np.float64))
     return personalization.personalization_weights(-mean_log_alpha, temperature).astype(np.float32)
 

@@ -24,7 +24,7 @@ import pytest
 
 from tff_ens.execution import runtime
 
-pytest_plugins = ["tests.watchdog"]
+pytest_plugins = ["tests.watchdog", "tests.chromium"]
 
 
 class _SharedContext:

@@ -42,11 +42,15 @@ def mixture_uncertainty(member_probs, alpha, xp=np):
   return probabilities, predictive_entropy, predictive_entropy - expected_entropy
 
 
-def member_losses(member_probs, labels, xp=np):
+def member_losses(member_probs, labels, xp=np, mask=None):
   """loss_k, member k's mean cross-entropy on labeled examples: [K, n, classes], [n] -> [K]
-  (Shi et al., Fed-ensemble, Sec. IV-C)."""
+  (Shi et al., Fed-ensemble, Sec. IV-C). `mask` [n] (1: an example, 0: padding of a
+  fixed-size batch) averages over the examples it keeps; all zeros gives loss 0."""
   true_class = xp.take_along_axis(member_probs, labels[None, :, None], axis=-1)[..., 0]
-  return -xp.mean(log_probabilities(true_class, xp), axis=-1)
+  cross_entropy = -log_probabilities(true_class, xp)
+  if mask is None:
+    return xp.mean(cross_entropy, axis=-1)
+  return xp.sum(mask * cross_entropy, axis=-1) / xp.maximum(xp.sum(mask), 1.0)
 
 
 def personalization_weights(losses, temperature, xp=np):

@@ -221,7 +221,10 @@ def test_algorithm_reports_one_model_download_of_the_largest_prototype():
   down, up = fedavg.bytes_per_client_round()
   assert algorithm.bytes_per_client_round() == (down + 4, up + 4)
   state = algorithm.process.initialize()
-  assert [name for name, _, _ in algorithm.prototypes_fn(state)] == list(NAMES)
+  # One model per prototype in the state, each of its prototype's shapes.
+  for model_fn, weights in zip(MODEL_FNS, state["model"], strict=True):
+    shapes = [w.shape for w in model_fn().trainable_weights]
+    assert [np.shape(w) for w in weights.trainable] == shapes
 
 
 def test_rejects_one_prototype_and_other_methods():

@@ -21,6 +21,7 @@ from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import read_metrics
 from tff_ens import run_files
+from tff_ens import settings
 from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.program import client_states
 from tff_ens.program import experiment
@@ -298,7 +299,7 @@ def test_bad_flags_raise_one_line_errors(change, message, tmp_path):
 def test_a_config_saved_before_the_defaults_changed_keeps_what_its_run_did():
   # Written before --member_average and the pooled FEMNIST split existed.
   old = dataclasses.asdict(experiment.ExperimentConfig(algorithm="fedensemble"))
-  for name in ("member_average", "drop_worst_rule", "student_minibatch"):
+  for name in settings.flags_with_before(experiment.ALL_GROUPS):
     del old[name]
   old.update(partition="iid", server_unlabeled_examples=10_000, server_validation_examples=1_000)
   saved = experiment.saved_config(old)

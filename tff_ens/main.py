@@ -94,14 +94,16 @@ def _binary_recipe(values: dict) -> dict:
   if values["model"] not in task.BINARY_MODEL_NAMES:
     return {}
   spec = algorithms.REGISTRY[values["algorithm"]]
-  recipe = {**resnet.BINARY_RECIPE, **spec.binary_recipe}
+  recipe = {**resnet.BINARY_RECIPE, **spec.binary_recipe(values)}
   if values["client_runtime"] != "tff":  # The device file trains with SGD.
     del recipe["client_optimizer"], recipe["client_lr"]
   # A distillation step measures each teacher's statistics (FedDF's on the Dirichlet split:
-  # benchmarks/RESULTS.md); prototypes have no one model's statistics to measure.
-  if not spec.recalibrates or values["norm"] != "batch" or values.get("prototypes"):
-    del recipe["recalibrate_batch_norm"]
-  recipe = {name: value for name, value in recipe.items() if not FLAGS[name].present}
+  # benchmarks/RESULTS.md).
+  if not spec.recalibrates or values["norm"] != "batch":
+    recipe["recalibrate_batch_norm"] = None
+  recipe = {
+    name: value for name, value in recipe.items() if value is not None and not FLAGS[name].present
+  }
   if recipe:
     logging.warning(
       "--model=%s trains with its recipe (docs/algorithms.md): %s; a flag you pass overrides it",

@@ -27,6 +27,7 @@ import tensorflow_federated as tff
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
 from tff_ens.algorithms import fedavg
+from tff_ens.algorithms import own_models
 from tff_ens.settings import setting
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
@@ -68,6 +69,14 @@ def train_personal(
   """Ditto's personal update (Algorithm 1, line 8): local SGD from `personal` on the client's
   loss plus the proximal term `config.proximal_mu`/2 ||v - w^t||^2 towards `global_weights`;
   returns `(new personal weights, metric sums)`."""
+
+  def objective_gradient(grads, weights):
+    # The proximal term's centre is the round's global model, not the personal start.
+    return [
+      client_work_lib.local_objective_gradient(g, w, center, config)
+      for g, w, center in zip(grads, weights, global_weights.trainable)
+    ]
+
   result, metrics = client_work_lib.train_locally(
     model,
     optimizer,
@@ -75,7 +84,7 @@ def train_personal(
     dataset,
     learning_rate,
     config,
-    proximal_center=global_weights.trainable,
+    objective_gradient=objective_gradient,
   )
   # A rejected update (not finite) is zeros: the personal model stays.
   return tf.nest.map_structure(tf.subtract, personal, result.update), metrics
@@ -161,7 +170,9 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     initial=lambda: stateful_client_work.flatten(initial).numpy(),
     model=lambda state, models: stateful_client_work.unflatten_numpy(state, models[0]),
   )
-  return algorithm.FederatedAlgorithm.of("ditto", built, context, client_states=states)
+  return algorithm.FederatedAlgorithm.of(
+    "ditto", built, context, client_states=states, summary=own_models.summary(states)
+  )
 
 
 ALGORITHM = algorithm.Algorithm(

@@ -42,6 +42,7 @@ is complete (with FedDyn, together with the clients' stored states).
 """
 
 import collections
+import functools
 from typing import Callable
 
 import numpy as np
@@ -92,6 +93,7 @@ class Settings:
     "Each model's average over its clients: each client once (the paper's Remark 1 and the "
     "authors' code) or by examples (FedAvg's).",
     choices=MEMBER_AVERAGES,
+    before="examples",
   )
   local_objective: str = setting(
     "sgd",
@@ -126,7 +128,7 @@ def build_fed_ensemble(
   dp: privacy.DPConfig | None = None,
   num_clients: int = 0,
   on_device: bool = False,
-  keys_given: bool = False,
+  client_key: Callable | None = None,
   state_files: bool = False,
 ) -> built_lib.BuiltProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
@@ -154,8 +156,9 @@ def build_fed_ensemble(
     on_device: the clients trained their assigned member on their devices
       (`tff_ens.program.device_clients`): their data are the results
       (`client_work.build_device_client_work`), so no FedDyn.
-    keys_given: the int32 each client passes after its data is the member it trains (a
-      random walk's walker), not its index in the population.
+    client_key: `(distributor state, the int32 a client passes after its data) -> [the
+      member it trains]` in TensorFlow; None: `member_key`, the member its index in the
+      population is assigned in the state's round (`assigned_model`).
     state_files: FedDyn's clients read and write their g in files (`next` takes each
       client's two paths, `stateful_client_work.through_files`).
   """
@@ -194,7 +197,11 @@ def build_fed_ensemble(
 
   members_type = initial_members.type_signature.result
   distributor = _build_distributor(
-    members_type, weights_type, k, seed, assignment, keys_given, options.member_delivery
+    members_type,
+    weights_type,
+    seed,
+    client_key or functools.partial(member_key, ensemble_size=k, assignment=assignment),
+    options.member_delivery,
   )
   update_type = client_work.client_update.type_signature.result[0].update
   aggregator = keyed_stages.build_slot_aggregator(
@@ -240,28 +247,27 @@ def build_fed_ensemble(
   )
 
 
-def _build_distributor(
-  members_type,
-  weights_type,
-  k: int,
-  seed: int,
-  assignment: str,
-  keys_given: bool,
-  delivery: str,
-):
-  """Fed-ensemble's distributor: client i downloads member `assigned_model` of the round
-  (`keyed_stages.build_keyed_distributor`), or with `keys_given` the member its int32 names;
-  its state is (round, seed). `delivery`: one of `MEMBER_DELIVERIES`."""
+def member_key(state, client_index, *, ensemble_size: int, assignment: str):
+  """The member client `client_index` trains in the round of the distributor's `state`
+  (`member_updates.assigned_model`), as a [1] tensor."""
+  return tf.reshape(
+    member_updates.assigned_model(
+      state["seed"], client_index, state["round"], ensemble_size, assignment
+    ),
+    [1],
+  )
+
+
+def _build_distributor(members_type, weights_type, seed: int, key_fn, delivery: str):
+  """Fed-ensemble's distributor: each client downloads the member `key_fn(state, its int32)`
+  names (`keyed_stages.build_keyed_distributor`); its state is (round, seed). `delivery`: one
+  of `MEMBER_DELIVERIES`."""
   key_state = collections.OrderedDict(round=np.int32(0), seed=np.int64(seed))
   key_state_type = collections.OrderedDict(round=np.int32, seed=np.int64)
 
   @tff.tensorflow.computation(key_state_type, np.int32)
   def client_key(state, client_index):
-    if keys_given:
-      return tf.reshape(client_index, [1])
-    return tf.reshape(
-      member_updates.assigned_model(state["seed"], client_index, state["round"], k, assignment), [1]
-    )
+    return key_fn(state, client_index)
 
   def member(members, key):
     return tf.switch_case(

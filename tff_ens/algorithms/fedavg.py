@@ -39,6 +39,14 @@ class ServerSettings:
     above=0,
   )
 
+  @staticmethod
+  def upgrade_saved(saved: dict) -> dict:
+    """Before FedAdam (`--server_epsilon`) every run wrote `server_lr`, FedAvg's 1 by default,
+    whatever its algorithm: there it becomes unset (the algorithm's own)."""
+    if "server_epsilon" not in saved and saved.get("server_lr") == LEARNING_RATE:
+      return {"server_lr": None}
+    return {}
+
 
 def server_learning_rate(context: algorithm.BuildContext, default: float) -> float:
   """`--server_lr`, else the algorithm's `default`."""

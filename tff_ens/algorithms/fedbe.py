@@ -41,6 +41,7 @@ class Settings:
     "the authors' 1,580 steps; their code's 500 is 0.316).",
     at_least=0,
     below=1,
+    before=0.0,
   )
 
 

@@ -126,6 +126,7 @@ class Settings:
     True,
     "FedPPD+Distill: distill the clients' teachers too, as the authors' code does (about "
     "twice the server step); False averages them.",
+    before=False,
   )
 
 

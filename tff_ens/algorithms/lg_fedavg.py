@@ -23,6 +23,7 @@ import tensorflow_federated as tff
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
 from tff_ens.algorithms import fedavg
+from tff_ens.algorithms import own_models
 from tff_ens.settings import setting
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
@@ -147,7 +148,9 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
       masks,
     ),
   )
-  return algorithm.FederatedAlgorithm.of("lg_fedavg", built, context, client_states=states)
+  return algorithm.FederatedAlgorithm.of(
+    "lg_fedavg", built, context, client_states=states, summary=own_models.summary(states)
+  )
 
 
 ALGORITHM = algorithm.Algorithm(

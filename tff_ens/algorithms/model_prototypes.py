@@ -32,6 +32,7 @@ once:
 """
 
 import collections
+import os
 import time
 from typing import Callable, Sequence
 
@@ -39,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import run_files
 from tff_ens.math import drop_worst
 from tff_ens.server import distillation
 from tff_ens.server import server_data as server_data_lib
@@ -420,3 +422,20 @@ def build_heterogeneous_feddf(
     client_type.result,
     lambda state: [state["model"][0]],
   )
+
+
+def summary(names: Sequence[str], model_fns: Sequence[Callable[[], tf.keras.Model]]):
+  """The `FederatedAlgorithm.summary` hook of FedDF over the prototypes `names`: the server
+  step's keys and each prototype's test accuracy (`prototype_test_accuracy`), each saved as
+  `prototypes/<name>.keras`."""
+
+  def prototypes(finished) -> dict:
+    accuracies = {}
+    for name, model_fn, weights in zip(names, model_fns, finished.state["model"]):
+      evaluator = finished.evaluator(model_fn)
+      accuracies[name] = evaluator.summary([weights], finished.data.test)["test_accuracy"]
+      path = os.path.join(run_files.PROTOTYPES_DIR, f"{name}.keras")
+      finished.save_model(path, evaluator.model, weights)
+    return {**server_step.summary(finished), "prototype_test_accuracy": accuracies}
+
+  return prototypes

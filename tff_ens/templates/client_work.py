@@ -178,7 +178,7 @@ def train_locally(
   learning_rate,
   config: LocalTrainingConfig,
   linear_term=None,
-  proximal_center=None,
+  objective_gradient=None,
 ):
   """Runs local SGD on `dataset` from `initial_weights` (FedAvg's ClientUpdate).
 
@@ -194,8 +194,9 @@ def train_locally(
     config: the `LocalTrainingConfig`.
     linear_term: g of the local objective's linear term (`local_objective_gradient`), one
       tensor per trainable weight (FedDyn's, `feddyn.train_feddyn`); None: no linear term.
-    proximal_center: the trainable weights the proximal term pulls towards (Ditto's global
-      model); None: `initial_weights`' (FedProx's).
+    objective_gradient: `(gradients of the loss, trainable weights) -> gradients of the
+      local objective`, one tensor per trainable weight, for an objective of another form;
+      None: `local_objective_gradient`'s, centred at `initial_weights`.
 
   With `config.train_positions` "every" and a sequence model (`per_position_logits`), an
   example's loss and accuracy are its means over the window's positions
@@ -221,7 +222,13 @@ def train_locally(
   forward = model if per_position is None else per_position
 
   negated_linear = [-t for t in linear_term] if linear_term is not None else [None] * len(trainable)
-  center = proximal_center if proximal_center is not None else initial_weights.trainable
+  if objective_gradient is None:
+
+    def objective_gradient(grads, weights):
+      return [
+        local_objective_gradient(g, w, w0, config, negated)
+        for g, w, w0, negated in zip(grads, weights, initial_weights.trainable, negated_linear)
+      ]
 
   def step(carry, batch):
     opt_state, loss_sum, correct, count = carry
@@ -237,11 +244,7 @@ def train_locally(
       logits = forward(x, training=True)
       batch_loss = loss_fn(y, logits) / positions
       mean_loss = batch_loss / n
-    grads = tape.gradient(mean_loss, trainable)
-    grads = [
-      local_objective_gradient(g, w, w0, config, negated)
-      for g, w, w0, negated in zip(grads, trainable, center, negated_linear)
-    ]
+    grads = objective_gradient(tape.gradient(mean_loss, trainable), trainable)
     opt_state, new_weights = optimizer.next(opt_state, tuple(trainable), tuple(grads))
     for v, t in zip(trainable, new_weights):
       # Keras applies a layer's kernel constraint after each optimizer step

@@ -90,6 +90,7 @@ class Settings:
     "cost is the budget's) or all (the whole set, as FedBE's code: the cost grows with the "
     "set). The same targets for the rows read, to float32 rounding.",
     choices=TEACHER_LABELS,
+    before="all",
   )
   server_device: str = setting(
     "auto",

@@ -15,6 +15,7 @@ from tff_ens.math import drop_worst as drop_worst_lib
 from tff_ens.server import distillation
 from tff_ens.templates import client_work
 from tff_ens.templates import server_distillation as sd
+from tff_ens.templates import transport
 from tiny import CLIENT_DATA
 from tiny import MANY
 from tiny import SERVER
@@ -53,7 +54,7 @@ def _build(drop_worst=True, keep_initial_student=False, upload_files=False):
     SERVER,
     _config(drop_worst, keep_initial_student),
     clients_per_round=4,
-    upload_files=upload_files,
+    transport=transport.Transport(files=upload_files),
   )
 
 

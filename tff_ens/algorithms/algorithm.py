@@ -25,6 +25,7 @@ from tff_ens.execution import runtime
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
 from tff_ens.templates import server_step
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -56,10 +57,9 @@ class BuildContext:
       prototypes, FedPPD's student); None where no algorithm needs another model.
     task: the run's task (a `tasks` module: its models, its constants), else None.
     model: the name of the run's model (`model_fn`'s).
-    client_files: the states clients keep between their rounds stay in files that their
-      computations read and write (`stateful_client_work.through_files`), and the updates a
-      server step collects reach the driver as files (`server_step.build_collect`), instead
-      of values through TFF's executor: TFF's worker must see this machine's files.
+    transport: the program's `templates.transport.Transport`, which builds the stages that
+      move the states clients keep between their rounds and the updates a server step
+      collects (values through TFF's executor by default).
   """
 
   model_fn: Callable[..., tf.keras.Model]
@@ -76,7 +76,7 @@ class BuildContext:
   build_model: Callable[[str, int], tf.keras.Model] | None = None
   task: Any = None
   model: str = ""
-  client_files: bool = False
+  transport: transport_lib.Transport = transport_lib.VALUES
 
   def __post_init__(self):
     if not isinstance(self.groups, Mapping):
@@ -141,7 +141,7 @@ class ClientStates:
       its own examples (Ditto's personal model, LG-FedAvg's local layers under the global
       ones); None: the clients have none.
     in_files: `next` takes each client's paths to read and write its state
-      (`BuildContext.client_files`), not the state.
+      (`BuildContext.transport` with files), not the state.
   """
 
   shape: tuple[int, ...]
@@ -273,7 +273,7 @@ class FederatedAlgorithm:
     `DriverProcess`'s summary has its server step's keys (`server_step.summary`) by default."""
     states = fields.pop("client_states", None)
     if states is not None:
-      states = dataclasses.replace(states, in_files=context.client_files)
+      states = dataclasses.replace(states, in_files=context.transport.files)
     if isinstance(built.process, server_step.DriverProcess):
       fields.setdefault("summary", server_step.summary)
     return cls(

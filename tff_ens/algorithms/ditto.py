@@ -34,6 +34,7 @@ from tff_ens.templates import client_work as client_work_lib
 from tff_ens.templates import composition
 from tff_ens.templates import server_optimizer
 from tff_ens.templates import stateful_client_work
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -90,10 +91,12 @@ def train_personal(
   return tf.nest.map_structure(tf.subtract, personal, result.update), metrics
 
 
-def build_client_work(model_fn, element_spec, config, options: Settings, state_files=False):
+def build_client_work(
+  model_fn, element_spec, config, options: Settings, transport=transport_lib.VALUES
+):
   """Ditto's client work: FedAvg's local training of the global model, then the personal
-  model's (`train_personal`), whose weights are the client's state (one float32 vector; in a
-  file with `state_files`)."""
+  model's (`train_personal`), whose weights are the client's state (one float32 vector,
+  moved by `transport`)."""
   client_work_lib.check_data_fits_model(model_fn, element_spec)
   weights_type = client_work_lib.weights_type_of(model_fn)
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
@@ -133,7 +136,7 @@ def build_client_work(model_fn, element_spec, config, options: Settings, state_f
     measured["personal_train_accuracy"] = sums["personal_correct"] / n
     return measured
 
-  return stateful_client_work.build(client_update, config, finalize, state_files)
+  return transport.stateful_client_work(client_update, config, finalize)
 
 
 def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
@@ -144,17 +147,18 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     context.element_spec,
     context.local,
     context.group(Settings),
-    context.client_files,
+    context.transport,
   )
   rate = fedavg.server_learning_rate(context, fedavg.LEARNING_RATE)
+  distributor, aggregator, finalizer = server_optimizer.fedavg_stages(
+    weights_type, server_optimizer.build_server_optimizer(rate)
+  )
   process = composition.compose(
     server_optimizer.build_initial_weights_fn(model_fn),
-    tff.learning.templates.build_broadcast_process(weights_type),
+    distributor,
     client_work,
-    tff.aggregators.MeanFactory(no_nan_division=True).create(
-      weights_type, tff.TensorType(np.float32)
-    ),
-    server_optimizer.build_finalizer(server_optimizer.build_server_optimizer(rate), weights_type),
+    aggregator,
+    finalizer,
     client_state_type=client_work.next_state_type,
   )
   update = client_work.client_update.type_signature

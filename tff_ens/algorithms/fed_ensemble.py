@@ -60,6 +60,7 @@ from tff_ens.templates import composition
 from tff_ens.templates import feddyn
 from tff_ens.templates import keyed_stages
 from tff_ens.templates import privacy
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -129,7 +130,7 @@ def build_fed_ensemble(
   num_clients: int = 0,
   on_device: bool = False,
   client_key: Callable | None = None,
-  state_files: bool = False,
+  transport: transport_lib.Transport = transport_lib.VALUES,
 ) -> built_lib.BuiltProcess:
   """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
 
@@ -159,8 +160,8 @@ def build_fed_ensemble(
     client_key: `(distributor state, the int32 a client passes after its data) -> [the
       member it trains]` in TensorFlow; None: `member_key`, the member its index in the
       population is assigned in the state's round (`assigned_model`).
-    state_files: FedDyn's clients read and write their g in files (`next` takes each
-      client's two paths, `stateful_client_work.through_files`).
+    transport: what moves FedDyn's clients' g (`transport.Transport`; with files `next`
+      takes each client's two paths, `stateful_client_work.through_files`).
   """
   if ensemble_size < 1:
     raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
@@ -180,7 +181,7 @@ def build_fed_ensemble(
   weights_type = client_work_lib.weights_type_of(architecture_fn)
   if uses_feddyn:
     client_work = feddyn.build_feddyn_client_work(
-      architecture_fn, element_spec, local_config, feddyn_alpha, state_files
+      architecture_fn, element_spec, local_config, feddyn_alpha, transport
     )
     work_stage = client_work
   else:
@@ -398,7 +399,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     dp=context.dp,
     num_clients=context.num_clients,
     on_device=context.on_device,
-    state_files=context.client_files,
+    transport=context.transport,
   )
   members = lambda clients, key_state: assigned_models(key_state, clients, k, options.assignment)
   states = None

@@ -120,18 +120,17 @@ def build_fedavg(
     if on_device
     else client_work_lib.build_client_work(model_fn, element_spec, local_config)
   )
-  # no_nan_division: a round where every update was rejected (total weight
-  # 0) leaves the model unchanged instead of turning it into NaN.
-  factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
+  distributor, aggregator, finalizer = server_optimizer_lib.fedavg_stages(
+    weights_type,
+    server_optimizer,
+    aggregator_factory,
+    None if recalibration_images is None else (model_fn, recalibration_images),
+  )
   process = tff.learning.templates.compose_learning_process(
     server_optimizer_lib.build_initial_weights_fn(model_fn),
-    tff.learning.templates.build_broadcast_process(weights_type),
+    distributor,
     client_work.process,
-    factory.create(weights_type, tff.TensorType(np.float32)),
-    server_optimizer_lib.build_finalizer(
-      server_optimizer or server_optimizer_lib.build_server_optimizer(),
-      weights_type,
-      None if recalibration_images is None else (model_fn, recalibration_images),
-    ),
+    aggregator,
+    finalizer,
   )
   return built_lib.built_from_client_work(process, client_work)

@@ -119,7 +119,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
       config,
       clients_per_round=context.clients_per_round,
       recalibration_images=context.recalibration_images,
-      upload_files=context.client_files,
+      transport=context.transport,
     )
     return algorithm.FederatedAlgorithm.of("feddf", built, context)
   # Prototype p starts from its own seed, as ensemble member p does.
@@ -135,7 +135,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     context.server_data,
     config,
     clients_per_round=context.clients_per_round,
-    upload_files=context.client_files,
+    transport=context.transport,
   )
   return algorithm.FederatedAlgorithm.of(
     "feddf",

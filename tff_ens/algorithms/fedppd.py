@@ -40,7 +40,6 @@ FedPPD+Distill can distill the teachers too, as the code does
 import collections
 from typing import Callable
 
-import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -331,14 +330,16 @@ def build_fedppd(
   the mean.
   """
   weights_type = joint_weights_type(teacher_fn, student_fn)
-  factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
   client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
+  distributor, aggregator, finalizer = server_optimizer.fedavg_stages(
+    weights_type, aggregator_factory=aggregator_factory
+  )
   process = tff.learning.templates.compose_learning_process(
     build_initial_weights_fn(teacher_fn, student_fn),
-    tff.learning.templates.build_broadcast_process(weights_type),
+    distributor,
     client_work.process,
-    factory.create(weights_type, tff.TensorType(np.float32)),
-    server_optimizer.build_finalizer(server_optimizer.build_server_optimizer(), weights_type),
+    aggregator,
+    finalizer,
   )
   return built_fedppd(process, client_work, teacher_fn)
 

@@ -50,6 +50,7 @@ from tff_ens.templates import client_work as client_work_lib
 from tff_ens.templates import keyed_stages
 from tff_ens.templates import server_distillation
 from tff_ens.templates import server_step
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -332,7 +333,7 @@ def build_heterogeneous_feddf(
   config: server_distillation.ServerDistillationConfig,
   *,
   clients_per_round: int,
-  upload_files: bool = False,
+  transport: transport_lib.Transport = transport_lib.VALUES,
 ) -> built_lib.BuiltProcess:
   """Builds FedDF over P prototypes as a `server_step.DriverProcess`.
 
@@ -350,7 +351,7 @@ def build_heterogeneous_feddf(
     data: the server's unlabeled and validation data.
     config: FedDF's server step (`method="feddf"`).
     clients_per_round: the largest cohort.
-    upload_files: the clients' updates reach the driver as files (`server_step.build_collect`).
+    transport: what moves the clients' updates to the driver (`transport.Transport.collect`).
   """
   if len(model_fns) < 2 or len(names) != len(model_fns):
     raise ValueError(
@@ -397,13 +398,12 @@ def build_heterogeneous_feddf(
   distributor = keyed_stages.build_keyed_distributor(
     prototypes_type, (), prototype_of, select_packed, to_download
   )
-  initialize_fn, collect, update_specs = server_step.build_collect(
+  initialize_fn, collect, update_specs = transport.collect(
     initial_prototypes,
     distributor,
     client_work.process,
     clients_per_round,
     keyed=True,
-    upload_files=upload_files,
   )
   step = PrototypeStep(model_fns, names, data, config)
   client_type = client_update.type_signature

@@ -23,6 +23,7 @@ from tff_ens.program import reporting
 from tff_ens.program import run_outputs
 from tff_ens.program import simulation
 from tff_ens.server import server_data as server_data_lib
+from tff_ens.templates import transport
 
 
 @contextlib.contextmanager
@@ -95,7 +96,7 @@ def run_experiment(config) -> dict:
     build_model=build_model,
     task=task,
     model=config.model,
-    client_files=config.client_transport == "files",
+    transport=transport.FILES if config.client_transport == "files" else transport.VALUES,
   )
   with contextlib.ExitStack() as stack:
     with _execution_context(run):

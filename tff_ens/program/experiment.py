@@ -23,6 +23,7 @@ from tff_ens.program import active_learning
 from tff_ens.program import run_settings
 from tff_ens.templates import client_work
 from tff_ens.templates import privacy
+from tff_ens.templates import transport as transport_lib
 
 # The settings groups of every run, whatever its algorithm.
 COMMON_GROUPS = (
@@ -104,6 +105,26 @@ class Stopped(Exception):
 
 class _Run:
   """What `ExperimentConfig` adds to its fields."""
+
+  def __post_init__(self):
+    if self.model is None:  # Not chosen: the task's first (Shakespeare's lstm).
+      try:
+        task = tasks.get_task(self.task, self.classes)
+      except ValueError:  # `resolve` names the bad flag.
+        return
+      object.__setattr__(self, "model", task.MODEL_NAMES[0])
+
+  @property
+  def on_devices(self) -> bool:
+    """`--client_runtime` trains the clients on devices (`device_clients`)."""
+    return run_settings.on_devices(self.client_runtime)
+
+  @property
+  def transport(self) -> transport_lib.Transport:
+    """What moves the clients' states and collected updates (`--client_transport`)."""
+    return (
+      transport_lib.FILES if self.client_transport == run_settings.FILES else transport_lib.VALUES
+    )
 
   def validate(self) -> None:
     """Raises UsageError, naming the flag and the fix, for a setting the run cannot take."""
@@ -279,7 +300,7 @@ def _check_capabilities(config, spec: algorithm_lib.Algorithm) -> None:
     ),
     (
       "client_runtime",
-      config.client_runtime != "tff",
+      config.on_devices,
       "on_device",
       f"{spec.name}'s clients cannot train on devices",
     ),
@@ -305,7 +326,7 @@ def _check_run(config, run: Run) -> None:
       f"unknown --model={config.model} for task {config.task}: "
       f"choose one of {', '.join(run.task.MODEL_NAMES)}"
     )
-  if config.client_runtime == "litert":
+  if config.on_devices:
     _check_litert_clients(config, run)
   for name in ("aggregate_first", "nan_clients_per_round"):
     if getattr(config, name) > config.clients_per_round:

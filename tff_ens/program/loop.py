@@ -327,7 +327,7 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
 def _devices(run, outputs):
   """The run's `device_clients.DevicePool` with `--client_runtime=litert`, else None."""
   config = run.config
-  if config.client_runtime != "litert":
+  if not config.on_devices:
     yield None
     return
   path = device_clients.write_trainable_file(config, run.task, outputs.dir)

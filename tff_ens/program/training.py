@@ -23,7 +23,6 @@ from tff_ens.program import reporting
 from tff_ens.program import run_outputs
 from tff_ens.program import simulation
 from tff_ens.server import server_data as server_data_lib
-from tff_ens.templates import transport
 
 
 @contextlib.contextmanager
@@ -91,12 +90,12 @@ def run_experiment(config) -> dict:
     clients_per_round=config.clients_per_round,
     server_data=server_data if run.algorithm.server_data else None,
     dp=run.dp,
-    on_device=config.client_runtime == "litert",
+    on_device=config.on_devices,
     recalibration_images=_recalibration_images(config, model_fn, server_data),
     build_model=build_model,
     task=task,
     model=config.model,
-    transport=transport.FILES if config.client_transport == "files" else transport.VALUES,
+    transport=config.transport,
   )
   with contextlib.ExitStack() as stack:
     with _execution_context(run):

@@ -141,7 +141,7 @@ def test_a_prototype_no_client_ran_is_distilled_from_the_others():
   built = _build(drop_worst=False, keep_initial_student=True)
   state = built.process.initialize()
   model = MODEL_FNS[1]()
-  distillation.assign_weights(model, state["model"][1])
+  distillation.assign_variables(model, state["model"][1])
   before = distillation.accuracy(model(SERVER.validation_x), SERVER.validation_y)
   datasets = [one_batch(*CLIENT_DATA[0]), one_batch(*CLIENT_DATA[1])]
   _, metrics, _ = built.process.next(state, datasets, [0, 2])
@@ -165,7 +165,7 @@ def test_teachers_are_the_avglogits_of_every_clients_model():
     model_fn, start = MODEL_FNS[i % 2], state["model"][i % 2]
     result, _ = client_work.build_client_work(model_fn, SPEC, LOCAL).client_update(start, data, 0.5)
     model = model_fn()
-    distillation.assign_weights(
+    distillation.assign_variables(
       model, tf.nest.map_structure(lambda w, u: w - u, start, result.update)
     )
     logits.append(model(images, training=False))

@@ -50,7 +50,7 @@ class BuildContext:
     dp: DP-FedAvg's aggregation (`templates.privacy.DPConfig`) of algorithms that take it
       (`Algorithm.dp`), else None.
     on_device: the clients train on devices (`Algorithm.on_device`): their data are the
-      devices' results (`client_work.build_device_client_work`).
+      devices' results (`device_client_work.build_device_client_work`).
     recalibration_images: server images on which the FedAvg family measures the new model's
       batch-norm statistics each round (`Algorithm.recalibrates`), else None.
     build_model: `(name, seed) -> Keras model`, the task's model called `name` (FedDF's

@@ -19,6 +19,7 @@ from tff_ens.algorithms import algorithm
 from tff_ens.settings import setting
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
+from tff_ens.templates import device_client_work
 from tff_ens.templates import server_optimizer as server_optimizer_lib
 
 # FedAvg's server step: the model moves by the whole mean update.
@@ -107,7 +108,7 @@ def build_fedavg(
     aggregator_factory: a weighted `tff.aggregators` factory for the updates
       (DP, clipping, compression); the weighted mean by default.
     on_device: the clients train on their devices (`tff_ens.program.device_clients`), and their
-      data are the results (`client_work.build_device_client_work`).
+      data are the results (`device_client_work.build_device_client_work`).
     recalibration_images: server images on which the new model's batch-norm statistics
       are measured each round (`server_optimizer.build_finalizer`); None averages the clients'.
 
@@ -116,7 +117,7 @@ def build_fedavg(
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = (
-    client_work_lib.build_device_client_work(weights_type, local_config)
+    device_client_work.build_device_client_work(weights_type, local_config)
     if on_device
     else client_work_lib.build_client_work(model_fn, element_spec, local_config)
   )

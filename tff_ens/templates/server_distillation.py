@@ -381,7 +381,7 @@ class DistillationStep:
           self._validation,
           read.batches[0],
         )
-      distillation.assign_weights(self._model, new_weights)
+      distillation.assign_variables(self._model, new_weights)
       student_accuracy = self._student.validation_accuracy(*self._validation)
     return new_weights, collections.OrderedDict(
       server_device=server_step.placed_device(student_accuracy),
@@ -401,7 +401,7 @@ class DistillationStep:
     the clients' weight average (FedAvg's model, the student's start) and of the
     teachers' predictive distribution (`distillation_targets`'s argmax)."""
     x, y = self._validation
-    distillation.assign_weights(self._model, average)
+    distillation.assign_variables(self._model, average)
     average_accuracy = self._student.validation_accuracy(x, y)
     predictions = distillation.ensemble_predictions(self._model, stack, x, teacher_weights)
     return average_accuracy, distillation.accuracy(
@@ -435,7 +435,7 @@ class DistillationStep:
           self._model, stack, images, teacher_weights
         )
       ]
-      distillation.assign_weights(self._model, average)
+      distillation.assign_variables(self._model, average)
       average_logits = distillation.predict_logits(
         self._model, images, distillation.EVAL_BATCH_SIZE
       )

@@ -189,25 +189,7 @@ def build_collect(
   state_type = initialize_fn.type_signature.result
   data_type = client_work.next.type_signature.parameter[2]
 
-  def collect_round(state, sent, downloads, client_data, paths=None):
-    work = client_work.next(state.client_work, downloads, client_data)
-    update = work.result.update
-    if paths is not None:
-      update = tff.federated_map(write, (update, paths))
-    collected = aggregator.next(state.aggregator, update, work.result.update_weight)
-    stage_states = tff.federated_zip(
-      collections.OrderedDict(
-        distributor=sent.state, client_work=work.state, aggregator=collected.state
-      )
-    )
-    measurements = tff.federated_zip(
-      collections.OrderedDict(
-        distributor=sent.measurements,
-        client_work=work.measurements,
-        aggregator=collected.measurements,
-      )
-    )
-    return stage_states, collected.result, measurements
+  collect_round = functools.partial(_collect_round, client_work, aggregator, write)
 
   indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
   paths_type = tff.FederatedType(np.str_, tff.CLIENTS)
@@ -238,6 +220,30 @@ def build_collect(
 
   update_specs = tff.types.type_to_tf_tensor_specs(update_type) if upload_files else None
   return initialize_fn, collect, update_specs
+
+
+def _collect_round(client_work, aggregator, write, state, sent, downloads, client_data, paths=None):
+  """`build_collect`'s round after the distributor, inside a federated computation: the
+  clients train on their `downloads` (and write their updates to `paths` with `write`), the
+  aggregator collects them; `(stage states, collected, measurements)`."""
+  work = client_work.next(state.client_work, downloads, client_data)
+  update = work.result.update
+  if paths is not None:
+    update = tff.federated_map(write, (update, paths))
+  collected = aggregator.next(state.aggregator, update, work.result.update_weight)
+  stage_states = tff.federated_zip(
+    collections.OrderedDict(
+      distributor=sent.state, client_work=work.state, aggregator=collected.state
+    )
+  )
+  measurements = tff.federated_zip(
+    collections.OrderedDict(
+      distributor=sent.measurements,
+      client_work=work.measurements,
+      aggregator=collected.measurements,
+    )
+  )
+  return stage_states, collected.result, measurements
 
 
 def write_update(update_type: tff.Type) -> tff.Computation:

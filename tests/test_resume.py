@@ -18,9 +18,9 @@ import tensorflow as tf
 
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
+from tests.femnist_runs import client_state_values
 from tests.femnist_runs import read_metrics
 from tff_ens import run_files
-from tff_ens.program import client_states
 from tff_ens.program import training
 
 # Four rounds, a checkpoint after the second, three clients a round of three local steps.
@@ -72,19 +72,6 @@ def _checkpoint(output_dir, round_num: int) -> dict[str, np.ndarray]:
   return {name: reader.get_tensor(name) for name in names}
 
 
-def _client_states(output_dir) -> dict[str, np.ndarray]:
-  directory = output_dir / client_states.DIRECTORY
-  if not directory.is_dir():
-    return {}
-  prefixes = {name.split(".")[0] for name in os.listdir(directory)}
-  return {
-    p: tf.raw_ops.RestoreV2(
-      prefix=str(directory / p), tensor_names=["state"], shape_and_slices=[""], dtypes=[tf.float32]
-    )[0].numpy()
-    for p in prefixes
-  }
-
-
 def _without_times(row: dict) -> dict:
   return {k: v for k, v in row.items() if k not in _TIMES}
 
@@ -125,7 +112,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_state_bit_for_bit(algorithm, 
   assert sorted(got) == sorted(want)
   for name, value in want.items():
     np.testing.assert_array_equal(got[name], value, err_msg=name)
-  want_states, got_states = (_client_states(tmp_path / d) for d in ("uninterrupted", "killed"))
+  want_states, got_states = (client_state_values(tmp_path / d) for d in ("uninterrupted", "killed"))
   assert sorted(got_states) == sorted(want_states)
   assert bool(want_states) == (algorithm in ("ditto", "lg_fedavg") or "local_objective" in flags)
   for name, value in want_states.items():

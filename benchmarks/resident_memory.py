@@ -101,7 +101,7 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
     cohort = np.arange(len(datasets))
     rss, seconds = [], []
     for round_num in range(1, FLAGS.rounds + 1):
-      keys = [0] * len(cohort)  # One state per client (Ditto, LG-FedAvg).
+      keys = [0] * len(cohort)  # One state per client (personal models, own layers).
       states = store.round_inputs(round_num, cohort, keys) if store is not None else None
       args = algorithm.next_args(datasets, cohort, states=states)
       start = time.perf_counter()

@@ -127,9 +127,9 @@ class Algorithm:
 
 @dataclasses.dataclass(frozen=True)
 class ClientStates:
-  """What each client keeps between its rounds (FedDyn's g, Ditto's personal model, LG-FedAvg's
-  local layers): one array per (client, key), which the program stores and passes to
-  `next` for the cohort.
+  """What each client keeps between its rounds (FedDyn's g, a personal model, a client's own
+  layers): one array per (client, key), which the program stores and passes to `next` for
+  the cohort.
 
   Attributes:
     shape, dtype: one client's state.
@@ -138,8 +138,7 @@ class ClientStates:
       the member it trains); None: one state per client (key 0).
     initial: a client's state before its first round; None: zeros.
     model: `(state, global models) -> ModelWeights`, the client's own model for evaluation on
-      its own examples (Ditto's personal model, LG-FedAvg's local layers under the global
-      ones); None: the clients have none.
+      its own examples and export (`own_models`); None: the clients have none.
     in_files: `next` takes each client's paths to read and write its state
       (`BuildContext.transport` with files), not the state.
   """

@@ -53,7 +53,8 @@ class RunSettings:
   )
 
   # The algorithm, the model and the clients' rounds.
-  algorithm: str = setting("fedavg", ALGORITHM_HELP, choices=algorithms.ALGORITHMS)
+  # The registry's first algorithm is the default (FedAvg).
+  algorithm: str = setting(algorithms.ALGORITHMS[0], ALGORITHM_HELP, choices=algorithms.ALGORITHMS)
   model: str | None = setting(
     None,
     "Model: cnn (FEMNIST: LEAF CNN; CIFAR: FedBE's ConvNet), resnet8, resnet20, resnet32 "

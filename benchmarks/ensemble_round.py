@@ -59,6 +59,7 @@ from tff_ens.execution import runtime
 from tff_ens.program import client_states
 from tff_ens.program import simulation
 from tff_ens.templates import client_work
+from tff_ens.templates import transport as transport_lib
 
 SECTION = "## Fed-ensemble round time"
 
@@ -316,7 +317,7 @@ def main(argv):
         simulation.batch_element_spec(femnist),
         config,
         num_clients=len(writers),
-        client_files=transport == "files",
+        transport=transport_lib.FILES if transport == "files" else transport_lib.VALUES,
         **algorithms.settings_read(
           name, ensemble_size=k, local_objective=objective, member_delivery=delivery
         ),

@@ -36,6 +36,7 @@ from tff_ens.program import client_states
 from tff_ens.program import simulation
 from tff_ens.server import server_data as server_data_lib
 from tff_ens.templates import client_work
+from tff_ens.templates import transport as transport_lib
 
 SECTION = "## State on the worker and worker memory"
 PLACES = (
@@ -86,7 +87,7 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
       server_data=server_data,
       num_clients=len(datasets),
       clients_per_round=len(datasets),
-      client_files=transport == "files",
+      transport=transport_lib.FILES if transport == "files" else transport_lib.VALUES,
       **algorithms.settings_read(name, ensemble_size=5, distill_steps=FLAGS.distill_steps),
     )
     store = None
@@ -100,7 +101,7 @@ def run_rounds(name: str, place: str, transport: str, data, datasets):
     cohort = np.arange(len(datasets))
     rss, seconds = [], []
     for round_num in range(1, FLAGS.rounds + 1):
-      keys = [0] * len(cohort)  # One state per client (Ditto, LG-FedAvg).
+      keys = [0] * len(cohort)  # One state per client (personal models, own layers).
       states = store.round_inputs(round_num, cohort, keys) if store is not None else None
       args = algorithm.next_args(datasets, cohort, states=states)
       start = time.perf_counter()

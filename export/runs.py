@@ -92,8 +92,8 @@ def _read_json(path: str) -> dict:
 def load_run(run_dir: str, client: str | None = None) -> Run:
   """Reads `run_dir`; ExportError (one line) if it is not a finished `tff_ens.main` run.
 
-  With `client`, its model is that client's own (`clients/<client>.keras`: Ditto's personal
-  model, LG-FedAvg's local layers under the global ones).
+  With `client`, its model is that client's own (`clients/<client>.keras`, written by an
+  algorithm whose clients keep one).
   """
   if not os.path.isdir(run_dir):
     raise ExportError(

@@ -15,16 +15,38 @@ needs it. The context is thread-local; pytest runs tests in the main thread.
 
 Every test runs under the watchdog of `tests/watchdog.py`: one that hangs, even blocked
 in C, ends the run with its name and every thread's stack.
+
+The device environment (device/: LiteRT without TensorFlow) is created from its lock before
+the tests are collected if it is missing, so a fresh clone's `uv run pytest` runs its tests.
 """
 
 import contextlib
 import inspect
+import os
+import pathlib
+import shutil
+import subprocess
 
 import pytest
 
 from tff_ens.execution import runtime
 
 pytest_plugins = ["tests.watchdog", "tests.chromium"]
+
+DEVICE_PROJECT = pathlib.Path(__file__).resolve().parents[1] / "device"
+
+
+def pytest_configure(config):
+  """`uv sync --locked --project device` when device/.venv has no Python yet (a fresh clone);
+  without uv the tests that need that environment skip, saying so."""
+  del config
+  if (DEVICE_PROJECT / ".venv" / "bin" / "python").exists():
+    return
+  uv = os.environ.get("UV") or shutil.which("uv")
+  if uv is not None:
+    subprocess.run(
+      [uv, "sync", "--locked", "--quiet", "--project", str(DEVICE_PROJECT)], check=True
+    )
 
 
 class _SharedContext:

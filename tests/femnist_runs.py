@@ -22,6 +22,27 @@ QUICK = experiment.ExperimentConfig(
 )
 
 
+def client_state_values(output_dir) -> dict:
+  """{state file prefix: its array} of a run's stored client states (none: {})."""
+  import tensorflow as tf
+
+  from tff_ens.program import client_states
+
+  directory = os.path.join(output_dir, client_states.DIRECTORY)
+  if not os.path.isdir(directory):
+    return {}
+  prefixes = {name.split(".")[0] for name in os.listdir(directory)}
+  return {
+    p: tf.raw_ops.RestoreV2(
+      prefix=os.path.join(directory, p),
+      tensor_names=["state"],
+      shape_and_slices=[""],
+      dtypes=[tf.float32],
+    )[0].numpy()
+    for p in prefixes
+  }
+
+
 def read_metrics(output_dir):
   """The rows of a run's metrics.csv."""
   with open(os.path.join(output_dir, run_files.METRICS_FILE)) as f:

@@ -30,7 +30,7 @@ def recipe(**flags):
 @pytest.mark.parametrize("model", ["resnet8_binary", "resnet20_binary"])
 @pytest.mark.parametrize("algorithm", ["fedavg", "feddf", "fedbe"])
 def test_a_binarized_run_takes_the_whole_recipe(model, algorithm):
-  expected = {**resnet.BINARY_RECIPE, **algorithms.REGISTRY[algorithm].binary_recipe}
+  expected = {**resnet.BINARY_RECIPE, **algorithms.REGISTRY[algorithm].binary_recipe({})}
   assert recipe(model=model, algorithm=algorithm) == expected
 
 
@@ -60,7 +60,7 @@ def test_a_flag_given_is_kept():
   ],
 )
 def test_only_what_the_run_uses(flags, expected):
-  whole = {**resnet.BINARY_RECIPE, **algorithms.REGISTRY["feddf"].binary_recipe}
+  whole = {**resnet.BINARY_RECIPE, **algorithms.REGISTRY["feddf"].binary_recipe({})}
   assert recipe(model="resnet8_binary", **flags) == {name: whole[name] for name in expected}
 
 

@@ -28,6 +28,7 @@ from tff_ens.program import device_clients
 from tff_ens.program import experiment
 from tff_ens.program import simulation
 from tff_ens.templates import client_work
+from tff_ens.templates import device_client_work
 
 ModelWeights = tff.learning.models.ModelWeights
 needs_device_env = pytest.mark.skipif(
@@ -47,7 +48,7 @@ def femnist_like(n: int, seed: int):
 
 def test_device_result_becomes_fedavgs_update():
   weights_type = client_work.weights_type_of(lambda: small_femnist_model(0))
-  stage = client_work.build_device_client_work(weights_type, CONFIG)
+  stage = device_client_work.build_device_client_work(weights_type, CONFIG)
   initial = ModelWeights.from_model(small_femnist_model(0))
   trained = [w.numpy() + 0.5 for w in initial.trainable]
   with runtime.execution_context():

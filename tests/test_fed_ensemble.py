@@ -21,6 +21,7 @@ from tff_ens.program import client_states
 from tff_ens.templates import client_work
 from tff_ens.templates import feddyn
 from tff_ens.templates import keyed_stages
+from tff_ens.templates import transport
 from tiny import SPEC
 from tiny import one_batch
 from tiny import tiny_model
@@ -467,7 +468,7 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client(state_files, 
     options=fed_ensemble.Settings(local_objective="feddyn", feddyn_alpha=alpha),
     seed=seed,
     num_clients=m,
-    state_files=state_files,
+    transport=transport.Transport(files=state_files),
   )
   # The clients' g as the CLI keeps them: passed as values, or in files the worker reads and
   # writes (`stateful_client_work.through_files`).

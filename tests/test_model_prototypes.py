@@ -15,6 +15,7 @@ from tff_ens.math import drop_worst as drop_worst_lib
 from tff_ens.server import distillation
 from tff_ens.templates import client_work
 from tff_ens.templates import server_distillation as sd
+from tff_ens.templates import transport
 from tiny import CLIENT_DATA
 from tiny import MANY
 from tiny import SERVER
@@ -53,7 +54,7 @@ def _build(drop_worst=True, keep_initial_student=False, upload_files=False):
     SERVER,
     _config(drop_worst, keep_initial_student),
     clients_per_round=4,
-    upload_files=upload_files,
+    transport=transport.Transport(files=upload_files),
   )
 
 
@@ -140,7 +141,7 @@ def test_a_prototype_no_client_ran_is_distilled_from_the_others():
   built = _build(drop_worst=False, keep_initial_student=True)
   state = built.process.initialize()
   model = MODEL_FNS[1]()
-  distillation.assign_weights(model, state["model"][1])
+  distillation.assign_variables(model, state["model"][1])
   before = distillation.accuracy(model(SERVER.validation_x), SERVER.validation_y)
   datasets = [one_batch(*CLIENT_DATA[0]), one_batch(*CLIENT_DATA[1])]
   _, metrics, _ = built.process.next(state, datasets, [0, 2])
@@ -164,7 +165,7 @@ def test_teachers_are_the_avglogits_of_every_clients_model():
     model_fn, start = MODEL_FNS[i % 2], state["model"][i % 2]
     result, _ = client_work.build_client_work(model_fn, SPEC, LOCAL).client_update(start, data, 0.5)
     model = model_fn()
-    distillation.assign_weights(
+    distillation.assign_variables(
       model, tf.nest.map_structure(lambda w, u: w - u, start, result.update)
     )
     logits.append(model(images, training=False))
@@ -221,7 +222,10 @@ def test_algorithm_reports_one_model_download_of_the_largest_prototype():
   down, up = fedavg.bytes_per_client_round()
   assert algorithm.bytes_per_client_round() == (down + 4, up + 4)
   state = algorithm.process.initialize()
-  assert [name for name, _, _ in algorithm.prototypes_fn(state)] == list(NAMES)
+  # One model per prototype in the state, each of its prototype's shapes.
+  for model_fn, weights in zip(MODEL_FNS, state["model"], strict=True):
+    shapes = [w.shape for w in model_fn().trainable_weights]
+    assert [np.shape(w) for w in weights.trainable] == shapes
 
 
 def test_rejects_one_prototype_and_other_methods():

@@ -39,6 +39,11 @@ def test_cnn_has_leaf_parameter_count(models):
   assert models["cnn"].count_params() == conv1 + conv2 + dense + logits == 6_603_710
 
 
+def test_mlp_is_mcmahans_2nn(models):
+  # 784 -> 200 -> 200 -> 62, with biases (McMahan et al. 2017, Sec. 3).
+  assert models["mlp"].count_params() == (784 * 200 + 200) + (200 * 200 + 200) + (200 * 62 + 62)
+
+
 @pytest.mark.parametrize("name", femnist.MODEL_NAMES)
 def test_weights_are_a_function_of_the_seed(models, name):
   same = femnist.build_model(name, seed=0).get_weights()

@@ -16,6 +16,7 @@ from tff_ens.server import server_data as server_data_lib
 from tff_ens.templates import client_work
 from tff_ens.templates import server_distillation as sd
 from tff_ens.templates import server_step
+from tff_ens.templates import transport
 from tiny import CLIENT_DATA
 from tiny import MANY
 from tiny import SERVER
@@ -522,7 +523,9 @@ def test_updates_collected_as_files_give_the_round_values_give(method, options):
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA[:2]]
   rounds = []
   for files in (False, True):
-    process = _algorithm(method, client_files=files, distill_steps=25, **options).process
+    process = _algorithm(
+      method, transport=transport.Transport(files=files), distill_steps=25, **options
+    ).process
     state, metrics, teachers = process.next(process.initialize(), datasets)
     rounds.append((state, metrics, teachers.predict(SERVER.validation_x)["probabilities"]))
   (values_state, values_metrics, values_teachers), (files_state, files_metrics, files_teachers) = (

@@ -12,14 +12,17 @@ import subprocess
 import sys
 
 from absl import flags
+from absl.testing import flagsaver
 import pytest
 
+import tasks
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tff_ens import algorithms
 from tff_ens import settings
 from tff_ens.algorithms import feddf
 from tff_ens.program import experiment
+from tff_ens.program import run_settings
 from tff_ens.settings import setting
 from tff_ens.templates import client_work
 from tff_ens.templates import privacy
@@ -110,7 +113,24 @@ def test_a_library_default_is_its_flags_default():
     # A group built from the defaults of the run is the library's default config (DP's
     # defaults are no DP, for which there is no config).
     if group is not privacy.DPConfig:
-      assert settings.resolve(group, experiment.ExperimentConfig()) == group(), group
+      resolved = settings.resolve(group, experiment.ExperimentConfig())
+      if group is run_settings.RunSettings:  # Unset, the model is the task's first.
+        assert resolved.model == tasks.get_task(resolved.task).MODEL_NAMES[0]
+        resolved = dataclasses.replace(resolved, model=None)
+      assert resolved == group(), group
+
+
+@pytest.mark.parametrize("task", ["femnist", "shakespeare", "cifar10"])
+def test_a_config_from_python_is_the_command_lines(task):
+  from tff_ens import main as cli
+
+  cli.FLAGS.mark_as_parsed()
+  with flagsaver.as_parsed(task=task):
+    assert cli.config_of_flags() == experiment.ExperimentConfig(task=task)
+  assert experiment.ExperimentConfig(task=task).model == tasks.get_task(task).MODEL_NAMES[0]
+  assert experiment.ExperimentConfig(task="shakespeare").model == "lstm"
+  with pytest.raises(experiment.UsageError, match="unknown --model=cnn for task shakespeare"):
+    experiment.ExperimentConfig(task="shakespeare", model="cnn").validate()
 
 
 def test_a_setting_declared_twice_is_refused():

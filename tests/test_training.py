@@ -19,8 +19,10 @@ import tensorflow as tf
 from tests.femnist_runs import DATA_DIR
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
+from tests.femnist_runs import client_state_values
 from tests.femnist_runs import read_metrics
 from tff_ens import run_files
+from tff_ens import settings
 from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.program import client_states
 from tff_ens.program import experiment
@@ -185,8 +187,6 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
       ),
     )
   )
-  assert summary["test_accuracy"] == summary["distilled_test_accuracy"]
-  assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
   # The student is one model; the teachers are an ensemble.
   assert summary["ood_auroc_mutual_information"] is None
   for key in (
@@ -204,7 +204,6 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
   assert all(float(r["distill_steps"]) >= 1 for r in rows)
   assert all(0 <= float(r["student_validation_accuracy"]) <= 1 for r in rows)
   # Each evaluation measures the round's teachers and the clients' average on the test split.
-  assert float(rows[-1]["teachers_test_accuracy"]) == summary["ensemble_test_accuracy"]
   assert all(0 <= float(r["average_test_accuracy"]) <= 1 for r in rows)
   # The student's curve: from step 0, which is the clients' average.
   curves = json.loads((tmp_path / "out" / run_files.CURVES_FILE).read_text())
@@ -237,7 +236,6 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
   )
   accuracies = summary["prototype_test_accuracy"]
   assert sorted(accuracies) == ["cnn", "resnet8"]
-  assert accuracies["cnn"] == summary["test_accuracy"]
   assert 0.0 <= accuracies["resnet8"] <= 1.0
   # The teachers: both clients' models, one of each architecture.
   assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
@@ -298,7 +296,7 @@ def test_bad_flags_raise_one_line_errors(change, message, tmp_path):
 def test_a_config_saved_before_the_defaults_changed_keeps_what_its_run_did():
   # Written before --member_average and the pooled FEMNIST split existed.
   old = dataclasses.asdict(experiment.ExperimentConfig(algorithm="fedensemble"))
-  for name in ("member_average", "drop_worst_rule", "student_minibatch"):
+  for name in settings.flags_with_before(experiment.ALL_GROUPS):
     del old[name]
   old.update(partition="iid", server_unlabeled_examples=10_000, server_validation_examples=1_000)
   saved = experiment.saved_config(old)
@@ -542,16 +540,10 @@ def _resumed_summary(flags, output_dir) -> dict:
 
 
 def _resume_matches(flags, output_dir, summary):
+  # The same state, so the same numbers (tests/test_resume.py checks the state itself).
   resumed = _resumed_summary(flags, output_dir)
-  assert resumed["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.005)
-
-
-@pytest.mark.slow
-def test_sigkill_then_resume_matches_uninterrupted_run(fedavg_run, tmp_path):
-  config, summary = fedavg_run
-  output_dir = tmp_path / "killed"
-  flags = _killed_after_round_2(config, output_dir)
-  _resume_matches(flags, output_dir, summary)
+  assert resumed["test_accuracy"] == summary["test_accuracy"]
+  assert resumed["test_loss"] == summary["test_loss"]
 
 
 @pytest.mark.slow
@@ -606,13 +598,12 @@ def test_feddyn_client_states_resume_from_the_checkpoint(tmp_path):
     "killed too late to test the resume"
   )
   _resume_matches(flags, tmp_path / "killed", summary)
-  expected_dir = tmp_path / "uninterrupted" / "client_states"
-  names = sorted(os.listdir(expected_dir))
-  assert sorted(os.listdir(states)) == names
-  assert any("round0000004" in name for name in names)
-  read = lambda path: tf.io.parse_tensor(tf.io.read_file(str(path)), tf.float32).numpy()
-  for name in names:
-    np.testing.assert_allclose(read(states / name), read(expected_dir / name), rtol=1e-5, atol=1e-7)
+  want = client_state_values(tmp_path / "uninterrupted")
+  got = client_state_values(tmp_path / "killed")
+  assert sorted(got) == sorted(want)
+  assert any("round0000004" in name for name in want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 @pytest.mark.slow
@@ -686,7 +677,9 @@ def test_a_finished_run_resumed_with_more_rounds_ends_where_a_longer_run_does(fe
   longer = training.run_experiment(dataclasses.replace(shorter, rounds=4, resume=True))
   assert [int(r["round"]) for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
   assert longer["rounds"] == 4
-  assert longer["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.005)
+  # The same state at round 2, and the same cohorts and data order after it: the same model.
+  assert longer["test_accuracy"] == summary["test_accuracy"]
+  assert longer["test_loss"] == summary["test_loss"]
 
 
 def test_a_checkpoint_leaves_no_copy_of_the_state_behind(tmp_path):

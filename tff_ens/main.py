@@ -37,6 +37,7 @@ from tff_ens import settings
 from tff_ens.execution import worker_process
 from tff_ens.program import client_states
 from tff_ens.program import experiment
+from tff_ens.program import run_settings
 from tff_ens.program import training
 
 settings.define_flags(experiment.ExperimentConfig)
@@ -71,18 +72,6 @@ def usage() -> str:
   return "\n".join(lines)
 
 
-def _task_model(values: dict) -> dict:
-  """`--model` of a run that did not give it and whose task has no model of the default's
-  name: the task's first (Shakespeare's lstm)."""
-  try:
-    task = tasks.get_task(values["task"], values["classes"])
-  except ValueError:  # The config's validation says so.
-    return {}
-  if FLAGS["model"].present or values["model"] in task.MODEL_NAMES:
-    return {}
-  return {"model": task.MODEL_NAMES[0]}
-
-
 def _binary_recipe(values: dict) -> dict:
   """`resnet.BINARY_RECIPE`'s flags and its algorithm's (`Algorithm.binary_recipe`) that a
   run of a binarized model takes by default: those it did not give, and that its algorithm
@@ -94,14 +83,16 @@ def _binary_recipe(values: dict) -> dict:
   if values["model"] not in task.BINARY_MODEL_NAMES:
     return {}
   spec = algorithms.REGISTRY[values["algorithm"]]
-  recipe = {**resnet.BINARY_RECIPE, **spec.binary_recipe}
-  if values["client_runtime"] != "tff":  # The device file trains with SGD.
+  recipe = {**resnet.BINARY_RECIPE, **spec.binary_recipe(values)}
+  if run_settings.on_devices(values["client_runtime"]):  # The device file trains with SGD.
     del recipe["client_optimizer"], recipe["client_lr"]
   # A distillation step measures each teacher's statistics (FedDF's on the Dirichlet split:
-  # benchmarks/RESULTS.md); prototypes have no one model's statistics to measure.
-  if not spec.recalibrates or values["norm"] != "batch" or values.get("prototypes"):
-    del recipe["recalibrate_batch_norm"]
-  recipe = {name: value for name, value in recipe.items() if not FLAGS[name].present}
+  # benchmarks/RESULTS.md).
+  if not spec.recalibrates or values["norm"] != "batch":
+    recipe["recalibrate_batch_norm"] = None
+  recipe = {
+    name: value for name, value in recipe.items() if value is not None and not FLAGS[name].present
+  }
   if recipe:
     logging.warning(
       "--model=%s trains with its recipe (docs/algorithms.md): %s; a flag you pass overrides it",
@@ -111,6 +102,14 @@ def _binary_recipe(values: dict) -> dict:
   return recipe
 
 
+def config_of_flags() -> experiment.ExperimentConfig:
+  """The run's config: the flags' values, with a binarized model's recipe (`_binary_recipe`)
+  for the flags not given."""
+  fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)}
+  config = experiment.ExperimentConfig(**{name: FLAGS[name].value for name in fields})
+  return dataclasses.replace(config, **_binary_recipe(dataclasses.asdict(config)))
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -118,10 +117,7 @@ def main(argv):
     std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
     # On a terminal the progress bar reports; log lines would break it.
     logging.set_verbosity(logging.WARNING if sys.stderr.isatty() else logging.INFO)
-  fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)}
-  values = {name: FLAGS[name].value for name in fields}
-  values.update(_task_model(values))
-  config = experiment.ExperimentConfig(**{**values, **_binary_recipe(values)})
+  config = config_of_flags()
   try:
     summary = training.run_experiment(config)
   except (experiment.UsageError, tasks.DataError, client_states.ClientStateError) as e:

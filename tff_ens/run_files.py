@@ -16,8 +16,11 @@ SUMMARY_FILE = "summary.json"
 # their mean), for `tff_ens.compare`.
 PER_CLIENT_ACCURACY_FILE = "per_client_accuracy.json"
 # Each test writer's accuracy with personalization (`personalized_accuracy` is their
-# mean): its own model (Ditto, LG-FedAvg) or its ensemble weights (Fed-ensemble).
+# mean): its own model or its ensemble weights.
 PERSONALIZED_PER_CLIENT_ACCURACY_FILE = "personalized_per_client_accuracy.json"
+# The summary's key of those accuracies, which `reporting.write_summary` moves to that file,
+# keeping their mean, `personalized_accuracy`.
+PERSONALIZED_PER_CLIENT = "personalized_per_client_accuracy"
 # The server step's learning curves by round (`RunOutputs.release_curves`).
 CURVES_FILE = "distillation_curves.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -26,10 +29,9 @@ TENSORBOARD_DIR = "tensorboard"
 # The final model: `model.keras`, or an ensemble's `members/member_k.keras`.
 MODEL_FILE = "model.keras"
 MEMBERS_DIR = "members"
-# FedDF's prototypes: `prototypes/<name>.keras`.
+# Model prototypes (clients of different architectures): `prototypes/<name>.keras`.
 PROTOTYPES_DIR = "prototypes"
-# Each client's own model where an algorithm keeps one (Ditto's personal model, LG-FedAvg's
-# local layers under the global ones): `clients/<client id>.keras`.
+# Each client's own model where an algorithm keeps one: `clients/<client id>.keras`.
 CLIENTS_DIR = "clients"
 
 

@@ -29,6 +29,8 @@ _METADATA_KEY = "setting"
 _GROUP_KEY = "group"
 # `setting(flag=...)` left out: the flag is the field's name.
 _FIELD_NAME = "<the field's name>"
+# `setting(before=...)` left out: a run saved before the setting existed did its default.
+_NO_VALUE = "<no value>"
 
 # The flags `define_flags` makes are its caller's (`--help` lists a main module's own flags).
 flags.disclaim_key_flags()
@@ -46,6 +48,7 @@ class Setting:
   below: float | None = None
   flag: str | None = _FIELD_NAME
   uses: str | None = None
+  before: Any = _NO_VALUE
 
   def problem(self, value, integer: bool = False) -> str | None:
     """Why `value` (of an `integer` setting or not) is not allowed, or None; None (unset)
@@ -88,6 +91,7 @@ def setting(
   at_least: float | None = None,
   at_most: float | None = None,
   below: float | None = None,
+  before: Any = _NO_VALUE,
 ) -> Any:
   """A dataclass field declaring a setting: its default, a one-line help (the flag's),
   the values it may take (`choices`) or its bounds (`above` or `at_least`, `at_most` or
@@ -96,11 +100,12 @@ def setting(
   In a settings group, `flag` names its flag when that is not the field's name, None makes
   it the library's own (no flag); `uses` makes it take the value of the flag of that name,
   which another group declares (its default here must be that flag's, which
-  `tests/test_settings.py` checks).
+  `tests/test_settings.py` checks). `before`: what a run did before the flag existed, when
+  its default changed that (a saved config without the flag takes it: `saved_values`).
   """
   if uses is not None:
     flag = None
-  declared = Setting(help, tuple(choices), above, at_least, at_most, below, flag, uses)
+  declared = Setting(help, tuple(choices), above, at_least, at_most, below, flag, uses, before)
   return dataclasses.field(default=default, metadata={_METADATA_KEY: declared})
 
 
@@ -167,6 +172,37 @@ def flags_of(group: type) -> dict[str, dataclasses.Field]:
 def uses_of(group: type) -> dict[str, dataclasses.Field]:
   """{flag name: field} of the fields of `group` that take another group's flag."""
   return {declared(f).uses: f for f in dataclasses.fields(group) if declared(f).uses is not None}
+
+
+def predated_values(groups: Iterable[type], saved: dict) -> dict:
+  """The values of the flags of `groups` that a saved config (`saved`, flag -> value) predates
+  and whose declaration says what such a run did (`setting(before=...)`)."""
+  return {
+    flag: declared(field).before
+    for group in dict.fromkeys(groups)
+    for flag, field in flags_of(group).items()
+    if flag not in saved and declared(field).before is not _NO_VALUE
+  }
+
+
+def upgraded_values(groups: Iterable[type], saved: dict) -> dict:
+  """What the settings groups `groups` change in a saved config: each group's
+  `upgrade_saved(saved) -> {flag: value}`, if it has one."""
+  values = {}
+  for group in dict.fromkeys(groups):
+    if hasattr(group, "upgrade_saved"):
+      values.update(group.upgrade_saved(saved))
+  return values
+
+
+def flags_with_before(groups: Iterable[type]) -> set[str]:
+  """The flags of `groups` whose declaration says what a run did before them."""
+  return {
+    flag
+    for group in groups
+    for flag, field in flags_of(group).items()
+    if declared(field).before is not _NO_VALUE
+  }
 
 
 def group_of(field: dataclasses.Field) -> type | None:

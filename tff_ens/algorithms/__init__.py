@@ -27,7 +27,7 @@ from tff_ens.algorithms import vdistill
 REGISTRY = {
   spec.name: spec
   for spec in (
-    fedavg.ALGORITHM,
+    fedavg.ALGORITHM,  # The first is --algorithm's default.
     fedprox.ALGORITHM,
     fedavgm.ALGORITHM,
     fedadam.ALGORITHM,

@@ -5,10 +5,13 @@ An algorithm is one module of `tff_ens.algorithms`: its settings (a settings gro
 `settings.setting`, or groups declared next to the library code that reads them), its
 builder `build(context: BuildContext) -> FederatedAlgorithm`, which composes the TFF stages
 its paper changes, its rules (`validate`) and one `Algorithm`, `ALGORITHM`, listed in one
-line of `algorithms.REGISTRY`. What an algorithm adds to the loop and to evaluation is a
-field of `FederatedAlgorithm`: clients that keep a state (`ClientStates`), its own cohort
-(`cohort_fn`), keyed clients (`client_keys`), the teachers its server step distilled from
-(the round's output), model prototypes, per-client models.
+line of `algorithms.REGISTRY`. Everything the program asks an algorithm is a hook of
+`FederatedAlgorithm` that every algorithm answers, the program's own behaviour by default
+(Flower's strategy methods): its cohort (`cohort`), the int32 its clients pass (`client_keys`),
+the model each client trains (`assigned_models`), what clients keep between their rounds
+(`ClientStates`, with each client's own model), and its keys of the run's summary (`summary`,
+from a `FinishedRun`); `Algorithm` holds its saved-config upgrades (its settings' `before=`
+values and `upgrade_saved`) and its recipe for binarized models (`binary_recipe`).
 """
 
 import dataclasses
@@ -21,6 +24,8 @@ import tensorflow_federated as tff
 from tff_ens.execution import resident_state
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
+from tff_ens.templates import server_step
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -45,17 +50,16 @@ class BuildContext:
     dp: DP-FedAvg's aggregation (`templates.privacy.DPConfig`) of algorithms that take it
       (`Algorithm.dp`), else None.
     on_device: the clients train on devices (`Algorithm.on_device`): their data are the
-      devices' results (`client_work.build_device_client_work`).
+      devices' results (`device_client_work.build_device_client_work`).
     recalibration_images: server images on which the FedAvg family measures the new model's
       batch-norm statistics each round (`Algorithm.recalibrates`), else None.
     build_model: `(name, seed) -> Keras model`, the task's model called `name` (FedDF's
       prototypes, FedPPD's student); None where no algorithm needs another model.
     task: the run's task (a `tasks` module: its models, its constants), else None.
     model: the name of the run's model (`model_fn`'s).
-    client_files: the states clients keep between their rounds stay in files that their
-      computations read and write (`stateful_client_work.through_files`), and the updates a
-      server step collects reach the driver as files (`server_step.build_collect`), instead
-      of values through TFF's executor: TFF's worker must see this machine's files.
+    transport: the program's `templates.transport.Transport`, which builds the stages that
+      move the states clients keep between their rounds and the updates a server step
+      collects (values through TFF's executor by default).
   """
 
   model_fn: Callable[..., tf.keras.Model]
@@ -72,7 +76,7 @@ class BuildContext:
   build_model: Callable[[str, int], tf.keras.Model] | None = None
   task: Any = None
   model: str = ""
-  client_files: bool = False
+  transport: transport_lib.Transport = transport_lib.VALUES
 
   def __post_init__(self):
     if not isinstance(self.groups, Mapping):
@@ -103,8 +107,9 @@ class Algorithm:
       distillation step each teacher's and the weight average's.
     on_device: its clients run plain local SGD(M), which devices can.
     variant_flags: flags that name its variant, shown by `compare` even at their defaults.
-    binary_recipe: its flags' values that a run of a binarized model takes by default,
-      besides the model's own recipe (`tasks.resnet.BINARY_RECIPE`).
+    binary_recipe: `flag values -> {flag: value}`, what a run of a binarized model with those
+      flags takes by default besides the model's own recipe (`tasks.resnet.BINARY_RECIPE`);
+      None drops a flag of that recipe.
   """
 
   name: str
@@ -117,14 +122,14 @@ class Algorithm:
   recalibrates: bool = False
   on_device: bool = False
   variant_flags: tuple[str, ...] = ()
-  binary_recipe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  binary_recipe: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda values: {}
 
 
 @dataclasses.dataclass(frozen=True)
 class ClientStates:
-  """What each client keeps between its rounds (FedDyn's g, Ditto's personal model, LG-FedAvg's
-  local layers): one array per (client, key), which the program stores and passes to
-  `next` for the cohort.
+  """What each client keeps between its rounds (FedDyn's g, a personal model, a client's own
+  layers): one array per (client, key), which the program stores and passes to `next` for
+  the cohort.
 
   Attributes:
     shape, dtype: one client's state.
@@ -133,10 +138,9 @@ class ClientStates:
       the member it trains); None: one state per client (key 0).
     initial: a client's state before its first round; None: zeros.
     model: `(state, global models) -> ModelWeights`, the client's own model for evaluation on
-      its own examples (Ditto's personal model, LG-FedAvg's local layers under the global
-      ones); None: the clients have none.
+      its own examples and export (`own_models`); None: the clients have none.
     in_files: `next` takes each client's paths to read and write its state
-      (`BuildContext.client_files`), not the state.
+      (`BuildContext.transport` with files), not the state.
   """
 
   shape: tuple[int, ...]
@@ -175,8 +179,47 @@ class RoundResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class FinishedRun:
+  """What a finished run gives an algorithm's `FederatedAlgorithm.summary` hook: its final
+  state and what the program measured, and the program's evaluation and files (FedJAX's
+  evaluation passed in).
+
+  Attributes:
+    state: the final process state.
+    models: its model(s) (`FederatedAlgorithm.models_fn`).
+    data: the task's data (`tasks.data.FederatedData`).
+    summary: the summary's keys so far (the models' test metrics).
+    rows: metrics.csv's rows, one per round.
+    teachers: the last round's teachers (`RoundResult.output`), or None.
+    teacher_test: their predictions on every evaluation split, or None.
+    evaluator: `model_fn -> evaluator` of that Keras model (`summary(models, split)`,
+      `member_probabilities`, its `model`); `evaluator(None)` is the run's own.
+    save_model: `(path in the run's directory, Keras model, weights) -> None`.
+    client_state: `client index -> its newest stored state (key 0)`, None if it never trained.
+  """
+
+  state: Any
+  models: list
+  data: Any
+  summary: Mapping[str, Any]
+  rows: Sequence[Mapping[str, Any]]
+  teachers: Any
+  teacher_test: Any
+  evaluator: Callable[[Callable[[], tf.keras.Model] | None], Any]
+  save_model: Callable[[str, tf.keras.Model, ModelWeights], None]
+  client_state: Callable[[int], np.ndarray | None]
+
+
+def sampled_cohort(num_clients: int, seed: int, round_num: int, sample) -> np.ndarray:
+  """The cohort the program samples (`sample()`: `--clients_per_round` clients drawn
+  uniformly by (seed, round))."""
+  del num_clients, seed, round_num
+  return sample()
+
+
+@dataclasses.dataclass(frozen=True)
 class FederatedAlgorithm:
-  """A built algorithm: its TFF process and how the round loop drives and evaluates it.
+  """A built algorithm: its TFF process and the hooks the round loop and the summary call.
 
   Attributes:
     name: the algorithm's flag value.
@@ -194,11 +237,9 @@ class FederatedAlgorithm:
       as its measurements for the next round; Fed-ensemble's `assigned_model`); None: every
       client trains the first.
     client_states: what each client keeps between its rounds, else None.
-    cohort_fn: `(num_clients, seed, round) -> client indices`, the clients of a round when
-      the algorithm chooses them (a random walk's); None: the program samples
-      `--clients_per_round` uniformly.
-    prototypes_fn: for FedDF over model prototypes, `state -> [(name, model_fn,
-      weights)]`, every prototype's model (`models_fn` gives the first); None otherwise.
+    cohort: `(num_clients, seed, round, sample) -> client indices`, the clients of a round
+      (`sampled_cohort`: the program's uniform `sample()`; a random walk's walkers).
+    summary: `FinishedRun -> {key: value}`, the algorithm's own keys of `summary.json`.
   """
 
   name: str
@@ -210,17 +251,30 @@ class FederatedAlgorithm:
   client_keys: Callable[[np.ndarray, np.ndarray], Sequence[int]] | None = None
   assigned_models: Callable[[Sequence[int], Any], list[int]] | None = None
   client_states: ClientStates | None = None
-  cohort_fn: Callable[[int, int, int], np.ndarray] | None = None
-  prototypes_fn: (
-    Callable[[Any], list[tuple[str, Callable[[], tf.keras.Model], ModelWeights]]] | None
-  ) = None
+  cohort: Callable[..., np.ndarray] = sampled_cohort
+  summary: Callable[[FinishedRun], Mapping[str, Any]] = lambda finished: {}
+
+  @property
+  def keyed(self) -> bool:
+    """Which model a client trains depends on the distributor's state (`key_state`)."""
+    states = self.client_states
+    return self.assigned_models is not None or (states is not None and states.keys is not None)
+
+  def models_assigned(self, cohort: Sequence[int], key_state) -> list[int]:
+    """The model of `models_fn` each client of `cohort` trains (`assigned_models`)."""
+    if self.assigned_models is None:
+      return [0] * len(cohort)
+    return self.assigned_models(cohort, key_state)
 
   @classmethod
   def of(cls, name: str, built: built_lib.BuiltProcess, context: BuildContext, **fields):
-    """The algorithm `name` of a process builder's result; `fields` are the others."""
+    """The algorithm `name` of a process builder's result; `fields` are the others. A
+    `DriverProcess`'s summary has its server step's keys (`server_step.summary`) by default."""
     states = fields.pop("client_states", None)
     if states is not None:
-      states = dataclasses.replace(states, in_files=context.client_files)
+      states = dataclasses.replace(states, in_files=context.transport.files)
+    if isinstance(built.process, server_step.DriverProcess):
+      fields.setdefault("summary", server_step.summary)
     return cls(
       client_states=states,
       name=name,

@@ -27,12 +27,14 @@ import tensorflow_federated as tff
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
 from tff_ens.algorithms import fedavg
+from tff_ens.algorithms import own_models
 from tff_ens.settings import setting
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
 from tff_ens.templates import composition
 from tff_ens.templates import server_optimizer
 from tff_ens.templates import stateful_client_work
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -68,6 +70,14 @@ def train_personal(
   """Ditto's personal update (Algorithm 1, line 8): local SGD from `personal` on the client's
   loss plus the proximal term `config.proximal_mu`/2 ||v - w^t||^2 towards `global_weights`;
   returns `(new personal weights, metric sums)`."""
+
+  def objective_gradient(grads, weights):
+    # The proximal term's centre is the round's global model, not the personal start.
+    return [
+      client_work_lib.local_objective_gradient(g, w, center, config)
+      for g, w, center in zip(grads, weights, global_weights.trainable)
+    ]
+
   result, metrics = client_work_lib.train_locally(
     model,
     optimizer,
@@ -75,16 +85,18 @@ def train_personal(
     dataset,
     learning_rate,
     config,
-    proximal_center=global_weights.trainable,
+    objective_gradient=objective_gradient,
   )
   # A rejected update (not finite) is zeros: the personal model stays.
   return tf.nest.map_structure(tf.subtract, personal, result.update), metrics
 
 
-def build_client_work(model_fn, element_spec, config, options: Settings, state_files=False):
+def build_client_work(
+  model_fn, element_spec, config, options: Settings, transport=transport_lib.VALUES
+):
   """Ditto's client work: FedAvg's local training of the global model, then the personal
-  model's (`train_personal`), whose weights are the client's state (one float32 vector; in a
-  file with `state_files`)."""
+  model's (`train_personal`), whose weights are the client's state (one float32 vector,
+  moved by `transport`)."""
   client_work_lib.check_data_fits_model(model_fn, element_spec)
   weights_type = client_work_lib.weights_type_of(model_fn)
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
@@ -124,7 +136,7 @@ def build_client_work(model_fn, element_spec, config, options: Settings, state_f
     measured["personal_train_accuracy"] = sums["personal_correct"] / n
     return measured
 
-  return stateful_client_work.build(client_update, config, finalize, state_files)
+  return transport.stateful_client_work(client_update, config, finalize)
 
 
 def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
@@ -135,17 +147,18 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     context.element_spec,
     context.local,
     context.group(Settings),
-    context.client_files,
+    context.transport,
   )
   rate = fedavg.server_learning_rate(context, fedavg.LEARNING_RATE)
+  distributor, aggregator, finalizer = server_optimizer.fedavg_stages(
+    weights_type, server_optimizer.build_server_optimizer(rate)
+  )
   process = composition.compose(
     server_optimizer.build_initial_weights_fn(model_fn),
-    tff.learning.templates.build_broadcast_process(weights_type),
+    distributor,
     client_work,
-    tff.aggregators.MeanFactory(no_nan_division=True).create(
-      weights_type, tff.TensorType(np.float32)
-    ),
-    server_optimizer.build_finalizer(server_optimizer.build_server_optimizer(rate), weights_type),
+    aggregator,
+    finalizer,
     client_state_type=client_work.next_state_type,
   )
   update = client_work.client_update.type_signature
@@ -161,7 +174,9 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     initial=lambda: stateful_client_work.flatten(initial).numpy(),
     model=lambda state, models: stateful_client_work.unflatten_numpy(state, models[0]),
   )
-  return algorithm.FederatedAlgorithm.of("ditto", built, context, client_states=states)
+  return algorithm.FederatedAlgorithm.of(
+    "ditto", built, context, client_states=states, summary=own_models.summary(states)
+  )
 
 
 ALGORITHM = algorithm.Algorithm(

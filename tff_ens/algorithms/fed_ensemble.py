@@ -42,6 +42,7 @@ is complete (with FedDyn, together with the clients' stored states).
 """
 
 import collections
+import functools
 from typing import Callable
 
 import numpy as np
@@ -56,9 +57,11 @@ from tff_ens.settings import setting
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
 from tff_ens.templates import composition
+from tff_ens.templates import device_client_work
 from tff_ens.templates import feddyn
 from tff_ens.templates import keyed_stages
 from tff_ens.templates import privacy
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -92,6 +95,7 @@ class Settings:
     "Each model's average over its clients: each client once (the paper's Remark 1 and the "
     "authors' code) or by examples (FedAvg's).",
     choices=MEMBER_AVERAGES,
+    before="examples",
   )
   local_objective: str = setting(
     "sgd",
@@ -126,21 +130,16 @@ def build_fed_ensemble(
   dp: privacy.DPConfig | None = None,
   num_clients: int = 0,
   on_device: bool = False,
-  keys_given: bool = False,
-  state_files: bool = False,
+  client_key: Callable | None = None,
+  transport: transport_lib.Transport = transport_lib.VALUES,
 ) -> built_lib.BuiltProcess:
-  """Builds Fed-ensemble as a `tff.templates.IterativeProcess`.
-
-  `next(state, client_data, client_indices)`: `client_data` are the cohort's
-  datasets, `client_indices` (int32 at CLIENTS) each client's fixed index in
-  the population, from which it derives its permutation row. With FedDyn,
-  `next(state, client_data, client_indices, client_states) -> (state,
-  metrics, new client states)`: each client's FedDyn state g for the model it
-  trains this round (`assigned_model`), zeros before its first time.
+  """Builds Fed-ensemble as a `tff.templates.IterativeProcess`: `next(state, client_data,
+  client_indices[, client_states]) -> (state, metrics[, new client states])`, the indices
+  (int32 at CLIENTS) each client's in the population (its permutation row), the states
+  FedDyn's g of the member it trains (`assigned_model`), zeros before its first time.
 
   Args:
-    member_model_fn: `k -> Keras model` with member k's initialization (all
-      members share one architecture).
+    member_model_fn: `k -> Keras model` with member k's initialization (one architecture).
     element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
     local_config: client training (FedAvg's, or FedProx with `proximal_mu`).
     ensemble_size: K.
@@ -148,65 +147,42 @@ def build_fed_ensemble(
       FedDyn's local objective and server correction with `feddyn_alpha`; DP and FedDyn
       count every client once whatever `member_average` is.
     seed: seed of the permutations.
-    dp: clip every update to `dp.clip_norm` and noise the slot sums
-      (`privatize_slots`); fixed clipping only. None: plain slot means.
+    dp: clip every update to `dp.clip_norm`, noise the slot sums (`privatize_slots`).
     num_clients: the population m (FedDyn's h divides by it).
-    on_device: the clients trained their assigned member on their devices
-      (`tff_ens.program.device_clients`): their data are the results
-      (`client_work.build_device_client_work`), so no FedDyn.
-    keys_given: the int32 each client passes after its data is the member it trains (a
-      random walk's walker), not its index in the population.
-    state_files: FedDyn's clients read and write their g in files (`next` takes each
-      client's two paths, `stateful_client_work.through_files`).
+    on_device: the clients' data are their devices' results of training their member
+      (`device_client_work.build_device_client_work`), so no FedDyn.
+    client_key: `(distributor state, the int32 a client passes after its data) -> [the
+      member it trains]` in TensorFlow; None: `member_key`, the member its index in the
+      population is assigned in the state's round (`assigned_model`).
+    transport: what moves FedDyn's clients' g (`transport.Transport`; with files `next`
+      takes each client's two paths, `stateful_client_work.through_files`).
   """
-  if ensemble_size < 1:
-    raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
-  if dp is not None and dp.adaptive:
-    raise ValueError("Fed-ensemble's DP needs a fixed clip norm > 0")
+  _check_options(ensemble_size, options, dp, num_clients, on_device)
   uses_feddyn = options.local_objective == "feddyn"
   feddyn_alpha = options.feddyn_alpha if uses_feddyn else 0.0
-  assignment, member_average = options.assignment, options.member_average
-  if uses_feddyn and on_device:
-    raise ValueError("FedDyn's clients keep a state the device file has not: use SGD on devices")
-  if uses_feddyn and (dp is not None or num_clients < 1):
-    raise ValueError(
-      "FedDyn needs num_clients >= 1 and no DP (its client state is the client's unclipped updates)"
-    )
   k = ensemble_size
   architecture_fn = lambda: member_model_fn(0)
   weights_type = client_work_lib.weights_type_of(architecture_fn)
-  if uses_feddyn:
-    client_work = feddyn.build_feddyn_client_work(
-      architecture_fn, element_spec, local_config, feddyn_alpha, state_files
-    )
-    work_stage = client_work
-  else:
-    client_work = (
-      client_work_lib.build_device_client_work(weights_type, local_config)
-      if on_device
-      else client_work_lib.build_client_work(architecture_fn, element_spec, local_config)
-    )
-    work_stage = client_work.process
-
-  @tff.tensorflow.computation
-  def initial_members():
-    return tuple(ModelWeights.from_model(member_model_fn(i)) for i in range(k))
-
+  client_work, work_stage = _build_client_work(
+    architecture_fn, element_spec, local_config, feddyn_alpha, on_device, transport
+  )
+  initial_members = _initial_members(member_model_fn, k)
   members_type = initial_members.type_signature.result
   distributor = _build_distributor(
-    members_type, weights_type, k, seed, assignment, keys_given, options.member_delivery
+    members_type,
+    weights_type,
+    seed,
+    client_key or functools.partial(member_key, ensemble_size=k, assignment=options.assignment),
+    options.member_delivery,
   )
-  update_type = client_work.client_update.type_signature.result[0].update
   aggregator = keyed_stages.build_slot_aggregator(
-    update_type,
+    client_work.client_update.type_signature.result[0].update,
     k,
-    count_clients_once=member_average == "clients" or uses_feddyn,
+    count_clients_once=options.member_average == "clients" or uses_feddyn,
     dp=dp,
   )
   slots_type = aggregator.next.type_signature.result.result.member
-  finalizer = _build_finalizer(
-    members_type, slots_type, weights_type, feddyn_alpha if uses_feddyn else 0.0, num_clients
-  )
+  finalizer = _build_finalizer(members_type, slots_type, weights_type, feddyn_alpha, num_clients)
   process = composition.compose(
     initial_members,
     distributor,
@@ -216,8 +192,63 @@ def build_fed_ensemble(
     keyed=True,
     client_state_type=client_work.next_state_type if uses_feddyn else None,
   )
+  return built_lib.BuiltProcess(
+    process,
+    *_transfer_types(weights_type, distributor, client_work, uses_feddyn),
+    lambda state: list(state["model"]),
+    client_work.client_state_type if uses_feddyn else None,
+  )
+
+
+def _initial_members(member_model_fn, k: int) -> tff.Computation:
+  """`() -> the K members' initial ModelWeights`, member i from `member_model_fn(i)`."""
+
+  @tff.tensorflow.computation
+  def initial_members():
+    return tuple(ModelWeights.from_model(member_model_fn(i)) for i in range(k))
+
+  return initial_members
+
+
+def _check_options(ensemble_size, options: Settings, dp, num_clients: int, on_device: bool):
+  """ValueError for a Fed-ensemble `build_fed_ensemble` cannot build."""
+  uses_feddyn = options.local_objective == "feddyn"
+  if ensemble_size < 1:
+    raise ValueError(f"ensemble_size must be >= 1, got {ensemble_size}")
+  if dp is not None and dp.adaptive:
+    raise ValueError("Fed-ensemble's DP needs a fixed clip norm > 0")
+  if uses_feddyn and on_device:
+    raise ValueError("FedDyn's clients keep a state the device file has not: use SGD on devices")
+  if uses_feddyn and (dp is not None or num_clients < 1):
+    raise ValueError(
+      "FedDyn needs num_clients >= 1 and no DP (its client state is the client's unclipped updates)"
+    )
+
+
+def _build_client_work(
+  architecture_fn, element_spec, local_config, feddyn_alpha, on_device, transport
+):
+  """`(client work, its stage)`: FedDyn's (`feddyn_alpha` > 0, its states moved by
+  `transport`), the devices' results, or the shared local training."""
+  if feddyn_alpha:
+    client_work = feddyn.build_feddyn_client_work(
+      architecture_fn, element_spec, local_config, feddyn_alpha, transport
+    )
+    return client_work, client_work
+  weights_type = client_work_lib.weights_type_of(architecture_fn)
+  client_work = (
+    device_client_work.build_device_client_work(weights_type, local_config)
+    if on_device
+    else client_work_lib.build_client_work(architecture_fn, element_spec, local_config)
+  )
+  return client_work, client_work.process
+
+
+def _transfer_types(weights_type, distributor, client_work, uses_feddyn: bool):
+  """What one client downloads and uploads: the member it trains, whatever the delivery (Shi
+  et al.: one model down), with its assignment and learning rate; its result (FedDyn's new g,
+  its third, stays on the client) and its key."""
   client_update_type = client_work.client_update.type_signature
-  # The member the client trains, whatever the delivery (Shi et al.: one model down).
   download = tff.StructType(
     [
       ("model", weights_type),
@@ -225,43 +256,34 @@ def build_fed_ensemble(
       ("learning_rate", client_update_type.parameter.learning_rate),
     ]
   )
-  # FedDyn's third result, the client's new g, stays on the client.
   uploaded = client_update_type.result
   if uses_feddyn:
     uploaded = tff.StructType(list(client_update_type.result)[:2])
   key_type = distributor.next.type_signature.result.result[1].member
-  upload = tff.StructType([("client_result", uploaded), ("key", key_type)])
-  return built_lib.BuiltProcess(
-    process,
-    download,
-    upload,
-    lambda state: list(state["model"]),
-    client_work.client_state_type if uses_feddyn else None,
+  return download, tff.StructType([("client_result", uploaded), ("key", key_type)])
+
+
+def member_key(state, client_index, *, ensemble_size: int, assignment: str):
+  """The member client `client_index` trains in the round of the distributor's `state`
+  (`member_updates.assigned_model`), as a [1] tensor."""
+  return tf.reshape(
+    member_updates.assigned_model(
+      state["seed"], client_index, state["round"], ensemble_size, assignment
+    ),
+    [1],
   )
 
 
-def _build_distributor(
-  members_type,
-  weights_type,
-  k: int,
-  seed: int,
-  assignment: str,
-  keys_given: bool,
-  delivery: str,
-):
-  """Fed-ensemble's distributor: client i downloads member `assigned_model` of the round
-  (`keyed_stages.build_keyed_distributor`), or with `keys_given` the member its int32 names;
-  its state is (round, seed). `delivery`: one of `MEMBER_DELIVERIES`."""
+def _build_distributor(members_type, weights_type, seed: int, key_fn, delivery: str):
+  """Fed-ensemble's distributor: each client downloads the member `key_fn(state, its int32)`
+  names (`keyed_stages.build_keyed_distributor`); its state is (round, seed). `delivery`: one
+  of `MEMBER_DELIVERIES`."""
   key_state = collections.OrderedDict(round=np.int32(0), seed=np.int64(seed))
   key_state_type = collections.OrderedDict(round=np.int32, seed=np.int64)
 
   @tff.tensorflow.computation(key_state_type, np.int32)
   def client_key(state, client_index):
-    if keys_given:
-      return tf.reshape(client_index, [1])
-    return tf.reshape(
-      member_updates.assigned_model(state["seed"], client_index, state["round"], k, assignment), [1]
-    )
+    return key_fn(state, client_index)
 
   def member(members, key):
     return tf.switch_case(
@@ -392,7 +414,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     dp=context.dp,
     num_clients=context.num_clients,
     on_device=context.on_device,
-    state_files=context.client_files,
+    transport=context.transport,
   )
   members = lambda clients, key_state: assigned_models(key_state, clients, k, options.assignment)
   states = None
@@ -418,7 +440,7 @@ def validate(config) -> None:
       "FedDyn keeps each client's unclipped updates: it does not combine with DP (--dp_*); "
       "use --local_objective=sgd or fedprox",
     )
-  if config.local_objective != "sgd" and config.client_runtime != "tff":
+  if config.local_objective != "sgd" and config.on_devices:
     raise settings.SettingError(
       "client_runtime",
       config.client_runtime,

@@ -19,6 +19,7 @@ from tff_ens.algorithms import algorithm
 from tff_ens.settings import setting
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
+from tff_ens.templates import device_client_work
 from tff_ens.templates import server_optimizer as server_optimizer_lib
 
 # FedAvg's server step: the model moves by the whole mean update.
@@ -38,6 +39,14 @@ class ServerSettings:
     "algorithm's own (FedAvg's 1; FedAdam's in tff_ens/algorithms/fedadam.py).",
     above=0,
   )
+
+  @staticmethod
+  def upgrade_saved(saved: dict) -> dict:
+    """Before FedAdam (`--server_epsilon`) every run wrote `server_lr`, FedAvg's 1 by default,
+    whatever its algorithm: there it becomes unset (the algorithm's own)."""
+    if "server_epsilon" not in saved and saved.get("server_lr") == LEARNING_RATE:
+      return {"server_lr": None}
+    return {}
 
 
 def server_learning_rate(context: algorithm.BuildContext, default: float) -> float:
@@ -99,7 +108,7 @@ def build_fedavg(
     aggregator_factory: a weighted `tff.aggregators` factory for the updates
       (DP, clipping, compression); the weighted mean by default.
     on_device: the clients train on their devices (`tff_ens.program.device_clients`), and their
-      data are the results (`client_work.build_device_client_work`).
+      data are the results (`device_client_work.build_device_client_work`).
     recalibration_images: server images on which the new model's batch-norm statistics
       are measured each round (`server_optimizer.build_finalizer`); None averages the clients'.
 
@@ -108,22 +117,21 @@ def build_fedavg(
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = (
-    client_work_lib.build_device_client_work(weights_type, local_config)
+    device_client_work.build_device_client_work(weights_type, local_config)
     if on_device
     else client_work_lib.build_client_work(model_fn, element_spec, local_config)
   )
-  # no_nan_division: a round where every update was rejected (total weight
-  # 0) leaves the model unchanged instead of turning it into NaN.
-  factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
+  distributor, aggregator, finalizer = server_optimizer_lib.fedavg_stages(
+    weights_type,
+    server_optimizer,
+    aggregator_factory,
+    None if recalibration_images is None else (model_fn, recalibration_images),
+  )
   process = tff.learning.templates.compose_learning_process(
     server_optimizer_lib.build_initial_weights_fn(model_fn),
-    tff.learning.templates.build_broadcast_process(weights_type),
+    distributor,
     client_work.process,
-    factory.create(weights_type, tff.TensorType(np.float32)),
-    server_optimizer_lib.build_finalizer(
-      server_optimizer or server_optimizer_lib.build_server_optimizer(),
-      weights_type,
-      None if recalibration_images is None else (model_fn, recalibration_images),
-    ),
+    aggregator,
+    finalizer,
   )
   return built_lib.built_from_client_work(process, client_work)

@@ -41,6 +41,7 @@ class Settings:
     "the authors' 1,580 steps; their code's 500 is 0.316).",
     at_least=0,
     below=1,
+    before=0.0,
   )
 
 
@@ -101,7 +102,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     server_config(context),
     clients_per_round=context.clients_per_round,
     recalibration_images=context.recalibration_images,
-    upload_files=context.client_files,
+    transport=context.transport,
   )
   return algorithm.FederatedAlgorithm.of("fedbe", built, context)
 

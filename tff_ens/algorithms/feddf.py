@@ -42,11 +42,13 @@ class Settings:
     False,
     "FedDF: return the initial student when no evaluated one beats it on validation (False: "
     "the best evaluated one, as the authors' code).",
+    before=True,
   )
   distill_clip_norm: float = setting(
     5.0,
     "FedDF: clip the student's gradient to this global norm (0: none; 5 is the authors' code's).",
     at_least=0,
+    before=0.0,
   )
   prototypes: str = setting(
     "",
@@ -117,7 +119,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
       config,
       clients_per_round=context.clients_per_round,
       recalibration_images=context.recalibration_images,
-      upload_files=context.client_files,
+      transport=context.transport,
     )
     return algorithm.FederatedAlgorithm.of("feddf", built, context)
   # Prototype p starts from its own seed, as ensemble member p does.
@@ -133,14 +135,14 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     context.server_data,
     config,
     clients_per_round=context.clients_per_round,
-    upload_files=context.client_files,
+    transport=context.transport,
   )
   return algorithm.FederatedAlgorithm.of(
     "feddf",
     built,
     context,
     client_keys=lambda clients, slots: clients,
-    prototypes_fn=lambda state: list(zip(names, model_fns, state["model"])),
+    summary=model_prototypes.summary(names, model_fns),
   )
 
 
@@ -182,5 +184,9 @@ ALGORITHM = algorithm.Algorithm(
   # Binarized students beat their weight average by a few validation images at most, and
   # were then often worse on the test set (benchmarks/RESULTS.md, "FedDF on the binarized
   # ResNet-8 with its teachers' batch norm measured on server images").
-  binary_recipe={"distill_keep_initial": True},
+  # Prototypes have no one model's statistics to measure.
+  binary_recipe=lambda values: {
+    "distill_keep_initial": True,
+    **({"recalibrate_batch_norm": None} if values.get("prototypes") else {}),
+  },
 )

@@ -40,7 +40,6 @@ FedPPD+Distill can distill the teachers too, as the code does
 import collections
 from typing import Callable
 
-import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -117,31 +116,27 @@ def train_teacher_student(
 ):
   """FedPPD's client update (Bhatt et al., supplement, Algorithm 1).
 
-  Over the client's minibatches in `fedppd_local.minibatch_stream`'s order: SGLD steps of
-  the teacher on the client's data (`fedppd_local.sgld_step` with `fedppd_local.chain_parameters`,
-  likelihood rescaled by N/n, step size by `fedppd_local.scheduled_rate`), and SGD steps
-  of the student on the cross-entropy to the current teacher's predictive
-  distribution on a minibatch plus Gaussian input noise
-  (`fedppd_local.distillation_loss`).
+  Over the client's minibatches in `fedppd_local.minibatch_stream`'s order: SGLD steps of the
+  teacher on its data (`_teacher_step`), and SGD steps of the student towards the teacher's
+  predictive distribution on noisy inputs (`_student_step`).
 
   Args:
-    teacher: Keras model (logits) of the baselines' architecture.
-    student: Keras model (logits), usually larger.
+    teacher, student: Keras models (logits), the baselines' architecture and usually larger.
     initial_weights: `join(teacher weights, student weights)` to start from.
     dataset: batches `(x, y)`, repeated `config.epochs` times.
-    round_num: the 0-based round (seeds the noise with the client's data,
-      sets the round's step sizes).
+    round_num: the 0-based round (seeds the noise with the client's data; step sizes).
     config: `fedppd_local.PosteriorConfig`.
 
   Returns:
-    `(ClientResult(update=initial - final joined weights, update_weight=N),
-    metrics)`, metrics as sums over examples: `loss` (teacher NLL),
-    `student_loss` (distillation loss), `correct` (the student's correct
-    predictions of the labels of its minibatches), `num_examples` (the
-    teacher's), `rejected`.
+    `(ClientResult(update=initial - final joined weights, update_weight=N), metrics)`,
+    metrics as sums over examples: `loss` (teacher NLL), `student_loss` (distillation loss),
+    `correct` (the student's correct predictions of its minibatches' labels),
+    `num_examples` (the teacher's), `rejected`.
   """
-  teacher_weights = ModelWeights.from_model(teacher)
-  student_weights = ModelWeights.from_model(student)
+  teacher_weights, student_weights = (
+    ModelWeights.from_model(teacher),
+    ModelWeights.from_model(student),
+  )
   tf.nest.map_structure(
     lambda v, t: v.assign(t), join(teacher_weights, student_weights), initial_weights
   )
@@ -152,13 +147,9 @@ def train_teacher_student(
   step_size, temperature = fedppd_local.chain_parameters(
     config.sgld_scaling, config.teacher_step_size, config.temperature, num_data
   )
-  student_optimizer = tff.learning.optimizers.build_sgdm(
-    learning_rate=fedppd_local.scheduled_rate(
-      config.student_lr, round_num, 0, config.student_round_decay
-    ),
-    momentum=config.student_momentum or None,
-  )
+  student_optimizer = _student_optimizer(config, round_num)
   student_vars = student_weights.trainable
+  student_stepper = (teacher, student, student_vars, student_optimizer, config)
   opt_state = student_optimizer.initialize(
     tuple(tf.TensorSpec(v.shape, v.dtype) for v in student_vars)
   )
@@ -166,57 +157,8 @@ def train_teacher_student(
     from_logits=True, reduction=tf.keras.losses.Reduction.SUM
   )
   prior_precision = config.prior_precision + num_data * config.teacher_weight_decay
-
-  def teacher_step(x, y, taught, step_seed):
-    """One SGLD step on (x, y); returns the batch's summed NLL."""
-    epoch = taught * config.epochs // tf.maximum(seen, 1)
-    eps = fedppd_local.scheduled_rate(
-      step_size,
-      round_num,
-      epoch,
-      config.teacher_round_decay,
-      config.teacher_step_decay,
-      config.teacher_step_decay_epochs,
-    )
-    with tf.GradientTape() as tape:
-      batch_nll = nll(y, teacher(x, training=True))
-      mean_nll = batch_nll / tf.cast(tf.shape(y)[0], tf.float32)
-    grads = tape.gradient(mean_nll, teacher_weights.trainable)
-    potential = [
-      num_data * g + prior_precision * w for g, w in zip(grads, teacher_weights.trainable)
-    ]
-    new_teacher = fedppd_local.sgld_step(
-      teacher_weights.trainable,
-      potential,
-      eps,
-      temperature,
-      tf.random.experimental.stateless_fold_in(step_seed, 0),
-    )
-    for v, t in zip(teacher_weights.trainable, new_teacher):
-      v.assign(v.constraint(t) if v.constraint is not None else t)
-    return batch_nll
-
-  def student_step(x, y, opt_state, step_seed):
-    """One SGD step towards the teacher on noisy x; returns (state, loss,
-    correct predictions of y)."""
-    noisy = x + config.input_noise_std * tf.random.stateless_normal(
-      tf.shape(x), seed=tf.random.experimental.stateless_fold_in(step_seed, 1)
-    )
-    targets = tf.nn.softmax(teacher(noisy, training=False))
-    with tf.GradientTape() as tape:
-      logits = student(noisy, training=True)
-      loss = fedppd_local.distillation_loss(targets, logits)
-    grads = tape.gradient(loss, student_vars)
-    grads = [g + config.student_weight_decay * w for g, w in zip(grads, student_vars)]
-    opt_state, new_student = student_optimizer.next(opt_state, tuple(student_vars), tuple(grads))
-    for v, t in zip(student_vars, new_student):
-      v.assign(t)
-    hits = tf.reduce_sum(
-      tf.cast(
-        tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)), tf.float32
-      )
-    )
-    return opt_state, loss, hits
+  chain = (step_size, temperature, num_data, prior_precision, seen, round_num)
+  teacher_stepper = (teacher, teacher_weights.trainable, nll, config, chain)
 
   def step(carry, batch):
     opt_state, counter, taught, nll_sum, student_sum, correct = carry
@@ -225,31 +167,92 @@ def train_teacher_student(
     step_seed = tf.random.experimental.stateless_fold_in(seed, counter)
     teaches = tf.not_equal(role, fedppd_local.STUDENT)
     batch_nll = tf.cond(
-      teaches, lambda: teacher_step(x, y, taught, step_seed), lambda: tf.constant(0.0)
+      teaches,
+      lambda: _teacher_step(*teacher_stepper, x, y, taught, step_seed),
+      lambda: tf.constant(0.0),
     )
     opt_state, loss, hits = tf.cond(
       tf.not_equal(role, fedppd_local.TEACHER),
-      lambda: student_step(x, y, opt_state, step_seed),
+      lambda: _student_step(*student_stepper, x, y, opt_state, step_seed),
       lambda: (opt_state, tf.constant(0.0), tf.constant(0.0)),
     )
-    return (
-      opt_state,
-      counter + 1,
-      taught + tf.where(teaches, n, tf.constant(0, tf.int64)),
-      nll_sum + batch_nll,
-      student_sum + loss * tf.cast(n, tf.float32),
-      correct + hits,
-    )
+    taught += tf.where(teaches, n, tf.constant(0, tf.int64))
+    student_sum += loss * tf.cast(n, tf.float32)
+    return opt_state, counter + 1, taught, nll_sum + batch_nll, student_sum, correct + hits
 
   zero = tf.constant(0.0)
   carry = fedppd_local.minibatch_stream(
     dataset, sizes, config.student_minibatch, config.epochs
   ).reduce((opt_state, tf.constant(0, tf.int64), tf.constant(0, tf.int64), zero, zero, zero), step)
-  _, _, taught, nll_sum, student_sum, correct = carry
-  count = tf.cast(taught, tf.float32)
   final = tf.nest.map_structure(tf.identity, join(teacher_weights, student_weights))
+  return _client_result(initial_weights, final, num_data, carry[2:], config.max_update_norm)
+
+
+def _student_optimizer(config: fedppd_local.PosteriorConfig, round_num):
+  """The student's SGD(M) at its rate for round `round_num` (`fedppd_local.scheduled_rate`)."""
+  return tff.learning.optimizers.build_sgdm(
+    learning_rate=fedppd_local.scheduled_rate(
+      config.student_lr, round_num, 0, config.student_round_decay
+    ),
+    momentum=config.student_momentum or None,
+  )
+
+
+def _student_step(teacher, student, variables, optimizer, config, x, y, opt_state, step_seed):
+  """One SGD step of the student's `variables` towards the teacher's predictive distribution
+  on noisy x (`fedppd_local.distillation_loss`); returns (optimizer state, loss, correct
+  predictions of y)."""
+  noisy = x + config.input_noise_std * tf.random.stateless_normal(
+    tf.shape(x), seed=tf.random.experimental.stateless_fold_in(step_seed, 1)
+  )
+  targets = tf.nn.softmax(teacher(noisy, training=False))
+  with tf.GradientTape() as tape:
+    logits = student(noisy, training=True)
+    loss = fedppd_local.distillation_loss(targets, logits)
+  grads = tape.gradient(loss, variables)
+  grads = [g + config.student_weight_decay * w for g, w in zip(grads, variables)]
+  opt_state, new_student = optimizer.next(opt_state, tuple(variables), tuple(grads))
+  for v, t in zip(variables, new_student):
+    v.assign(t)
+  return opt_state, loss, client_work_lib.count_correct(logits, y)
+
+
+def _teacher_step(model, variables, nll, config, chain, x, y, taught, step_seed):
+  """One SGLD step of the teacher's trainable `variables` on the batch (x, y) (Welling and
+  Teh 2011; `fedppd_local.sgld_step`): the potential's gradient is N times the mean NLL's
+  plus the prior precision times w, the step size scheduled by the epoch `taught` examples
+  into the `seen` of the round (`fedppd_local.scheduled_rate`); returns the batch's summed
+  NLL. `chain`: (base step size, temperature, N, prior precision, seen, round)."""
+  step_size, temperature, num_data, prior_precision, seen, round_num = chain
+  epoch = taught * config.epochs // tf.maximum(seen, 1)
+  eps = fedppd_local.scheduled_rate(
+    step_size,
+    round_num,
+    epoch,
+    config.teacher_round_decay,
+    config.teacher_step_decay,
+    config.teacher_step_decay_epochs,
+  )
+  with tf.GradientTape() as tape:
+    batch_nll = nll(y, model(x, training=True))
+    mean_nll = batch_nll / tf.cast(tf.shape(y)[0], tf.float32)
+  grads = tape.gradient(mean_nll, variables)
+  potential = [num_data * g + prior_precision * w for g, w in zip(grads, variables)]
+  new_weights = fedppd_local.sgld_step(
+    variables, potential, eps, temperature, tf.random.experimental.stateless_fold_in(step_seed, 0)
+  )
+  for v, t in zip(variables, new_weights):
+    v.assign(v.constraint(t) if v.constraint is not None else t)
+  return batch_nll
+
+
+def _client_result(initial_weights, final, num_data, sums, max_update_norm):
+  """`train_teacher_student`'s `(ClientResult, metrics)` of its final weights and its sums
+  `(examples taught, teacher NLL, student loss, student's correct predictions)`."""
+  taught, nll_sum, student_sum, correct = sums
+  count = tf.cast(taught, tf.float32)
   update, weight, rejected = client_work_lib.reject_bad_update(
-    client_work_lib.weights_delta(initial_weights, final), num_data, config.max_update_norm
+    client_work_lib.weights_delta(initial_weights, final), num_data, max_update_norm
   )
   accepted = 1.0 - rejected
   metrics = collections.OrderedDict(
@@ -331,14 +334,16 @@ def build_fedppd(
   the mean.
   """
   weights_type = joint_weights_type(teacher_fn, student_fn)
-  factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
   client_work = build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
+  distributor, aggregator, finalizer = server_optimizer.fedavg_stages(
+    weights_type, aggregator_factory=aggregator_factory
+  )
   process = tff.learning.templates.compose_learning_process(
     build_initial_weights_fn(teacher_fn, student_fn),
-    tff.learning.templates.build_broadcast_process(weights_type),
+    distributor,
     client_work.process,
-    factory.create(weights_type, tff.TensorType(np.float32)),
-    server_optimizer.build_finalizer(server_optimizer.build_server_optimizer(), weights_type),
+    aggregator,
+    finalizer,
   )
   return built_fedppd(process, client_work, teacher_fn)
 

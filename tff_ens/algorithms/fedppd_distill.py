@@ -23,6 +23,7 @@ from tff_ens.settings import setting
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import server_distillation
 from tff_ens.templates import server_step
+from tff_ens.templates import transport as transport_lib
 
 
 class FedPPDDistillStep:
@@ -72,7 +73,7 @@ def build_fedppd_distill(
   *,
   clients_per_round: int,
   teacher_server_config: (server_distillation.ServerDistillationConfig | None) = None,
-  upload_files: bool = False,
+  transport: transport_lib.Transport = transport_lib.VALUES,
 ) -> built_lib.BuiltProcess:
   """Builds FedPPD+Distill (Bhatt et al., Sec. 3.2, "FedPPD+Distill").
 
@@ -85,17 +86,16 @@ def build_fedppd_distill(
   teacher as the authors' code does (train_femnist.py); that step's
   measurements are prefixed `teacher_`. Aggregator FedBE's, client work
   FedPPD's; the step runs in the driver (`server_step.DriverProcess`), to which
-  `upload_files` sends the clients' models as files (`server_step.build_collect`).
+  `transport` moves the clients' models (`transport.Transport.collect`).
   """
   teacher_sizes = fedppd.count_teacher_tensors(teacher_fn)
   weights_type = fedppd.joint_weights_type(teacher_fn, student_fn)
   client_work = fedppd.build_client_work(teacher_fn, student_fn, element_spec, config, weights_type)
-  initialize_fn, collect, update_specs = server_step.build_collect(
+  initialize_fn, collect, update_specs = transport.collect(
     fedppd.build_initial_weights_fn(teacher_fn, student_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
     clients_per_round,
-    upload_files=upload_files,
   )
   step = FedPPDDistillStep(
     teacher_sizes,
@@ -126,6 +126,7 @@ class Settings:
     True,
     "FedPPD+Distill: distill the clients' teachers too, as the authors' code does (about "
     "twice the server step); False averages them.",
+    before=False,
   )
 
 
@@ -145,7 +146,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     server_config,
     clients_per_round=context.clients_per_round,
     teacher_server_config=teacher_config,
-    upload_files=context.client_files,
+    transport=context.transport,
   )
   return algorithm.FederatedAlgorithm.of(
     "fedppd_distill", built, context, evaluation_model_fn=student

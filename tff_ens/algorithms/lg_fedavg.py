@@ -23,6 +23,7 @@ import tensorflow_federated as tff
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
 from tff_ens.algorithms import fedavg
+from tff_ens.algorithms import own_models
 from tff_ens.settings import setting
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
@@ -111,23 +112,22 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     )
     return update, metrics, stateful_client_work.flatten(part(trained, masks, False))
 
-  client_work = stateful_client_work.build(
-    client_update, context.local, state_files=context.client_files
-  )
+  client_work = context.transport.stateful_client_work(client_update, context.local)
 
   @tff.tensorflow.computation
   def initial_global():
     return part(ModelWeights.from_model(model_fn()), masks, True)
 
   rate = fedavg.server_learning_rate(context, fedavg.LEARNING_RATE)
+  distributor, aggregator, finalizer = server_optimizer.fedavg_stages(
+    global_type, server_optimizer.build_server_optimizer(rate)
+  )
   process = composition.compose(
     initial_global,
-    tff.learning.templates.build_broadcast_process(global_type),
+    distributor,
     client_work,
-    tff.aggregators.MeanFactory(no_nan_division=True).create(
-      global_type, tff.TensorType(np.float32)
-    ),
-    server_optimizer.build_finalizer(server_optimizer.build_server_optimizer(rate), global_type),
+    aggregator,
+    finalizer,
     client_state_type=client_work.next_state_type,
   )
   initial_local = tf.nest.map_structure(np.asarray, part(initial, masks, False))
@@ -147,7 +147,9 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
       masks,
     ),
   )
-  return algorithm.FederatedAlgorithm.of("lg_fedavg", built, context, client_states=states)
+  return algorithm.FederatedAlgorithm.of(
+    "lg_fedavg", built, context, client_states=states, summary=own_models.summary(states)
+  )
 
 
 ALGORITHM = algorithm.Algorithm(

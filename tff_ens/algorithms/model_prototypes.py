@@ -32,6 +32,7 @@ once:
 """
 
 import collections
+import os
 import time
 from typing import Callable, Sequence
 
@@ -39,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens import run_files
 from tff_ens.math import drop_worst
 from tff_ens.server import distillation
 from tff_ens.server import server_data as server_data_lib
@@ -48,6 +50,7 @@ from tff_ens.templates import client_work as client_work_lib
 from tff_ens.templates import keyed_stages
 from tff_ens.templates import server_distillation
 from tff_ens.templates import server_step
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -213,7 +216,7 @@ class PrototypeStep:
           steps += int(stats["steps"])
           examples += int(stats["examples"])
           curves[f"validation_curve_{self.names[p]}"] = stats["validation_curve"]
-        distillation.assign_weights(self._models[p], start_p)
+        distillation.assign_variables(self._models[p], start_p)
         new_prototypes.append(start_p)
       accuracies = [s.validation_accuracy(*self._validation) for s in self._students]
     measurements = collections.OrderedDict(
@@ -241,7 +244,7 @@ class PrototypeStep:
     (as `DistillationStep.validation_baselines`): the accuracy of its clients' weight average
     (its start) and of the teachers' AVGLOGITS over every prototype's kept clients."""
     x, y = self._validation
-    distillation.assign_weights(self._models[0], average)
+    distillation.assign_variables(self._models[0], average)
     average_accuracy = self._students[0].validation_accuracy(x, y)
     logits = [
       mean_logits_across(predictions, counts)
@@ -330,7 +333,7 @@ def build_heterogeneous_feddf(
   config: server_distillation.ServerDistillationConfig,
   *,
   clients_per_round: int,
-  upload_files: bool = False,
+  transport: transport_lib.Transport = transport_lib.VALUES,
 ) -> built_lib.BuiltProcess:
   """Builds FedDF over P prototypes as a `server_step.DriverProcess`.
 
@@ -348,60 +351,25 @@ def build_heterogeneous_feddf(
     data: the server's unlabeled and validation data.
     config: FedDF's server step (`method="feddf"`).
     clients_per_round: the largest cohort.
-    upload_files: the clients' updates reach the driver as files (`server_step.build_collect`).
+    transport: what moves the clients' updates to the driver (`transport.Transport.collect`).
   """
-  if len(model_fns) < 2 or len(names) != len(model_fns):
-    raise ValueError(
-      "heterogeneous FedDF needs two or more prototypes, one "
-      f"name each; got {len(model_fns)} and names {names}"
-    )
-  if config.method != "feddf":
-    raise ValueError(f"prototypes are FedDF's; got method {config.method!r}")
-  num_prototypes = len(model_fns)
-  weights_types = [client_work_lib.weights_type_of(fn) for fn in model_fns]
-  specs = [tff.types.type_to_tf_tensor_specs(t) for t in weights_types]
-  for name, spec in zip(names, specs):
-    if any(s.dtype != tf.float32 for s in tf.nest.flatten(spec)):
-      raise ValueError(
-        f"prototype {name} has weights that are not float32: "
-        "they cannot be packed into one float32 vector"
-      )
-  size = max(packed_size(spec) for spec in specs)
+  weights_types = _checked_weights_types(model_fns, names, config)
+  size = max(packed_size(tff.types.type_to_tf_tensor_specs(t)) for t in weights_types)
   client_work = build_prototype_client_work(model_fns, element_spec, local_config, size)
   client_update = client_work.client_update
   download_type = client_update.type_signature.parameter[0]
-  prototypes_type = tff.StructWithPythonType(weights_types, tuple)
 
   @tff.tensorflow.computation
   def initial_prototypes():
     return tuple(ModelWeights.from_model(fn()) for fn in model_fns)
 
-  @tff.tensorflow.computation((), np.int32)
-  def prototype_of(state, client_index):
-    del state  # A client's prototype depends on its index only.
-    return tf.reshape(client_index % num_prototypes, [1])
-
-  @tff.tensorflow.computation(prototypes_type, np.int32)
-  def select_packed(prototypes, key):
-    return (tf.switch_case(key, [lambda m=m: pack(m, size) for m in prototypes]),)
-
-  @tff.tensorflow.computation(
-    tff.SequenceType(select_packed.type_signature.result), tff.TensorType(np.int32, [1])
-  )
-  def to_download(selected, key):
-    (packed,) = selected.reduce((tf.zeros([size], tf.float32),), lambda _, x: x)
-    return packed, key[0]
-
-  distributor = keyed_stages.build_keyed_distributor(
-    prototypes_type, (), prototype_of, select_packed, to_download
-  )
-  initialize_fn, collect, update_specs = server_step.build_collect(
+  distributor = _build_distributor(tff.StructWithPythonType(weights_types, tuple), size)
+  initialize_fn, collect, update_specs = transport.collect(
     initial_prototypes,
     distributor,
     client_work.process,
     clients_per_round,
     keyed=True,
-    upload_files=upload_files,
   )
   step = PrototypeStep(model_fns, names, data, config)
   client_type = client_update.type_signature
@@ -420,3 +388,67 @@ def build_heterogeneous_feddf(
     client_type.result,
     lambda state: [state["model"][0]],
   )
+
+
+def _checked_weights_types(model_fns, names, config) -> list[tff.Type]:
+  """The prototypes' `ModelWeights` types; ValueError unless there are two or more, one name
+  each, of float32 weights (packed into one vector), for FedDF's server step."""
+  if len(model_fns) < 2 or len(names) != len(model_fns):
+    raise ValueError(
+      "heterogeneous FedDF needs two or more prototypes, one "
+      f"name each; got {len(model_fns)} and names {names}"
+    )
+  if config.method != "feddf":
+    raise ValueError(f"prototypes are FedDF's; got method {config.method!r}")
+  weights_types = [client_work_lib.weights_type_of(fn) for fn in model_fns]
+  for name, weights_type in zip(names, weights_types):
+    spec = tff.types.type_to_tf_tensor_specs(weights_type)
+    if any(s.dtype != tf.float32 for s in tf.nest.flatten(spec)):
+      raise ValueError(
+        f"prototype {name} has weights that are not float32: "
+        "they cannot be packed into one float32 vector"
+      )
+  return weights_types
+
+
+def _build_distributor(prototypes_type, size: int):
+  """The keyed distributor sending client i prototype `i mod P`, packed into `size` floats
+  (`keyed_stages.build_keyed_distributor`)."""
+  num_prototypes = len(prototypes_type)
+
+  @tff.tensorflow.computation((), np.int32)
+  def prototype_of(state, client_index):
+    del state  # A client's prototype depends on its index only.
+    return tf.reshape(client_index % num_prototypes, [1])
+
+  @tff.tensorflow.computation(prototypes_type, np.int32)
+  def select_packed(prototypes, key):
+    return (tf.switch_case(key, [lambda m=m: pack(m, size) for m in prototypes]),)
+
+  @tff.tensorflow.computation(
+    tff.SequenceType(select_packed.type_signature.result), tff.TensorType(np.int32, [1])
+  )
+  def to_download(selected, key):
+    (packed,) = selected.reduce((tf.zeros([size], tf.float32),), lambda _, x: x)
+    return packed, key[0]
+
+  return keyed_stages.build_keyed_distributor(
+    prototypes_type, (), prototype_of, select_packed, to_download
+  )
+
+
+def summary(names: Sequence[str], model_fns: Sequence[Callable[[], tf.keras.Model]]):
+  """The `FederatedAlgorithm.summary` hook of FedDF over the prototypes `names`: the server
+  step's keys and each prototype's test accuracy (`prototype_test_accuracy`), each saved as
+  `prototypes/<name>.keras`."""
+
+  def prototypes(finished) -> dict:
+    accuracies = {}
+    for name, model_fn, weights in zip(names, model_fns, finished.state["model"]):
+      evaluator = finished.evaluator(model_fn)
+      accuracies[name] = evaluator.summary([weights], finished.data.test)["test_accuracy"]
+      path = os.path.join(run_files.PROTOTYPES_DIR, f"{name}.keras")
+      finished.save_model(path, evaluator.model, weights)
+    return {**server_step.summary(finished), "prototype_test_accuracy": accuracies}
+
+  return prototypes

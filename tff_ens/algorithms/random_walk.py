@@ -6,13 +6,15 @@ personalized weights of Fed-ensemble apply).
 
 Each round walker k's model is trained by the client its walk has reached and moves on
 (`walk_positions`: uniformly at random among all clients, or along a seeded ring). The
-round's cohort is the walkers' clients (`FederatedAlgorithm.cohort_fn`), and the walks are a
+round's cohort is the walkers' clients (`FederatedAlgorithm.cohort`), and the walks are a
 function of (seed, round), so a resumed run continues the same walks. The stages are
 Fed-ensemble's K keyed models (`fed_ensemble.build_fed_ensemble`) with each client keyed by
-its walker: a model's slot holds one client's update, so its new weights are that client's.
+its walker (`walker_key`): a model's slot holds one client's update, so its new weights are
+that client's.
 """
 
 import numpy as np
+import tensorflow as tf
 
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
@@ -48,6 +50,12 @@ def walk_positions(num_clients: int, walkers: int, seed: int, round_num: int, wa
   return ring[(starts + round_num - 1) % num_clients]
 
 
+def walker_key(key_state, walker):
+  """The member a client trains: that of the walker (its int32) that reached it."""
+  del key_state  # The walks, not the round, say which client trains which model.
+  return tf.reshape(walker, [1])
+
+
 def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   k = context.group(fed_ensemble.Ensemble).ensemble_size
   built = fed_ensemble.build_fed_ensemble(
@@ -56,7 +64,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     context.local,
     ensemble_size=k,
     seed=context.seed,
-    keys_given=True,
+    client_key=walker_key,
   )
   walk = context.group(Settings).walk
   return algorithm.FederatedAlgorithm.of(
@@ -64,7 +72,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     built,
     context,
     client_keys=lambda clients, slots: slots,
-    cohort_fn=lambda num_clients, seed, round_num: walk_positions(
+    cohort=lambda num_clients, seed, round_num, sample: walk_positions(
       num_clients, k, seed, round_num, walk
     ),
   )

@@ -20,7 +20,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     config,
     clients_per_round=context.clients_per_round,
     recalibration_images=context.recalibration_images,
-    upload_files=context.client_files,
+    transport=context.transport,
   )
   return algorithm.FederatedAlgorithm.of("vdistill", built, context)
 

@@ -39,6 +39,7 @@ class DropWorst:
     "FedDF's drop-worst: below 1.2/C, else low outliers (mean - 1.5 std; the authors' code), "
     "or at most the majority-class rate (majority).",
     flag="drop_worst_rule",
+    before="majority",
     choices=DROP_WORST_RULES,
   )
 

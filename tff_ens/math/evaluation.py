@@ -11,6 +11,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens.math import metrics
+
 ModelWeights = tff.learning.models.ModelWeights
 
 
@@ -27,3 +29,13 @@ def predict_probabilities(
     return np.zeros((0, model.output_shape[-1]))
   logits = model.predict(x, batch_size=batch_size, verbose=0)
   return tf.nn.softmax(logits.astype(np.float64)).numpy()
+
+
+def test_accuracy(data, probabilities) -> float:
+  """The test accuracy of predictions whose first rows are the test split's (of
+  `tasks.data.FederatedData` `data`), in its clients' order."""
+  counts = [data.test.num_examples(c) for c in data.test.client_ids]
+  return metrics.classification_summary(
+    dict(zip(data.test.client_ids, metrics.split_by_client(probabilities[: sum(counts)], counts))),
+    data.test.y,
+  )["test_accuracy"]

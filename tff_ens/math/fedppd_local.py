@@ -115,12 +115,14 @@ class PosteriorConfig:
     "FedPPD: wd*w added to the teacher's mean-loss gradient (prior precision N*wd; the "
     "authors' code, the paper gives none).",
     at_least=0,
+    before=0.0,
   )
   teacher_step_decay: float = setting(
     0.85,
     "FedPPD: teacher step size times this every --teacher_step_decay_epochs local epochs (the"
     " authors' StepLR; 1: off).",
     above=0,
+    before=1.0,
   )
   teacher_step_decay_epochs: int = setting(
     3, "FedPPD: local epochs between teacher step decays (the authors' code: 3).", above=0
@@ -129,12 +131,14 @@ class PosteriorConfig:
     0.99,
     "FedPPD: teacher step size times this each round (the authors' FEMNIST script; 1: off).",
     above=0,
+    before=1.0,
   )
   student_lr: float = setting(0.05, "FedPPD: student SGD learning rate.", above=0)
   student_round_decay: float = setting(
     0.99,
     "FedPPD: student learning rate times this each round (the authors' code; 1: off).",
     above=0,
+    before=1.0,
   )
   student_momentum: float = setting(0.0, "FedPPD: student SGD momentum.", at_least=0)
   student_weight_decay: float = setting(0.0001, "FedPPD: the student's L2 prior term.", at_least=0)
@@ -143,6 +147,7 @@ class PosteriorConfig:
     "FedPPD: the student's minibatch: fresh after each SGLD step (the supplement's Alg. 1), "
     "the teacher's (same), or alternate_epochs (authors).",
     choices=STUDENT_MINIBATCHES,
+    before="same",
   )
   input_noise_std: float = setting(0.001, flag=None, at_least=0)
   epochs: int = setting(1, uses="client_epochs", above=0)

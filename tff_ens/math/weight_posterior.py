@@ -97,6 +97,7 @@ class WeightPosterior:
     "symmetric Dir(alpha)) or proportional (Dir(alpha N p)).",
     flag="fedbe_dirichlet",
     choices=DIRICHLETS,
+    before="proportional",
   )
 
   def __post_init__(self):

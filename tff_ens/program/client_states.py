@@ -2,7 +2,7 @@
 
 An algorithm declares what its clients keep (`algorithms.algorithm.ClientStates`): FedDyn's
 clients a model-sized state g (Acar et al., ICLR 2021, Algorithm 1, line 8), with
-Fed-ensemble one per model (the state's key); Ditto's clients their personal model. On
+Fed-ensemble one per model (the state's key); personalized clients their own model. On
 devices it stays on the device. In simulation it has to outlive the round, the Python
 process and a resume, and for 105 FEMNIST writers and five LEAF CNNs it is 105 x 5 x 26 MB
 = 13.7 GB, more than this machine can keep in memory next to TFF's worker. So

@@ -10,7 +10,7 @@ the run's batch size, learning rate and momentum, on its client's examples in th
 TFF client of the same round would (`simulation.client_order`: the run's epochs, the client's
 round seed, a straggler's share), and returns its weights and sums of loss, correct
 predictions and examples. TFF then runs the
-round as for any client (`client_work.build_device_client_work`): the update, its weight,
+round as for any client (`device_client_work.build_device_client_work`): the update, its weight,
 the aggregation and the server step are FedAvg's.
 
 A device process that fails (it exits, or answers with an error) is a dropout: the client
@@ -162,7 +162,7 @@ class DevicePool:
 
 
 def result_dataset(trained: list[np.ndarray], loss: float, correct: float, num_examples: float):
-  """A device's result as the client's data of `client_work.build_device_client_work`."""
+  """A device's result as the client's data of `device_client_work.build_device_client_work`."""
   return tf.data.Dataset.from_tensors(
     collections.OrderedDict(
       trainable=tuple(tf.constant(w, tf.float32) for w in trained),

@@ -19,13 +19,12 @@ import tasks
 from tff_ens import algorithms
 from tff_ens import settings
 from tff_ens.algorithms import algorithm as algorithm_lib
-from tff_ens.algorithms import fedavg
 from tff_ens.execution import tls
 from tff_ens.program import active_learning
 from tff_ens.program import run_settings
 from tff_ens.templates import client_work
 from tff_ens.templates import privacy
-from tff_ens.templates import server_distillation
+from tff_ens.templates import transport as transport_lib
 
 # The settings groups of every run, whatever its algorithm.
 COMMON_GROUPS = (
@@ -36,54 +35,31 @@ COMMON_GROUPS = (
   active_learning.ActiveLearningConfig,
 )
 
-# Flags added on 2026-11-25 whose defaults changed what a run does: a run saved without
-# them did this.
-_CHANGED_DEFAULTS = {
-  "member_average": "examples",
-  "fedbe_dirichlet": "proportional",
-  "swa_warmup_fraction": 0.0,
-  "distill_keep_initial": True,
-  "distill_clip_norm": 0.0,
-  "drop_worst_rule": "majority",
-  "student_minibatch": "same",
-  "teacher_weight_decay": 0.0,
-  "teacher_step_decay": 1.0,
-  "teacher_round_decay": 1.0,
-  "student_round_decay": 1.0,
-  "distill_fedppd_teachers": False,
-}
-
 
 def saved_config(saved: dict) -> dict:
   """A run's saved config.json as this version's flags.
 
-  A flag the run predates takes the value that reproduces what it did: the older behaviour
-  for the flags of `_CHANGED_DEFAULTS` its algorithm reads, else the default. Before them
-  FEMNIST's writers were written as the iid partition with CIFAR's server sizes, which now
-  mean a pooled split: they become unset. Before FedAdam every run wrote `server_lr`,
-  FedAvg's 1 by default: there it becomes unset (the algorithm's own). Before
-  `--teacher_labels` the server distillation's teachers labelled every unlabeled image each
-  round: "all". Before `--train_positions` Shakespeare's clients trained on the last
-  position: "last".
+  A flag the run predates takes the value that reproduces what it did where its declaration
+  says one (`setting(before=...)`; of the flags its algorithm and task read, or of every flag
+  for an algorithm this version does not know, whose comparison refuses it), else the
+  default; then the upgrades each settings group makes (`upgrade_saved`, whatever the
+  algorithm: a flag it does not read must be at its default). A config
+  without any of those flags predates them all: FEMNIST's writers were then written as the
+  iid partition with CIFAR's server sizes, which now mean a pooled split: they become unset.
+  Before `--train_positions` Shakespeare's clients trained on the last position: "last".
   """
-  upgraded = dict(saved)
-  if "member_average" not in saved:
-    algorithm = saved.get("algorithm")
-    read = (
-      flags_read(algorithm, saved.get("task", "femnist"))
-      if algorithm in algorithms.REGISTRY
-      else set(_CHANGED_DEFAULTS)  # Not a run of this version: the comparison refuses it.
-    )
-    upgraded = {**{k: v for k, v in _CHANGED_DEFAULTS.items() if k in read}, **saved}
-    if upgraded.get("task", "femnist") == "femnist":
-      for name in ("partition", "server_unlabeled_examples", "server_validation_examples"):
-        upgraded[name] = None
-  if "server_epsilon" not in saved and upgraded.get("server_lr") == fedavg.LEARNING_RATE:
-    upgraded["server_lr"] = None
-  spec = algorithms.REGISTRY.get(upgraded.get("algorithm"))
-  if "teacher_labels" not in saved and spec and server_distillation.Settings in spec.settings:
-    upgraded["teacher_labels"] = "all"
-  if "train_positions" not in saved and upgraded.get("task") == "shakespeare":
+  task = saved.get("task", TASK_DEFAULT)
+  algorithm = saved.get("algorithm")
+  groups = groups_read(algorithm, task) if algorithm in algorithms.REGISTRY else ALL_GROUPS
+  upgraded = {
+    **saved,
+    **settings.predated_values(groups, saved),
+    **settings.upgraded_values(ALL_GROUPS, saved),
+  }
+  if task == "femnist" and not settings.flags_with_before(ALL_GROUPS) & saved.keys():
+    for name in ("partition", "server_unlabeled_examples", "server_validation_examples"):
+      upgraded[name] = None
+  if "train_positions" not in saved and task == "shakespeare":
     upgraded["train_positions"] = "last"
   return upgraded
 
@@ -133,6 +109,26 @@ class Stopped(Exception):
 class _Run:
   """What `ExperimentConfig` adds to its fields."""
 
+  def __post_init__(self):
+    if self.model is None:  # Not chosen: the task's first (Shakespeare's lstm).
+      try:
+        task = tasks.get_task(self.task, self.classes)
+      except ValueError:  # `resolve` names the bad flag.
+        return
+      object.__setattr__(self, "model", task.MODEL_NAMES[0])
+
+  @property
+  def on_devices(self) -> bool:
+    """`--client_runtime` trains the clients on devices (`device_clients`)."""
+    return run_settings.on_devices(self.client_runtime)
+
+  @property
+  def transport(self) -> transport_lib.Transport:
+    """What moves the clients' states and collected updates (`--client_transport`)."""
+    return (
+      transport_lib.FILES if self.client_transport == run_settings.FILES else transport_lib.VALUES
+    )
+
   def validate(self) -> None:
     """Raises UsageError, naming the flag and the fix, for a setting the run cannot take."""
     resolve(self)
@@ -167,6 +163,11 @@ ExperimentConfig = settings.compose(
   module=__name__,
   bases=(_Run,),
 )
+# Every settings group of a run's config, each once.
+ALL_GROUPS = tuple(
+  dict.fromkeys(COMMON_GROUPS + tuple(TASK_GROUPS.values()) + algorithms.SETTINGS_GROUPS)
+)
+TASK_DEFAULT = run_settings.RunSettings.task
 ExperimentConfig.__doc__ = """Everything that defines a run (written to `config.json`): one
 field per flag of every settings group (`COMMON_GROUPS` and the algorithms')."""
 
@@ -207,13 +208,16 @@ class Run:
     )
 
 
-def flags_read(algorithm: str, task: str) -> set[str]:
-  """The flags a run of `algorithm` on `task` reads: every run's, the task's own and the
-  algorithm's settings groups'."""
+def groups_read(algorithm: str, task: str) -> tuple[type, ...]:
+  """The settings groups a run of `algorithm` on `task` reads: every run's, the task's own
+  and the algorithm's."""
   groups = COMMON_GROUPS + algorithms.REGISTRY[algorithm].settings
-  if task in TASK_GROUPS:
-    groups += (TASK_GROUPS[task],)
-  return {flag for group in groups for flag in settings.flags_of(group)}
+  return groups + ((TASK_GROUPS[task],) if task in TASK_GROUPS else ())
+
+
+def flags_read(algorithm: str, task: str) -> set[str]:
+  """The flags a run of `algorithm` on `task` reads."""
+  return {flag for group in groups_read(algorithm, task) for flag in settings.flags_of(group)}
 
 
 def resolve(config) -> Run:
@@ -301,7 +305,7 @@ def _check_capabilities(config, spec: algorithm_lib.Algorithm) -> None:
     ),
     (
       "client_runtime",
-      config.client_runtime != "tff",
+      config.on_devices,
       "on_device",
       f"{spec.name}'s clients cannot train on devices",
     ),
@@ -327,7 +331,7 @@ def _check_run(config, run: Run) -> None:
       f"unknown --model={config.model} for task {config.task}: "
       f"choose one of {', '.join(run.task.MODEL_NAMES)}"
     )
-  if config.client_runtime == "litert":
+  if config.on_devices:
     _check_litert_clients(config, run)
   for name in ("aggregate_first", "nan_clients_per_round"):
     if getattr(config, name) > config.clients_per_round:

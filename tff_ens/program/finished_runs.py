@@ -41,6 +41,14 @@ _FIELDS = {f.name: f for f in dataclasses.fields(experiment.ExperimentConfig)}
 _DEFAULTS = {name: field.default for name, field in _FIELDS.items()}
 
 
+def _defaults_of(task, classes) -> dict:
+  """Every flag's default for a run of `task` with `classes` (its model the task's first)."""
+  try:
+    return dataclasses.asdict(experiment.ExperimentConfig(task=task, classes=classes))
+  except (TypeError, ValueError):
+    return _DEFAULTS
+
+
 # What every run's summary.json holds (`config` with its algorithm).
 _SUMMARY_KEYS = ("config", "seed", "rounds", "test_accuracy")
 
@@ -86,6 +94,7 @@ class Run:
     read = experiment.flags_read(algorithm, self.config.get("task")) if spec else set(_FIELDS)
     # In the order of `ExperimentConfig`, then flags it does not know.
     order = list(_DEFAULTS) + sorted(set(self.config) - set(_DEFAULTS))
+    defaults = _defaults_of(self.config.get("task"), self.config.get("classes"))
     return " ".join(
       f"{k}={self.config[k]}"
       for k in order
@@ -93,7 +102,7 @@ class Run:
       and k not in _UNSHOWN_FLAGS
       and k != "algorithm"
       and (k in read or k not in _FIELDS)
-      and (k in variant or k not in _DEFAULTS or self.config[k] != _DEFAULTS[k])
+      and (k in variant or k not in defaults or self.config[k] != defaults[k])
     )
 
   def accuracy_by_round(self, key: str = "test_accuracy") -> tuple[list[int], list[float]]:

@@ -70,10 +70,7 @@ def train(
   dp_epsilons = _dp_epsilons(run, num_clients)
   speeds = simulation.client_speeds(num_clients, config.seed)
   store = _client_state_store(algorithm, outputs.dir, start_round)
-  keyed = algorithm.assigned_models is not None or (
-    algorithm.client_states is not None and algorithm.client_states.keys is not None
-  )
-  last = _Round(key_state=state["distributor"] if keyed else None)
+  last = _Round(key_state=state["distributor"] if algorithm.keyed else None)
   # The state waits on the TFF worker between rounds; `held.value` downloads
   # it for evaluation and checkpoints.
   held = resident_state.ResidentState(
@@ -142,12 +139,14 @@ def _round(run, data, algorithm, held, store, devices, train_split, speeds, last
   config = run.config
   start = time.perf_counter()
   train_sizes = np.array([len(train_split.y[c]) for c in train_split.client_ids])
-  if algorithm.cohort_fn is not None:
-    cohort = algorithm.cohort_fn(len(train_sizes), config.seed, round_num)
-  else:
-    cohort = simulation.sample_clients(
+  cohort = algorithm.cohort(
+    len(train_sizes),
+    config.seed,
+    round_num,
+    lambda: simulation.sample_clients(
       len(train_sizes), config.clients_per_round, config.seed, round_num
-    )
+    ),
+  )
   plan = simulation.plan_round(
     cohort,
     train_sizes,
@@ -298,11 +297,7 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
   models = [[np.asarray(w) for w in m.trainable] for m in algorithm.models_fn(held.value)]
   clients = np.flatnonzero(plan.reports)
   names = [train.client_ids[plan.cohort[k]] for k in clients]
-  assigned = (
-    algorithm.assigned_models(plan.cohort[clients], key_state)
-    if algorithm.assigned_models is not None
-    else [0] * len(clients)
-  )
+  assigned = algorithm.models_assigned(plan.cohort[clients], key_state)
   requests = []
   for k, name, model in zip(clients, names, assigned):
     x = train.x[name]
@@ -332,7 +327,7 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
 def _devices(run, outputs):
   """The run's `device_clients.DevicePool` with `--client_runtime=litert`, else None."""
   config = run.config
-  if config.client_runtime != "litert":
+  if not config.on_devices:
     yield None
     return
   path = device_clients.write_trainable_file(config, run.task, outputs.dir)

@@ -2,9 +2,9 @@
 
 `Evaluator` predicts with the process' model(s) on a task split; `progress` reports each
 round on a terminal or in the log; `write_summary` evaluates the final model(s), saves them
-and writes `summary.json`, `per_client_accuracy.json` and, for a personalized model,
-`personalized_per_client_accuracy.json`, with the keys of uncertainty, privacy, server
-distillation and FedDF's prototypes.
+and writes `summary.json`, `per_client_accuracy.json` and, for personalized models,
+`personalized_per_client_accuracy.json`, with the keys of uncertainty, privacy and the
+algorithm's own (`FederatedAlgorithm.summary`).
 """
 
 import contextlib
@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from tff_ens import run_files
+from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.math import ensemble_math
 from tff_ens.math import evaluation
 from tff_ens.math import metrics
@@ -25,11 +26,6 @@ from tff_ens.program import experiment
 from tff_ens.program import plots
 from tff_ens.program import run_outputs
 from tff_ens.templates import privacy
-
-# The key of each writer's personalized accuracy in the summaries below; `write_summary` moves
-# it to `run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE` and keeps its mean,
-# `personalized_accuracy`.
-PERSONALIZED_PER_CLIENT = "personalized_per_client_accuracy"
 
 
 class Evaluator:
@@ -87,7 +83,7 @@ class Evaluator:
     return {
       "ensemble_size": len(models),
       "member_test_accuracy": [metrics.accuracy(p, y) for p in all_members],
-      PERSONALIZED_PER_CLIENT: personalized,
+      run_files.PERSONALIZED_PER_CLIENT: personalized,
       "personalized_test_loss": float(np.mean(personalized_nll)),
       "personalization_temperature": temperature,
       "entropy_error_auroc": metrics.auroc(uncertainty["entropy"], wrong),
@@ -133,14 +129,14 @@ def progress(config: experiment.ExperimentConfig, start_round: int):
 
 def write_summary(run, data, algorithm, outputs, evaluator, trained):
   """The run's summary of its final state (`trained`, a `loop.Trained`): saves the model(s),
-  `per_client_accuracy.json` and `summary.json`, and returns the summary.
+  `per_client_accuracy.json` and `summary.json`, and returns the summary: the model(s)'
+  metrics, then the algorithm's own keys (`FederatedAlgorithm.summary`).
 
   `trained.last` is the loop's record of the last round (its teachers and their
   predictions); `trained.store` the clients' own states, if they keep any.
   """
   config = run.config
-  state, models, last = trained.state, trained.models, trained.last
-  pool, store = trained.pool, trained.store
+  models, last, pool = trained.models, trained.last, trained.pool
   teacher_test = last.teacher_test
   # Each split predicted once (FEMNIST's shift split is its new clients), the test split
   # by the loop's evaluation of the last round.
@@ -156,17 +152,9 @@ def write_summary(run, data, algorithm, outputs, evaluator, trained):
   if len(models) > 1:
     summary.update(evaluator.ensemble_summary(models, data, member_test, config))
   rows = outputs.metrics_rows()
-  if run.algorithm.server_data:
-    device = last.teachers.device if last.teachers is not None else None
-    summary.update(server_distillation_summary(data, rows, summary, teacher_test, device))
   if run.dp is not None:
     summary.update(privacy_summary(run, rows, len(data.train.client_ids)))
-  if algorithm.prototypes_fn is not None:
-    summary["prototype_test_accuracy"] = prototype_accuracies(
-      algorithm.prototypes_fn(state), data.test, outputs.dir
-    )
-  if store is not None and algorithm.client_states.model is not None:
-    summary.update(personalized_summary(algorithm, models, store, data, evaluator, outputs.dir))
+  summary.update(algorithm.summary(_finished_run(data, outputs, evaluator, trained, summary, rows)))
   summary.update(uncertainty_summary(config, data, member_probabilities, outputs.dir, teacher_test))
   new_clients = evaluator.summary(
     models, data.new_clients, prefix="new", member_probs=member_probabilities(data.new_clients)
@@ -191,8 +179,8 @@ def write_summary(run, data, algorithm, outputs, evaluator, trained):
     os.path.join(outputs.dir, run_files.PER_CLIENT_ACCURACY_FILE),
     {c: metrics.accuracy(member_test[c].mean(0), data.test.y[c]) for c in data.test.client_ids},
   )
-  if PERSONALIZED_PER_CLIENT in summary:
-    personalized = summary.pop(PERSONALIZED_PER_CLIENT)
+  if run_files.PERSONALIZED_PER_CLIENT in summary:
+    personalized = summary.pop(run_files.PERSONALIZED_PER_CLIENT)
     summary["personalized_accuracy"] = float(np.mean(list(personalized.values())))
     run_files.write_json_atomically(
       os.path.join(outputs.dir, run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE), personalized
@@ -289,91 +277,39 @@ def privacy_summary(run, rows, num_clients: int) -> dict:
   }
 
 
-def server_distillation_summary(
-  data, rows, summary, teacher_test, server_device: str | None
-) -> dict:
-  """FedBE/FedDF keys: teacher and student accuracy, server time, and the device the
-  server step's ops ran on (read from TensorFlow's placement; None if no round ran in
-  this process)."""
-  server_seconds = [float(r["server_seconds"]) for r in rows if r.get("server_seconds")]
-  # Throughput over the rounds that distilled (others skip the student).
-  distilling = [r for r in rows if float(r.get("distill_examples") or 0)]
-  examples = sum(float(r["distill_examples"]) for r in distilling)
-  distill_seconds = sum(float(r["server_seconds"]) for r in distilling)
-  extra = {
-    "distilled_test_accuracy": summary["test_accuracy"],
-    "ensemble_test_accuracy": None,
-    "server_seconds_per_round": (statistics.median(server_seconds) if server_seconds else None),
-    "distill_examples_per_second": (examples / distill_seconds if distill_seconds else None),
-    "server_device": server_device,
-  }
-  if teacher_test is not None:
-    extra["ensemble_test_accuracy"] = test_accuracy(data, teacher_test["probabilities"])
-  return extra
-
-
-def test_accuracy(data, probabilities) -> float:
-  """The test accuracy of predictions whose first rows are the test split's, in its
-  clients' order (as `evaluation_splits` concatenates them)."""
-  counts = [data.test.num_examples(c) for c in data.test.client_ids]
-  return metrics.classification_summary(
-    dict(zip(data.test.client_ids, metrics.split_by_client(probabilities[: sum(counts)], counts))),
-    data.test.y,
-  )["test_accuracy"]
-
-
 def teacher_round_accuracies(data, predictions) -> dict:
   """metrics.csv's view of a round's teachers (`server_step.RoundTeachers.predict`'s
   `predictions` on the test split first): `teachers_test_accuracy` and, where the step
   reports it, `average_test_accuracy` of the clients' weight average."""
-  row = {"teachers_test_accuracy": test_accuracy(data, predictions["probabilities"])}
+  row = {"teachers_test_accuracy": evaluation.test_accuracy(data, predictions["probabilities"])}
   if "average_probabilities" in predictions:
-    row["average_test_accuracy"] = test_accuracy(data, predictions["average_probabilities"])
+    row["average_test_accuracy"] = evaluation.test_accuracy(
+      data, predictions["average_probabilities"]
+    )
   return row
 
 
-def prototype_accuracies(prototypes, split, output_dir: str) -> dict[str, float]:
-  """Each prototype's test accuracy; saved as `prototypes/<name>.keras`."""
-  os.makedirs(os.path.join(output_dir, run_files.PROTOTYPES_DIR), exist_ok=True)
-  accuracies = {}
-  for name, model_fn, weights in prototypes:
-    evaluator = Evaluator(model_fn)
-    accuracies[name] = evaluator.summary([weights], split)["test_accuracy"]
-    run_outputs.save_model(
-      os.path.join(output_dir, run_files.PROTOTYPES_DIR, f"{name}.keras"), evaluator.model, weights
-    )
-  return accuracies
+def _finished_run(data, outputs, evaluator, trained, summary, rows):
+  """What the algorithm's `summary` hook reads of the run (`algorithm.FinishedRun`)."""
+  store = trained.store
 
+  def save_model(path, model, weights):
+    path = os.path.join(outputs.dir, path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    run_outputs.save_model(path, model, weights)
 
-def personalized_summary(algorithm, models, store, data, evaluator, output_dir: str) -> dict:
-  """Each training writer's own model (`ClientStates.model`: Ditto's personal model,
-  LG-FedAvg's local layers under the global ones) on its own test examples, saved as
-  `clients/<writer>.keras` (for `python -m export --client=WRITER`); a writer that never
-  trained has none and is predicted by the global model. Keys: PERSONALIZED_PER_CLIENT
-  (each writer's accuracy), `personalized_test_accuracy` and `personalized_test_loss` (over
-  the examples), `clients_with_own_model` and `clients_without_own_model`."""
-  index = {c: i for i, c in enumerate(data.train.client_ids)}
-  directory = os.path.join(output_dir, run_files.CLIENTS_DIR)
-  os.makedirs(directory, exist_ok=True)
-  probabilities, own = {}, 0
-  for c in data.test.client_ids:
-    weights = models[0]
-    if c in index and store.stored(index[c], 0):
-      weights = algorithm.client_states.model(store.load(index[c], 0), models)
-      own += 1
-      run_outputs.save_model(os.path.join(directory, f"{c}.keras"), evaluator.model, weights)
-    evaluation.assign_weights(evaluator.model, weights)
-    probabilities[c] = evaluation.predict_probabilities(evaluator.model, data.test.x[c])
-  pooled = metrics.classification_summary(probabilities, data.test.y, "personalized_test")
-  accuracies = {
-    c: metrics.accuracy(probabilities[c], data.test.y[c])
-    for c in probabilities
-    if len(data.test.y[c])
-  }
-  return {
-    PERSONALIZED_PER_CLIENT: accuracies,
-    "personalized_test_accuracy": pooled["personalized_test_accuracy"],
-    "personalized_test_loss": pooled["personalized_test_loss"],
-    "clients_with_own_model": own,
-    "clients_without_own_model": len(data.test.client_ids) - own,
-  }
+  def client_state(index):
+    return store.load(index, 0) if store is not None and store.stored(index, 0) else None
+
+  return algorithm_lib.FinishedRun(
+    state=trained.state,
+    models=trained.models,
+    data=data,
+    summary=dict(summary),
+    rows=rows,
+    teachers=trained.last.teachers,
+    teacher_test=trained.last.teacher_test,
+    evaluator=lambda model_fn: evaluator if model_fn is None else Evaluator(model_fn),
+    save_model=save_model,
+    client_state=client_state,
+  )

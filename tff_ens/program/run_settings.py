@@ -17,6 +17,17 @@ from tff_ens.execution import tls
 from tff_ens.execution import worker_process
 from tff_ens.settings import setting
 
+# --client_runtime: TFF's runtime, or devices' (LiteRT) for the clients' local training.
+TFF_RUNTIME, DEVICE_RUNTIME = "tff", "litert"
+# --client_transport: clients' states and collected updates as files or values.
+FILES, VALUES = "files", "values"
+
+
+def on_devices(client_runtime: str) -> bool:
+  """Whether `--client_runtime` trains the clients on devices (`device_clients`)."""
+  return client_runtime == DEVICE_RUNTIME
+
+
 ALGORITHM_HELP = (
   "; ".join(f"{name}: {spec.summary}" for name, spec in algorithms.REGISTRY.items())
   + " (docs/algorithms.md)."
@@ -44,11 +55,12 @@ class RunSettings:
   )
 
   # The algorithm, the model and the clients' rounds.
-  algorithm: str = setting("fedavg", ALGORITHM_HELP, choices=algorithms.ALGORITHMS)
-  model: str = setting(
-    "cnn",
+  # The registry's first algorithm is the default (FedAvg).
+  algorithm: str = setting(algorithms.ALGORITHMS[0], ALGORITHM_HELP, choices=algorithms.ALGORITHMS)
+  model: str | None = setting(
+    None,
     "Model: cnn (FEMNIST: LEAF CNN; CIFAR: FedBE's ConvNet), resnet8, resnet20, resnet32 "
-    "(CIFAR), lstm (Shakespeare, where it is the default).",
+    "(CIFAR), lstm (Shakespeare). Unset: the task's first (cnn; Shakespeare: lstm).",
   )
   norm: str = setting("batch", "Normalization layers of ResNets.", choices=resnet.NORMS)
   rounds: int = setting(100, "Communication rounds.", above=0)
@@ -159,22 +171,22 @@ class RunSettings:
     choices=worker_process.ISOLATIONS,
   )
   client_transport: str = setting(
-    "files",
-    "How what clients keep between rounds (FedDyn's g, Ditto's personal models, LG-FedAvg's "
-    "local layers) and the models a server step collects (FedBE, FedDF, FedPPD+Distill) pass "
+    FILES,
+    "How what clients keep between rounds (FedDyn's g, personal models, clients' own layers) "
+    "and the models a server step collects (server distillation) pass "
     "between this program and TFF's worker: files (the worker reads and writes them in "
     "OUTPUT_DIR/client_states and this machine's temporary directory, so it must run on this "
     "machine), or values through TFF's executor (any worker; slower for states, and a "
     "collect holds about ten copies of each client's model in the worker).",
-    choices=("files", "values"),
+    choices=(FILES, VALUES),
   )
   client_runtime: str = setting(
-    "tff",
+    TFF_RUNTIME,
     "Where clients train: tff (TFF's runtime), or litert: each sampled client's local epochs "
     "run in LiteRT, as on a phone, in processes of the device environment (`uv sync --locked "
     "--project device`), from a --format=trainable file of the run's model; "
     f"{', '.join(algorithms.having('on_device'))} only (tff_ens/program/device_clients.py).",
-    choices=("tff", "litert"),
+    choices=(TFF_RUNTIME, DEVICE_RUNTIME),
   )
   device_processes: int = setting(
     2,

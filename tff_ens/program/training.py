@@ -98,12 +98,12 @@ def run_experiment(config) -> dict:
     clients_per_round=config.clients_per_round,
     server_data=server_data if run.algorithm.server_data else None,
     dp=run.dp,
-    on_device=config.client_runtime == "litert",
+    on_device=config.on_devices,
     recalibration_images=_recalibration_images(config, model_fn, server_data),
     build_model=build_model,
     task=task,
     model=config.model,
-    client_files=config.client_transport == "files",
+    transport=config.transport,
   )
   with contextlib.ExitStack() as stack:
     with _execution_context(run):

@@ -193,8 +193,9 @@ def avg_logits_kl(teacher_logits, student_logits):
 # Running models: teachers, validation ---------------------------------------
 
 
-def assign_weights(model: tf.keras.Model, weights: ModelWeights) -> None:
-  """Assigns `ModelWeights` of tensors to the model's variables.
+def assign_variables(model: tf.keras.Model, weights: ModelWeights) -> None:
+  """Assigns `ModelWeights` of tensors to the model's variables, in a graph (unlike
+  `math.evaluation.assign_weights`, which loads arrays into a Keras model eagerly).
 
   Only inside a `tf.function` are later reads of the variables ordered after
   the assignment (automatic control dependencies): the graph a
@@ -265,7 +266,7 @@ def ensemble_predictions(
     weight = member_weights[m]
 
     def add():
-      assign_weights(model, _member(stacked_weights, m))
+      assign_variables(model, _member(stacked_weights, m))
       logits = predict_logits(model, x, batch_size)
       probabilities = tf.nn.softmax(logits)
       entropy = -tf.reduce_sum(probabilities * tf.nn.log_softmax(logits), -1)
@@ -324,7 +325,7 @@ def member_accuracies(
   num_members = _num_members(stacked_weights)
 
   def body(m, accuracies):
-    assign_weights(model, _member(stacked_weights, m))
+    assign_variables(model, _member(stacked_weights, m))
     return m + 1, accuracies.write(m, accuracy(predict_logits(model, x, batch_size), y))
 
   _, accuracies = tf.while_loop(

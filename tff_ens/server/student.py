@@ -241,7 +241,7 @@ class Student:
       raise ValueError("early stopping (eval_every > 0) needs validation data")
     # Once: the pipelines below read these rows without converting them again.
     x, targets = server_data.as_rows(x), server_data.as_rows(targets)
-    distillation.assign_weights(self.model, initial_weights)
+    distillation.assign_variables(self.model, initial_weights)
     trainable = self._weights.trainable
     opt_state = ()  # Adam's moments are variables, restarted here.
     if self._adam_moments is not None:
@@ -291,11 +291,11 @@ class Student:
         curve.append((steps, float(validation_accuracy())))
     validation_out = tf.constant(-1.0)
     if config.swa:
-      distillation.assign_weights(self.model, average)
+      distillation.assign_variables(self.model, average)
       recompute_batch_norm(self.model, x, config.batch_size)
     elif config.eval_every:
       validation_out = tf.maximum(best_accuracy, -1.0)
-      distillation.assign_weights(self.model, best)
+      distillation.assign_variables(self.model, best)
     stats = collections.OrderedDict(
       steps=tf.constant(steps),
       examples=tf.constant(steps * batches.shape[1]),

@@ -1,17 +1,16 @@
 """Local training shared by every algorithm whose clients train one model.
 
-FedAvg, FedProx, FedAvgM, Fed-ensemble, FedBE and FedDF all run the same client
-work: SGD with momentum and weight decay on the client's data, starting from the
-model the client received, returning the change of its weights. FedProx is the
-same client work with a proximal term (a parameter here, not a second copy),
-and FedDyn's client the same again with a linear term from its own state
-(`train_feddyn`).
+FedAvg, FedProx, FedAvgM, Fed-ensemble, FedBE and FedDF all run the same client work: SGD
+with momentum and weight decay on the client's data, starting from the model the client
+received, returning the change of its weights. FedProx is the same client work with a
+proximal term (a parameter here, not a second copy), and FedDyn's client the same again
+with a linear term from its own state (`train_feddyn`).
 
-TFF 0.87 ships this client work in two near copies (`model_delta_client_work`
-with a learning rate in its state, `proximal_client_work` without one); neither
-combines weight decay, a proximal term and a round-dependent learning rate, and
-both leave batch-norm statistics out of the update. So the math is written here
-once, as plain TensorFlow (`train_locally`), wrapped in a thin TFF process.
+TFF 0.87 ships this client work in two near copies (`model_delta_client_work` with a
+learning rate in its state, `proximal_client_work` without one); neither combines weight
+decay, a proximal term and a round-dependent learning rate, and both leave batch-norm
+statistics out of the update. So the math is written here once, as plain TensorFlow
+(`train_locally`), wrapped in a thin TFF process.
 """
 
 import collections
@@ -155,8 +154,7 @@ def reject_bad_update(update: ModelWeights, weight, max_norm: float = 0.0):
 
 
 def per_position_logits(model: tf.keras.Model) -> tf.keras.Model | None:
-  """The model from its input to the logits of every position (its layer
-  `tasks.PER_POSITION_LOGITS`, sharing its weights), or None for a model without that layer."""
+  """The model to the logits of every position (`tasks.PER_POSITION_LOGITS`), or None."""
   names = [layer.name for layer in model.layers]
   if tasks.PER_POSITION_LOGITS not in names:
     return None
@@ -178,12 +176,12 @@ def train_locally(
   learning_rate,
   config: LocalTrainingConfig,
   linear_term=None,
-  proximal_center=None,
+  objective_gradient=None,
 ):
   """Runs local SGD on `dataset` from `initial_weights` (FedAvg's ClientUpdate).
 
-  McMahan et al., AISTATS 2017, Algorithm 1, ClientUpdate; with the FedProx
-  objective of `local_objective_gradient`.
+  McMahan et al., AISTATS 2017, Algorithm 1, ClientUpdate; with the FedProx objective of
+  `local_objective_gradient`.
 
   Args:
     model: a Keras model producing logits; its weights are overwritten.
@@ -194,19 +192,18 @@ def train_locally(
     config: the `LocalTrainingConfig`.
     linear_term: g of the local objective's linear term (`local_objective_gradient`), one
       tensor per trainable weight (FedDyn's, `feddyn.train_feddyn`); None: no linear term.
-    proximal_center: the trainable weights the proximal term pulls towards (Ditto's global
-      model); None: `initial_weights`' (FedProx's).
+    objective_gradient: `(gradients of the loss, trainable weights) -> gradients of the
+      local objective`, one tensor per trainable weight, for an objective of another form;
+      None: `local_objective_gradient`'s, centred at `initial_weights`.
 
   With `config.train_positions` "every" and a sequence model (`per_position_logits`), an
-  example's loss and accuracy are its means over the window's positions
-  (`per_position_targets`).
+  example's loss and accuracy are its means over its positions (`per_position_targets`).
 
   Returns:
-    `(ClientResult(update=initial - final ModelWeights, update_weight=number
-    of examples), metrics)` where metrics holds sums over examples:
-    `loss`, `correct`, `num_examples`, and `rejected` (1 if the update was not
-    finite or too large (`reject_bad_update`) and so was zeroed with weight 0;
-    its other metrics are then 0).
+    `(ClientResult(update=initial - final ModelWeights, update_weight=number of examples),
+    metrics)`, metrics sums over examples: `loss`, `correct`, `num_examples`, and `rejected`
+    (1 if the update was not finite or too large, `reject_bad_update`, and so was zeroed with
+    weight 0, its other metrics then 0).
   """
   model_weights = ModelWeights.from_model(model)
   tf.nest.map_structure(lambda v, t: v.assign(t), model_weights, initial_weights)
@@ -219,48 +216,55 @@ def train_locally(
 
   per_position = per_position_logits(model) if config.train_positions == "every" else None
   forward = model if per_position is None else per_position
-
   negated_linear = [-t for t in linear_term] if linear_term is not None else [None] * len(trainable)
-  center = proximal_center if proximal_center is not None else initial_weights.trainable
+  if objective_gradient is None:
+
+    def objective_gradient(grads, weights):
+      return [
+        local_objective_gradient(g, w, w0, config, negated)
+        for g, w, w0, negated in zip(grads, weights, initial_weights.trainable, negated_linear)
+      ]
 
   def step(carry, batch):
     opt_state, loss_sum, correct, count = carry
     x, y = batch
     n = tf.cast(tf.shape(y)[0], tf.float32)
-    # An example's targets: its label, or every position's next element; their loss and
-    # hits are averaged, so that an example weighs 1 either way.
-    positions = 1.0
-    if per_position is not None:
-      y = per_position_targets(x, y)
-      positions = float(y.shape[1])
+    y, positions = _targets(x, y, per_position is not None)
     with tf.GradientTape() as tape:
       logits = forward(x, training=True)
       batch_loss = loss_fn(y, logits) / positions
       mean_loss = batch_loss / n
-    grads = tape.gradient(mean_loss, trainable)
-    grads = [
-      local_objective_gradient(g, w, w0, config, negated)
-      for g, w, w0, negated in zip(grads, trainable, center, negated_linear)
-    ]
+    grads = objective_gradient(tape.gradient(mean_loss, trainable), trainable)
     opt_state, new_weights = optimizer.next(opt_state, tuple(trainable), tuple(grads))
-    for v, t in zip(trainable, new_weights):
-      # Keras applies a layer's kernel constraint after each optimizer step
-      # (larq clips binarized layers' latent weights to [-1, 1] this way).
-      v.assign(v.constraint(t) if v.constraint is not None else t)
-    hits = (
-      tf.reduce_sum(
-        tf.cast(
-          tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)), tf.float32
-        )
-      )
-      / positions
-    )
+    _assign_constrained(trainable, new_weights)
+    hits = count_correct(logits, y) / positions
     return opt_state, loss_sum + batch_loss, correct + hits, count + n
 
   zero = tf.constant(0.0)
   _, loss_sum, correct, count = dataset.reduce((opt_state, zero, zero, zero), step)
   final = tf.nest.map_structure(tf.identity, model_weights)
   return client_result(initial_weights, final, loss_sum, correct, count, config.max_update_norm)
+
+
+def _targets(x, y, per_position: bool):
+  """An example's targets (its label, or each position's next element) and their number."""
+  if not per_position:
+    return y, 1.0
+  y = per_position_targets(x, y)
+  return y, float(y.shape[1])
+
+
+def _assign_constrained(variables, values):
+  """Assigns a step's `values` through each variable's constraint, as Keras does (larq's)."""
+  for v, t in zip(variables, values):
+    v.assign(v.constraint(t) if v.constraint is not None else t)
+
+
+def count_correct(logits, y):
+  """The number of targets `y` whose logit is the largest."""
+  return tf.reduce_sum(
+    tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(y, tf.int32)), tf.float32)
+  )
 
 
 def client_result(initial_weights, final_weights, loss_sum, correct, count, max_update_norm):
@@ -408,46 +412,6 @@ def build_sgd_client_work(
   @tff.tensorflow.computation(download_type, data_type, tf.float32)
   def client_update(download, dataset, learning_rate):
     return local_update(download, dataset, learning_rate, optimizer)
-
-  return build_round_client_work(client_update, *sgd_round_fns(client_update, config))
-
-
-def device_result_spec(weights_type: tff.Type) -> collections.OrderedDict:
-  """`tf.TensorSpec`s of what a device's local training returns (`tff_ens.program.device_clients`):
-  its trained weights (the trainable ones: the trainable file has no others) and sums over
-  its examples."""
-  return collections.OrderedDict(
-    trainable=tuple(tf.TensorSpec(t.shape, t.dtype) for t in weights_type.trainable),
-    loss=tf.TensorSpec([], tf.float32),
-    correct=tf.TensorSpec([], tf.float32),
-    num_examples=tf.TensorSpec([], tf.float32),
-  )
-
-
-def build_device_client_work(weights_type: tff.Type, config: LocalTrainingConfig) -> ClientWork:
-  """The client-work stage of clients that trained on their devices.
-
-  Each client's data is one element, `device_result_spec`: the weights its device reached by
-  local SGD from the broadcast ones (`export.trainable`, in LiteRT), and its sums of loss,
-  correct predictions and examples. Its result is `client_result` of the broadcast and
-  trained weights, as `train_locally`'s: initial - trained, weighted by its examples. The
-  learning rate is the device file's own, so the round's rate is not used.
-  """
-  data_type = tff.SequenceType(tff.types.tensorflow_to_type(device_result_spec(weights_type)))
-
-  @tff.tensorflow.computation(weights_type, data_type, tf.float32)
-  def client_update(initial_weights, device_result, learning_rate):
-    del learning_rate  # Fixed in the device's file.
-    result = device_result.get_single_element()
-    trained = ModelWeights(list(result["trainable"]), list(initial_weights.non_trainable))
-    return client_result(
-      initial_weights,
-      trained,
-      result["loss"],
-      result["correct"],
-      result["num_examples"],
-      config.max_update_norm,
-    )
 
   return build_round_client_work(client_update, *sgd_round_fns(client_update, config))
 

@@ -7,6 +7,7 @@ aggregator, finalizer)` and one metrics entry per stage, as `tff.learning` compo
 """
 
 import collections
+import dataclasses
 
 import numpy as np
 import tensorflow_federated as tff
@@ -58,25 +59,65 @@ def compose(
 
   state_type = init_fn.type_signature.result
   data_type = client_work.next.type_signature.parameter[2]
+  stages = _Stages(distributor, client_work, aggregator, finalizer, keyed)
 
-  def round_fn(state, client_data, client_indices=None, client_states=None):
+  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
+  if client_state_type is not None:
+    states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
+  # TFF's computations take no varargs: one signature for each kind of `next`.
+  if keyed and client_state_type is not None:
+
+    @tff.federated_computation(state_type, data_type, indices_type, states_type)
+    def next_fn(state, client_data, client_indices, client_states):
+      return stages.round(state, client_data, client_indices, client_states)
+  elif keyed:
+
+    @tff.federated_computation(state_type, data_type, indices_type)
+    def next_fn(state, client_data, client_indices):
+      return stages.round(state, client_data, client_indices)
+  elif client_state_type is not None:
+
+    @tff.federated_computation(state_type, data_type, states_type)
+    def next_fn(state, client_data, client_states):
+      return stages.round(state, client_data, client_states=client_states)
+  else:
+
+    @tff.federated_computation(state_type, data_type)
+    def next_fn(state, client_data):
+      return stages.round(state, client_data)
+
+  return tff.templates.IterativeProcess(init_fn, next_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+  """`compose`'s stages, whose `round` is the body of the process' `next`."""
+
+  distributor: tff.templates.MeasuredProcess
+  client_work: object
+  aggregator: tff.templates.AggregationProcess
+  finalizer: tff.templates.MeasuredProcess
+  keyed: bool
+
+  def round(self, state, client_data, client_indices=None, client_states=None):
+    """One round inside a federated computation: `(state, metrics[, new client states])`."""
     keys = ()
-    if keyed:
-      sent = distributor.next(state.distributor, state.model, client_indices)
+    if self.keyed:
+      sent = self.distributor.next(state.distributor, state.model, client_indices)
       downloads, keys = sent.result
       keys = (keys,)
     else:
-      sent = distributor.next(state.distributor, state.model)
+      sent = self.distributor.next(state.distributor, state.model)
       downloads = sent.result
     if client_states is None:
-      work = client_work.next(state.client_work, downloads, client_data)
+      work = self.client_work.next(state.client_work, downloads, client_data)
       work_state, result, work_metrics = work.state, work.result, work.measurements
     else:
-      work_state, result, new_client_states, work_metrics = client_work.next(
+      work_state, result, new_client_states, work_metrics = self.client_work.next(
         state.client_work, downloads, client_data, client_states
       )
-    aggregate = aggregator.next(state.aggregator, result.update, result.update_weight, *keys)
-    finalized = finalizer.next(state.finalizer, state.model, aggregate.result)
+    aggregate = self.aggregator.next(state.aggregator, result.update, result.update_weight, *keys)
+    finalized = self.finalizer.next(state.finalizer, state.model, aggregate.result)
     new_state = tff.federated_zip(
       collections.OrderedDict(
         model=finalized.result,
@@ -97,30 +138,3 @@ def compose(
     if client_states is None:
       return new_state, metrics
     return new_state, metrics, new_client_states
-
-  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
-  if client_state_type is not None:
-    states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
-  # TFF's computations take no varargs: one signature for each kind of `next`.
-  if keyed and client_state_type is not None:
-
-    @tff.federated_computation(state_type, data_type, indices_type, states_type)
-    def next_fn(state, client_data, client_indices, client_states):
-      return round_fn(state, client_data, client_indices, client_states)
-  elif keyed:
-
-    @tff.federated_computation(state_type, data_type, indices_type)
-    def next_fn(state, client_data, client_indices):
-      return round_fn(state, client_data, client_indices)
-  elif client_state_type is not None:
-
-    @tff.federated_computation(state_type, data_type, states_type)
-    def next_fn(state, client_data, client_states):
-      return round_fn(state, client_data, client_states=client_states)
-  else:
-
-    @tff.federated_computation(state_type, data_type)
-    def next_fn(state, client_data):
-      return round_fn(state, client_data)
-
-  return tff.templates.IterativeProcess(init_fn, next_fn)

@@ -15,6 +15,7 @@ import tensorflow_federated as tff
 
 from tff_ens.templates import client_work as client_work_lib
 from tff_ens.templates import stateful_client_work
+from tff_ens.templates import transport as transport_lib
 
 
 def train_feddyn(
@@ -64,12 +65,12 @@ def build_feddyn_client_work(
   element_spec,
   config: client_work_lib.LocalTrainingConfig,
   alpha: float,
-  state_files: bool = False,
+  transport: transport_lib.Transport = transport_lib.VALUES,
 ) -> stateful_client_work.StatefulClientWork:
   """FedDyn's client work (`train_feddyn`) with coefficient `alpha`.
 
   A client's state is its g, one value per trainable weight of the model, flattened into one
-  float32 vector (`stateful_client_work.flatten`); in a file with `state_files`.
+  float32 vector (`stateful_client_work.flatten`), moved by `transport`.
   """
   if alpha <= 0:
     raise ValueError(f"FedDyn's alpha must be > 0, got {alpha}")
@@ -91,4 +92,4 @@ def build_feddyn_client_work(
     )
     return result, metrics, stateful_client_work.flatten(new_g)
 
-  return stateful_client_work.build(client_update, config, state_files=state_files)
+  return transport.stateful_client_work(client_update, config)

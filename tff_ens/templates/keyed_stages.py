@@ -227,38 +227,16 @@ def privatize_slots(slots, noise_stddev, clients_per_slot: float):
   return noised, tf.fill([len(slots)], tf.constant(clients_per_slot, tf.float32))
 
 
-def build_slot_aggregator(
-  update_type: tff.Type,
-  num_slots: int,
-  *,
-  count_clients_once: bool = True,
-  dp: privacy.DPConfig | None = None,
-) -> tff.templates.AggregationProcess:
-  """K weighted sums, one per key: `next(state, updates, weights, keys) -> (slots, slot
-  weights)` at SERVER.
-
-  Client i's update goes into slot `key_i` with weight 1 (`count_clients_once`: each model's
-  average counts each client once, Shi et al., Remark 1) or its own weight (its examples);
-  a rejected update (weight 0) stays uncounted. With `dp` (a fixed clip norm), each update is
-  clipped on its client and weighted 1, and the slot sums are noised (`privatize_slots`,
-  m / K clients per slot).
-  """
-  if dp is not None and dp.adaptive:
-    raise ValueError("DP over K slots needs a fixed clip norm > 0")
+def _slot_sums(update_type: tff.Type, num_slots: int, dp: privacy.DPConfig | None):
+  """`build_slot_aggregator`'s `tff.federated_aggregate` computations: `(zero, accumulate,
+  merge, report)` of the K slot sums, `report` giving `((slots, weights), models trained)`
+  (the slots noised with `dp`)."""
 
   @tff.tensorflow.computation
   def zero():
     return unfilled_slots(update_type, num_slots)
 
   accumulator_type = zero.type_signature.result
-
-  @tff.tensorflow.computation(update_type, np.float32)
-  def client_contribution(update, weight):
-    if dp is not None:
-      update = privacy.clip_update(update, dp.clip_norm)
-    if dp is not None or count_clients_once:
-      weight = tf.minimum(weight, 1.0)
-    return update, weight
 
   @tff.tensorflow.computation(
     accumulator_type, (update_type, np.float32, tff.TensorType(np.int32, [1]))
@@ -283,6 +261,37 @@ def build_slot_aggregator(
       )
     return (slots, weights), trained
 
+  return zero, accumulate, merge, report
+
+
+def build_slot_aggregator(
+  update_type: tff.Type,
+  num_slots: int,
+  *,
+  count_clients_once: bool = True,
+  dp: privacy.DPConfig | None = None,
+) -> tff.templates.AggregationProcess:
+  """K weighted sums, one per key: `next(state, updates, weights, keys) -> (slots, slot
+  weights)` at SERVER.
+
+  Client i's update goes into slot `key_i` with weight 1 (`count_clients_once`: each model's
+  average counts each client once, Shi et al., Remark 1) or its own weight (its examples);
+  a rejected update (weight 0) stays uncounted. With `dp` (a fixed clip norm), each update is
+  clipped on its client and weighted 1, and the slot sums are noised (`privatize_slots`,
+  m / K clients per slot).
+  """
+  if dp is not None and dp.adaptive:
+    raise ValueError("DP over K slots needs a fixed clip norm > 0")
+
+  @tff.tensorflow.computation(update_type, np.float32)
+  def client_contribution(update, weight):
+    if dp is not None:
+      update = privacy.clip_update(update, dp.clip_norm)
+    if dp is not None or count_clients_once:
+      weight = tf.minimum(weight, 1.0)
+    return update, weight
+
+  zero, accumulate, merge, report = _slot_sums(update_type, num_slots, dp)
   reported_type = report.type_signature.result
 
   @tff.tensorflow.computation(reported_type)

@@ -52,6 +52,7 @@ from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
 from tff_ens.templates import server_optimizer
 from tff_ens.templates import server_step
+from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -90,6 +91,7 @@ class Settings:
     "cost is the budget's) or all (the whole set, as FedBE's code: the cost grows with the "
     "set). The same targets for the rows read, to float32 rounding.",
     choices=TEACHER_LABELS,
+    before="all",
   )
   server_device: str = setting(
     "auto",
@@ -379,7 +381,7 @@ class DistillationStep:
           self._validation,
           read.batches[0],
         )
-      distillation.assign_weights(self._model, new_weights)
+      distillation.assign_variables(self._model, new_weights)
       student_accuracy = self._student.validation_accuracy(*self._validation)
     return new_weights, collections.OrderedDict(
       server_device=server_step.placed_device(student_accuracy),
@@ -399,7 +401,7 @@ class DistillationStep:
     the clients' weight average (FedAvg's model, the student's start) and of the
     teachers' predictive distribution (`distillation_targets`'s argmax)."""
     x, y = self._validation
-    distillation.assign_weights(self._model, average)
+    distillation.assign_variables(self._model, average)
     average_accuracy = self._student.validation_accuracy(x, y)
     predictions = distillation.ensemble_predictions(self._model, stack, x, teacher_weights)
     return average_accuracy, distillation.accuracy(
@@ -433,7 +435,7 @@ class DistillationStep:
           self._model, stack, images, teacher_weights
         )
       ]
-      distillation.assign_weights(self._model, average)
+      distillation.assign_variables(self._model, average)
       average_logits = distillation.predict_logits(
         self._model, images, distillation.EVAL_BATCH_SIZE
       )
@@ -457,7 +459,7 @@ def build_server_distillation(
   *,
   clients_per_round: int,
   recalibration_images: np.ndarray | None = None,
-  upload_files: bool = False,
+  transport: transport_lib.Transport = transport_lib.VALUES,
 ) -> built_lib.BuiltProcess:
   """Builds FedBE, FedDF or v-Distillation (`config.method`) as a
   `server_step.DriverProcess`, whose rounds give their teachers.
@@ -471,16 +473,15 @@ def build_server_distillation(
     clients_per_round: the largest cohort (slots of the collect aggregator).
     recalibration_images: server images on which every teacher and the weight average
       measure their batch-norm statistics (`teachers`), or None to keep the clients'.
-    upload_files: the clients' updates reach the driver as files (`server_step.build_collect`).
+    transport: what moves the clients' updates to the driver (`transport.Transport.collect`).
   """
   weights_type = client_work_lib.weights_type_of(model_fn)
   client_work = client_work_lib.build_client_work(model_fn, element_spec, local_config)
-  initialize_fn, collect, update_specs = server_step.build_collect(
+  initialize_fn, collect, update_specs = transport.collect(
     server_optimizer.build_initial_weights_fn(model_fn),
     tff.learning.templates.build_broadcast_process(weights_type),
     client_work.process,
     clients_per_round,
-    upload_files=upload_files,
   )
   step = DistillationStep(model_fn, data, config, recalibration_images)
   process = server_step.DriverProcess(

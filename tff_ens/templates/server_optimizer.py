@@ -114,3 +114,23 @@ def build_finalizer(
     )
 
   return tff.learning.templates.FinalizerProcess(init_fn, next_fn)
+
+
+def fedavg_stages(
+  weights_type: tff.Type,
+  server_optimizer=None,
+  aggregator_factory: tff.aggregators.WeightedAggregationFactory | None = None,
+  recalibration: tuple[Callable[[], tf.keras.Model], np.ndarray] | None = None,
+):
+  """FedAvg's stages around its client work (McMahan et al. 2017, Algorithm 1's server):
+  `(distributor, aggregator, finalizer)`, the broadcast of the model, the clients' updates'
+  mean weighted by their examples (or `aggregator_factory`'s, e.g. DP-FedAvg's) and
+  `build_finalizer`'s step of `server_optimizer` (default: SGD at 1, FedAvg's) on it."""
+  # no_nan_division: a round where every update was rejected (total weight
+  # 0) leaves the model unchanged instead of turning it into NaN.
+  factory = aggregator_factory or tff.aggregators.MeanFactory(no_nan_division=True)
+  return (
+    tff.learning.templates.build_broadcast_process(weights_type),
+    factory.create(weights_type, tff.TensorType(np.float32)),
+    build_finalizer(server_optimizer or build_server_optimizer(), weights_type, recalibration),
+  )

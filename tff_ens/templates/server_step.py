@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import functools
 import os
+import statistics
 import tempfile
 from typing import Any, Callable
 
@@ -35,6 +36,7 @@ import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2
 import tensorflow_federated as tff
 
+from tff_ens.math import evaluation
 from tff_ens.templates import keyed_stages
 
 # `step(model, collected, round) -> (model, measurements)`, run in the driver; the
@@ -55,6 +57,30 @@ class RoundTeachers:
 
   predict: Callable[[np.ndarray], dict] | None
   device: str | None
+
+
+def summary(finished) -> dict:
+  """A server step's keys of a run's summary (a `FederatedAlgorithm.summary` hook of an
+  `algorithms.algorithm.FinishedRun`): the distilled model's and the last round's teachers'
+  test accuracy, the server's seconds per round and distillation throughput, and the device
+  the step's ops ran on (read from TensorFlow's placement; None if no round ran in this
+  process)."""
+  rows, teachers = finished.rows, finished.teachers
+  server_seconds = [float(r["server_seconds"]) for r in rows if r.get("server_seconds")]
+  # Throughput over the rounds that distilled (others skip the student).
+  distilling = [r for r in rows if float(r.get("distill_examples") or 0)]
+  examples = sum(float(r["distill_examples"]) for r in distilling)
+  distill_seconds = sum(float(r["server_seconds"]) for r in distilling)
+  teacher_test = finished.teacher_test
+  return {
+    "distilled_test_accuracy": finished.summary["test_accuracy"],
+    "ensemble_test_accuracy": None
+    if teacher_test is None
+    else evaluation.test_accuracy(finished.data, teacher_test["probabilities"]),
+    "server_seconds_per_round": statistics.median(server_seconds) if server_seconds else None,
+    "distill_examples_per_second": examples / distill_seconds if distill_seconds else None,
+    "server_device": teachers.device if teachers is not None else None,
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,25 +189,7 @@ def build_collect(
   state_type = initialize_fn.type_signature.result
   data_type = client_work.next.type_signature.parameter[2]
 
-  def collect_round(state, sent, downloads, client_data, paths=None):
-    work = client_work.next(state.client_work, downloads, client_data)
-    update = work.result.update
-    if paths is not None:
-      update = tff.federated_map(write, (update, paths))
-    collected = aggregator.next(state.aggregator, update, work.result.update_weight)
-    stage_states = tff.federated_zip(
-      collections.OrderedDict(
-        distributor=sent.state, client_work=work.state, aggregator=collected.state
-      )
-    )
-    measurements = tff.federated_zip(
-      collections.OrderedDict(
-        distributor=sent.measurements,
-        client_work=work.measurements,
-        aggregator=collected.measurements,
-      )
-    )
-    return stage_states, collected.result, measurements
+  collect_round = functools.partial(_collect_round, client_work, aggregator, write)
 
   indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
   paths_type = tff.FederatedType(np.str_, tff.CLIENTS)
@@ -212,6 +220,30 @@ def build_collect(
 
   update_specs = tff.types.type_to_tf_tensor_specs(update_type) if upload_files else None
   return initialize_fn, collect, update_specs
+
+
+def _collect_round(client_work, aggregator, write, state, sent, downloads, client_data, paths=None):
+  """`build_collect`'s round after the distributor, inside a federated computation: the
+  clients train on their `downloads` (and write their updates to `paths` with `write`), the
+  aggregator collects them; `(stage states, collected, measurements)`."""
+  work = client_work.next(state.client_work, downloads, client_data)
+  update = work.result.update
+  if paths is not None:
+    update = tff.federated_map(write, (update, paths))
+  collected = aggregator.next(state.aggregator, update, work.result.update_weight)
+  stage_states = tff.federated_zip(
+    collections.OrderedDict(
+      distributor=sent.state, client_work=work.state, aggregator=collected.state
+    )
+  )
+  measurements = tff.federated_zip(
+    collections.OrderedDict(
+      distributor=sent.measurements,
+      client_work=work.measurements,
+      aggregator=collected.measurements,
+    )
+  )
+  return stage_states, collected.result, measurements
 
 
 def write_update(update_type: tff.Type) -> tff.Computation:

@@ -1,5 +1,5 @@
-"""Client work whose clients keep a state between their rounds (FedDyn's g, Ditto's personal
-model, LG-FedAvg's local layers).
+"""Client work whose clients keep a state between their rounds (FedDyn's g, a personal model,
+a client's own layers).
 
 TFF's `ClientWorkProcess.next` takes exactly (state, weights, data), so such client work is a
 stage of its own (`StatefulClientWork`), which `composition.compose` composes with

@@ -44,10 +44,15 @@ def served(small_run):
   page.close()
 
 
+# A direct client: urlopen's global opener keeps the proxy of the first test that used it
+# (tests/test_femnist.py sets one that refuses every connection).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _get(url: str, method: str = "GET") -> tuple[int, dict, bytes]:
   request = urllib.request.Request(url, method=method)
   try:
-    with urllib.request.urlopen(request, timeout=30) as response:
+    with _DIRECT.open(request, timeout=30) as response:
       return response.status, dict(response.headers), response.read()
   except urllib.error.HTTPError as e:
     return e.code, dict(e.headers), e.read()

@@ -284,6 +284,10 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
       ),
       "does not combine with DP",
     ),
+    (
+      dict(algorithm="ditto", client_transport="values", clients_per_chunk=2),
+      "a round in chunks \\(--clients_per_chunk\\) cannot .* use --client_transport=files",
+    ),
   ],
 )
 def test_bad_flags_raise_one_line_errors(change, message, tmp_path):

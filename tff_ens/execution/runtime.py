@@ -245,6 +245,19 @@ class _ChunkedContext(tff.framework.SyncContext):
     return self._by_chunks[chunks].invoke(comp, arg)
 
 
+def _connect(addresses, credentials_dir, local, channels: list, executors: list):
+  """The stubs and executor factories of the workers at `addresses`, each awaited until it
+  serves; their channels are appended to `channels` (closed by the caller)."""
+  process = None if local is None else local.process
+  stubs, factories = [], []
+  for address in addresses:
+    channels.append(_channel(address, credentials_dir))
+    stubs.append(tff.framework.RemoteExecutorGrpcStub(channels[-1]))
+    worker_process.wait_until_serving(stubs[-1], address, process)
+    factories.append(_executor_factory(stubs[-1], address, process, executors))
+  return stubs, factories
+
+
 @contextlib.contextmanager
 def execution_context(
   *,
@@ -304,18 +317,12 @@ def execution_context(
       local = worker_process.start_worker(
         isolation=local_worker, max_concurrent_computation_calls=max_concurrent_computation_calls
       )
-    process = None if local is None else local.process
     addresses = list(workers) or [local.address]
-    factories = []
-    for address in addresses:
-      channels.append(_channel(address, credentials_dir))
-      stub = tff.framework.RemoteExecutorGrpcStub(channels[-1])
-      worker_process.wait_until_serving(stub, address, process)
-      factories.append(_executor_factory(stub, address, process, executors))
+    stubs, factories = _connect(addresses, credentials_dir, local, channels, executors)
     if not hasattr(_installed, "workers"):
       _installed.workers = []
     _installed.workers.append(
-      InstalledWorker(stub, channels[0], addresses[0], local, executors, clients_per_chunk)
+      InstalledWorker(stubs[0], channels[0], addresses[0], local, executors, clients_per_chunk)
       if len(factories) == 1
       else None
     )

@@ -70,6 +70,7 @@ RESUME_FREE_KEYS = (
   "output_dir",  # A run's directory moved elsewhere resumes there.
   "resume",
   "max_concurrent_clients",
+  "clients_per_chunk",
   "worker_growth_mib",
   "workers",
   "worker_credentials",

@@ -26,6 +26,7 @@ _UNSHOWN_FLAGS = (
   "eval_every",
   "checkpoint_every",
   "max_concurrent_clients",
+  "clients_per_chunk",
   "worker_growth_mib",
   "workers",
   "worker_credentials",

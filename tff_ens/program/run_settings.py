@@ -142,6 +142,15 @@ class RunSettings:
     0,
     "Clients trained at once by the TFF runtime (<= 0: no limit; see benchmarks/RESULTS.md).",
   )
+  clients_per_chunk: int = setting(
+    10,
+    "A round of more clients than this trains and aggregates them in chunks of at most this "
+    "many, one after another on each worker, each chunk's partial aggregate merged before the "
+    "next (TFF's mergeable form), so that a worker holds one chunk's client values: memory "
+    "set by the chunk, not the cohort; the same numbers up to float summation order "
+    "(benchmarks/RESULTS.md); 0: every round in one call.",
+    at_least=0,
+  )
   worker_growth_mib: int = setting(
     resident_state.MAX_GROWTH_BYTES // 2**20,
     "The state waiting on the local TFF worker between rounds is copied there afresh (which "

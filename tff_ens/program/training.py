@@ -12,6 +12,7 @@ import logging
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from tff_ens import algorithms
 from tff_ens.algorithms import algorithm as algorithm_lib
@@ -37,6 +38,7 @@ def _execution_context(run: experiment.Run):
           credentials_dir=config.worker_credentials or None,
           local_worker=config.local_worker,
           max_concurrent_computation_calls=config.max_concurrent_clients,
+          clients_per_chunk=config.clients_per_chunk,
         )
       )
     except worker_process.IsolationError as e:
@@ -108,6 +110,7 @@ def run_experiment(config) -> dict:
   with contextlib.ExitStack() as stack:
     with _execution_context(run):
       algorithm = algorithms.build(config.algorithm, context)
+      _check_mergeable(run, algorithm)
       outputs = run_outputs.RunOutputs(config, algorithm.process.initialize())
       stack.callback(outputs.close)
       evaluator = reporting.Evaluator(algorithm.evaluation_model_fn)
@@ -117,6 +120,23 @@ def run_experiment(config) -> dict:
         raise worker_process.WorkerError(f"{e} {outputs.resume_hint()}") from None
     # After the worker has stopped: the final evaluation does not add to its memory.
     return reporting.write_summary(run, data, algorithm, outputs, evaluator, trained)
+
+
+def _check_mergeable(run: experiment.Run, algorithm) -> None:
+  """A round in chunks or on several workers (TFF's mergeable form) cannot return
+  CLIENTS-placed values: UsageError before the first round if this one's would."""
+  config = run.config
+  chunked = 0 < config.clients_per_chunk < config.clients_per_round
+  next_fn = algorithm.process.next
+  if not (chunked or len(run.workers) > 1) or not isinstance(next_fn, tff.Computation):
+    return
+  if tff.types.contains(next_fn.type_signature.result, runtime.is_per_client):
+    where = "on several --workers" if len(run.workers) > 1 else "in chunks (--clients_per_chunk)"
+    raise experiment.UsageError(
+      f"--client_transport=values returns the clients' states from the worker, which a round "
+      f"{where} cannot (TFF 0.87 merges them out of client order): use "
+      "--client_transport=files, or one worker and --clients_per_chunk=0"
+    )
 
 
 def _recalibration_images(config, model_fn, server_data) -> np.ndarray | None:

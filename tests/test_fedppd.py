@@ -428,7 +428,7 @@ def test_fedppd_distill_distills_the_teachers_when_asked():
     distill_steps=25, distill_batch_size=8, distill_curve_every=0
   )
   server = server_distillation.ServerDistillationConfig(
-    method="fedbe",
+    teachers="posterior",
     distill=fedbe.distillation_config(student_settings),
     posterior=weight_posterior.WeightPosterior(num_samples=2),
     seed=3,

@@ -33,7 +33,7 @@ NAMES = ("dense", "bn")
 
 def _config(drop_worst=True, keep_initial_student=False):
   return sd.ServerDistillationConfig(
-    method="feddf",
+    targets="avg_logits",
     distill=feddf.distillation_config(
       sd.Settings(distill_steps=20, distill_batch_size=8),
       feddf.Settings(
@@ -235,7 +235,7 @@ def test_rejects_one_prototype_and_other_methods():
     mp.build_heterogeneous_feddf(
       MODEL_FNS[:1], NAMES[:1], SPEC, LOCAL, SERVER, _config(), clients_per_round=4
     )
-  with pytest.raises(ValueError, match="FedDF"):
+  with pytest.raises(ValueError, match="got teachers='posterior'"):
     mp.build_heterogeneous_feddf(
       MODEL_FNS,
       NAMES,
@@ -243,7 +243,7 @@ def test_rejects_one_prototype_and_other_methods():
       LOCAL,
       SERVER,
       sd.ServerDistillationConfig(
-        method="fedbe", distill=fedbe.distillation_config(sd.Settings(distill_steps=25))
+        teachers="posterior", distill=fedbe.distillation_config(sd.Settings(distill_steps=25))
       ),
       clients_per_round=4,
     )

@@ -45,6 +45,15 @@ def _feddf(steps: int, batch_size: int = 128, patience: int = 1_000, eval_every:
   return feddf.distillation_config(shared, own)
 
 
+# Each algorithm's teachers, targets and temperature in the papers (FedBE Sec. 4 and 5,
+# FedDF's AVGLOGITS).
+THE_PAPERS = {
+  "fedbe": dict(teachers="posterior"),
+  "feddf": dict(targets="avg_logits"),
+  "vdistill": dict(sharpen_temperature=0.5),
+}
+
+
 # ------------------------------------------------------------ collect aggregator
 
 
@@ -119,7 +128,9 @@ def test_fedbe_teachers_are_average_clients_and_gaussian_samples():
   ]
   # The third client was rejected (weight 0): no teacher, not in the average.
   config = sd.ServerDistillationConfig(
-    method="fedbe", distill=_fedbe(25), posterior=weight_posterior.WeightPosterior(num_samples=4)
+    teachers="posterior",
+    distill=_fedbe(25),
+    posterior=weight_posterior.WeightPosterior(num_samples=4),
   )
   stack, weights, average, dropped, informative = sd.teachers(
     model,
@@ -155,7 +166,7 @@ def test_feddf_drops_clients_at_chance_and_averages_the_others():
     tf.nest.map_structure(tf.subtract, good, collapsed),
   ]
   config = sd.ServerDistillationConfig(
-    method="feddf",
+    targets="avg_logits",
     distill=_feddf(20, patience=10, eval_every=5),
     drop_worst=drop_worst.DropWorst(),
   )
@@ -204,7 +215,7 @@ def test_drop_worst_rule_decides_which_clients_feddf_keeps():
   kept = {}
   for rule in drop_worst.DROP_WORST_RULES:
     config = sd.ServerDistillationConfig(
-      method="feddf",
+      targets="avg_logits",
       distill=_feddf(20, eval_every=5),
       drop_worst=drop_worst.DropWorst(rule=rule),
     )
@@ -228,7 +239,8 @@ def test_distillation_targets_sharpen_with_the_configured_temperature():
   def targets(method, **kwargs):
     distill = _feddf(20, eval_every=5) if method == "feddf" else _fedbe(25)
     return sd.distillation_targets(
-      sd.ServerDistillationConfig(method=method, distill=distill, **kwargs), predictions
+      sd.ServerDistillationConfig(distill=distill, **{**THE_PAPERS[method], **kwargs}),
+      predictions,
     )
 
   # The papers': FedBE's mean probabilities, v-Distillation's p^2 / sum p^2.
@@ -271,7 +283,9 @@ def test_teachers_label_the_rows_the_student_reads_as_the_whole_set(method, monk
   calls = record_students(monkeypatch)
   results = {}
   for labels in sd.TEACHER_LABELS:
-    config = sd.ServerDistillationConfig(method=method, teacher_labels=labels, seed=7, **fields)
+    config = sd.ServerDistillationConfig(
+      teacher_labels=labels, seed=7, **THE_PAPERS[method], **fields
+    )
     step = sd.DistillationStep(tiny_model, MANY, config)
     results[labels] = step(global_weights, collected, 2)
   read, whole = calls
@@ -333,7 +347,7 @@ def test_each_teacher_measures_its_batch_norm_statistics_on_the_server_images(me
     fields = dict(
       distill=_fedbe(25, batch_size=4), posterior=weight_posterior.WeightPosterior(num_samples=2)
     )
-  config = sd.ServerDistillationConfig(method=method, seed=7, **fields)
+  config = sd.ServerDistillationConfig(seed=7, **THE_PAPERS[method], **fields)
   images = np.random.default_rng(3).normal(size=(40, 2, 2, 1)).astype(np.float32)
   step = sd.DistillationStep(_dense_batch_norm_dense, SERVER, config, recalibration_images=images)
   stack, _, average, _, _ = step._teachers(global_weights, collected, sd.round_seed(config, 2))
@@ -388,7 +402,9 @@ def test_the_step_runs_after_its_model_class_was_built_in_a_graph():
     for s in (4, 5)
   ]
   collected = _collected(updates, [1.0, 2.0])
-  config = sd.ServerDistillationConfig(method="feddf", distill=_feddf(4, batch_size=4), seed=7)
+  config = sd.ServerDistillationConfig(
+    targets="avg_logits", distill=_feddf(4, batch_size=4), seed=7
+  )
   untouched = sd.DistillationStep(tiny_model, MANY, config)(global_weights, collected, 1)
   step = sd.DistillationStep(tiny_model, MANY, config)
   with tf.Graph().as_default():
@@ -420,7 +436,7 @@ def _algorithm(method, **flags):
   )
 
 
-@pytest.mark.parametrize("method", sd.METHODS)
+@pytest.mark.parametrize("method", THE_PAPERS)
 def test_one_round_distills_from_the_cohort(method):
   student = {}
   if method == "feddf":
@@ -498,14 +514,14 @@ def test_upload_is_one_model_as_fedavg():
 
 
 def test_config_rejects_unknown_values():
-  with pytest.raises(ValueError, match="method"):
-    sd.ServerDistillationConfig(method="fedx", distill=_fedbe(25))
+  with pytest.raises(ValueError, match="unknown teachers=samples"):
+    sd.ServerDistillationConfig(teachers="samples", distill=_fedbe(25))
+  with pytest.raises(ValueError, match="unknown targets=logits"):
+    sd.ServerDistillationConfig(targets="logits", distill=_fedbe(25))
   with pytest.raises(ValueError, match="unknown targets=C\\+S"):
     weight_posterior.WeightPosterior(targets="C+S")
-  with pytest.raises(ValueError, match="eval_every"):
-    sd.ServerDistillationConfig(method="feddf", distill=_fedbe(25))
   with pytest.raises(ValueError, match="sharpen_temperature must be > 0"):
-    sd.ServerDistillationConfig(method="fedbe", distill=_fedbe(25), sharpen_temperature=0.0)
+    sd.ServerDistillationConfig(distill=_fedbe(25), sharpen_temperature=0.0)
   with pytest.raises(ValueError, match="unknown rule=chance"):
     drop_worst.DropWorst(rule="chance")
 

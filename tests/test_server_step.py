@@ -52,7 +52,7 @@ def _one_client_round(data):
     tf.nest.map_structure(lambda u: np.stack([u, np.zeros_like(u)]), update),
     np.array([2.0, 0.0], np.float32),
   )
-  config = sd.ServerDistillationConfig(method="vdistill", distill=ONE_SGD_STEP)
+  config = sd.ServerDistillationConfig(distill=ONE_SGD_STEP, sharpen_temperature=0.5)
   step = sd.DistillationStep(tiny_model, data, config)
   return global_weights, client, step(global_weights, collected, 0), step
 
@@ -98,7 +98,7 @@ def test_the_step_measures_the_average_and_the_teachers_it_competes_with():
   x = x.astype(np.float32)
   y = _logits(ModelWeights.from_model(tiny_model(seed=6)), x).argmax(-1).astype(np.int32)
   data = server_data.ServerData(SERVER.unlabeled, x, y, "test")
-  config = sd.ServerDistillationConfig(method="vdistill", distill=ONE_SGD_STEP)
+  config = sd.ServerDistillationConfig(distill=ONE_SGD_STEP, sharpen_temperature=0.5)
   step = sd.DistillationStep(tiny_model, data, config)
   _, measurements = step(global_weights, collected, 0)
   average = ModelWeights(
@@ -126,7 +126,7 @@ def test_a_round_without_clients_keeps_the_model(tmp_path):
     tf.nest.map_structure(lambda w: np.zeros((2, *w.shape), np.float32), global_weights),
     np.zeros([2], np.float32),
   )
-  config = sd.ServerDistillationConfig(method="vdistill", distill=ONE_SGD_STEP)
+  config = sd.ServerDistillationConfig(distill=ONE_SGD_STEP, sharpen_temperature=0.5)
   new, measurements = sd.DistillationStep(tiny_model, SERVER, config)(global_weights, nothing, 3)
   for a, b in zip(tf.nest.flatten(new), tf.nest.flatten(global_weights)):
     np.testing.assert_array_equal(a, b)

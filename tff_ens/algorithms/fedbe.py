@@ -18,6 +18,8 @@ from tff_ens.templates import server_distillation
 # SWA's cycle and the distance between the models it averages (the paper's and the authors'
 # code's 25 steps).
 SWA_CYCLE_STEPS = 25
+# Chen and Chao, Sec. 4: the targets are the ensemble's mean probabilities, unsharpened.
+SHARPEN_TEMPERATURE = 1.0
 
 
 @settings.group
@@ -84,9 +86,10 @@ def server_config(context: algorithm.BuildContext) -> server_distillation.Server
   """FedBE's server step for the run of `context` (FedPPD+Distill's too)."""
   shared, own = context.group(server_distillation.Settings), context.group(Settings)
   return server_distillation.ServerDistillationConfig.of(
-    "fedbe",
     shared,
     distillation_config(shared, own),
+    teachers="posterior",
+    paper_temperature=SHARPEN_TEMPERATURE,
     posterior=context.group(weight_posterior.WeightPosterior),
     distill_student=own.distill,
     seed=context.seed,

@@ -103,9 +103,9 @@ def distillation_config(
 def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   shared, own = context.group(server_distillation.Settings), context.group(Settings)
   config = server_distillation.ServerDistillationConfig.of(
-    "feddf",
     shared,
     distillation_config(shared, own),
+    targets="avg_logits",
     drop_worst=context.group(drop_worst.DropWorst),
     seed=context.seed,
   )

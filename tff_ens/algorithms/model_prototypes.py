@@ -349,7 +349,7 @@ def build_heterogeneous_feddf(
     element_spec: `tf.TensorSpec`s of one client batch `(x, y)`.
     local_config: the clients' training (FedAvg's).
     data: the server's unlabeled and validation data.
-    config: FedDF's server step (`method="feddf"`).
+    config: FedDF's server step (`targets="avg_logits"`, teachers="clients").
     clients_per_round: the largest cohort.
     transport: what moves the clients' updates to the driver (`transport.Transport.collect`).
   """
@@ -398,8 +398,11 @@ def _checked_weights_types(model_fns, names, config) -> list[tff.Type]:
       "heterogeneous FedDF needs two or more prototypes, one "
       f"name each; got {len(model_fns)} and names {names}"
     )
-  if config.method != "feddf":
-    raise ValueError(f"prototypes are FedDF's; got method {config.method!r}")
+  if config.teachers != "clients":
+    raise ValueError(
+      f"prototypes teach with their clients' models; got teachers={config.teachers!r}: there "
+      "is no posterior over models of different architectures"
+    )
   weights_types = [client_work_lib.weights_type_of(fn) for fn in model_fns]
   for name, weights_type in zip(names, weights_types):
     spec = tff.types.type_to_tf_tensor_specs(weights_type)

@@ -6,11 +6,16 @@ from tff_ens.algorithms import algorithm
 from tff_ens.algorithms import fedbe
 from tff_ens.templates import server_distillation
 
+SHARPEN_TEMPERATURE = 0.5  # Sec. 5's targets.
+
 
 def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   shared = context.group(server_distillation.Settings)
   config = server_distillation.ServerDistillationConfig.of(
-    "vdistill", shared, fedbe.distillation_config(shared, swa=False), seed=context.seed
+    shared,
+    fedbe.distillation_config(shared, swa=False),
+    paper_temperature=SHARPEN_TEMPERATURE,
+    seed=context.seed,
   )
   built = server_distillation.build_server_distillation(
     lambda: context.model_fn(0),

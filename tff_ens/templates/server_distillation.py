@@ -18,15 +18,15 @@ FedAvg's four stages with two swapped, composed by `server_step.build_collect`:
   student will read this round (`rows_read`; all of them with
   `teacher_labels="all"`) and distills into the student, which starts from the
   weight average:
-  - "fedbe": teachers {average, clients, M samples of a Gaussian (eq. 5) or
+  - FedBE (teachers="posterior"): {average, clients, M samples of a Gaussian (eq. 5) or
     Dirichlet (eq. 7) over the client models} (`weight_posterior`), targets
     the ensemble's mean probabilities (optionally sharpened), SGD with SWA
     (`student_lib.distill`);
-  - "feddf": teachers the clients drop-worst keeps on the server's
+  - FedDF (targets="avg_logits"): teachers the clients drop-worst keeps on the server's
     validation data, targets softmax(mean logits) (AVGLOGITS), Adam with
     cosine decay and early stopping on validation accuracy;
-  - "vdistill": FedBE's v-Distillation baseline, teachers the clients,
-    sharpened mean probabilities, plain SGD.
+  - v-Distillation, FedBE's baseline: teachers the clients, sharpened mean
+    probabilities, plain SGD.
 
 The server's data (`server_data.ServerData`) reaches the step through
 `tf.data` pipelines, never the clients.
@@ -35,7 +35,7 @@ The server's data (`server_data.ServerData`) reaches the step through
 import collections
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -56,11 +56,12 @@ from tff_ens.templates import transport as transport_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
-METHODS = ("fedbe", "feddf", "vdistill")
+# The ensemble that teaches the student (`ServerDistillationConfig.teachers`).
+TEACHERS = ("clients", "posterior")
+# What the student learns from the teachers' predictions (`ServerDistillationConfig.targets`).
+TARGETS = ("avg_logits", "probabilities")
 # Which unlabeled images the teachers label each round (`ServerDistillationConfig`).
 TEACHER_LABELS = ("read", "all")
-# The temperature of each method's targets when `sharpen_temperature` is None.
-DEFAULT_SHARPEN_TEMPERATURE = {"fedbe": 1.0, "vdistill": 0.5}
 
 
 @settings.group
@@ -110,16 +111,16 @@ class ServerDistillationConfig:
   """What the server does with the round's client models.
 
   Attributes:
-    method: one of METHODS.
     distill: the student's training (`distillation.DistillationConfig`).
-    posterior: FedBE's distribution over global models and its teachers
-      (`weight_posterior.WeightPosterior`; fedbe only).
-    sharpen_temperature: T > 0 of the targets of fedbe and vdistill, the
-      ensemble's mean probabilities sharpened to p^(1/T) / sum p^(1/T)
-      (`distillation.sharpen`; 1 keeps them; unused by feddf). None: the
-      papers' (DEFAULT_SHARPEN_TEMPERATURE), 1 for fedbe (Chen and Chao,
-      Sec. 4: the mean probabilities) and 0.5 for vdistill (Sec. 5); the
-      authors' code sharpens both with 0.5.
+    teachers: one of TEACHERS: "clients", the clients' models (FedDF, v-Distillation); or
+      "posterior", FedBE's `posterior.targets` of {average, clients, M samples of a
+      Gaussian (eq. 5) or Dirichlet (eq. 7) over the client models}.
+    targets: one of TARGETS: "avg_logits", softmax of the teachers' mean logits (FedDF's
+      AVGLOGITS); or "probabilities", their mean probabilities sharpened to
+      p^(1/T) / sum p^(1/T) with T = `sharpen_temperature` (`distillation.sharpen`; 1 keeps
+      them).
+    posterior: the distribution of teachers="posterior" (`weight_posterior.WeightPosterior`).
+    sharpen_temperature: T > 0 of targets="probabilities".
     drop_worst: FedDF's drop-worst (`drop_worst.DropWorst`), or None to keep every client.
     distill_student: False leaves the student out: the round's model is the clients' weight
       average, and the teachers only predict (FedBE's `--fedbe_distill=False`).
@@ -134,10 +135,11 @@ class ServerDistillationConfig:
     seed: seeds the samples and the distillation's shuffles (with the round).
   """
 
-  method: str = setting(choices=METHODS)
   distill: distillation.DistillationConfig
+  teachers: str = setting("clients", choices=TEACHERS)
+  targets: str = setting("probabilities", choices=TARGETS)
   posterior: weight_posterior.WeightPosterior = weight_posterior.WeightPosterior()
-  sharpen_temperature: Optional[float] = setting(None, above=0)
+  sharpen_temperature: float = setting(1.0, above=0)
   drop_worst: drop_worst_lib.DropWorst | None = None
   distill_student: bool = True
   teacher_labels: str = setting("read", choices=TEACHER_LABELS)
@@ -146,21 +148,26 @@ class ServerDistillationConfig:
 
   def __post_init__(self):
     settings.check(self)
-    if self.method == "feddf" and not self.distill.eval_every:
-      raise ValueError(
-        "feddf stops early on validation data: its distill config needs eval_every > 0"
-      )
 
   @classmethod
   def of(
-    cls, method: str, shared: Settings, distill: distillation.DistillationConfig, **fields
+    cls,
+    shared: Settings,
+    distill: distillation.DistillationConfig,
+    *,
+    paper_temperature: float | None = None,
+    **fields,
   ) -> "ServerDistillationConfig":
-    """The config of `method` with the `shared` settings' targets and device and `fields`
-    (the seed, FedBE's posterior, FedDF's drop-worst)."""
+    """The config with the `shared` settings' targets and device, `--sharpen_temperature`
+    or else the algorithm's `paper_temperature` (if any), and `fields` (the teachers,
+    targets and seed, FedBE's posterior, FedDF's drop-worst)."""
+    temperature = shared.sharpen_temperature
+    if temperature is None:
+      temperature = paper_temperature
+    if temperature is not None:
+      fields["sharpen_temperature"] = temperature
     return cls(
-      method=method,
       distill=distill,
-      sharpen_temperature=shared.sharpen_temperature,
       teacher_labels=shared.teacher_labels,
       device=distillation.choose_device(shared.server_device),
       **fields,
@@ -221,7 +228,7 @@ def teachers(
   average = weighted_average(clients, weights)
   if recalibration is not None:
     average = server_optimizer.batch_norm_statistics(recalibration_model, average, images)
-  if config.method != "fedbe":  # FedDF, v-Distillation: the clients.
+  if config.teachers == "clients":
     return (clients, tf.cast(weights > 0, tf.float32), average, num_dropped, informative)
   posterior = config.posterior
   samples = None
@@ -262,16 +269,12 @@ def teachers(
 def distillation_targets(config: ServerDistillationConfig, predictions):
   """The student's targets from the teachers' `ensemble_predictions`.
 
-  FedDF: AVGLOGITS (`distillation.avg_logits_targets`); FedBE and
-  v-Distillation: the mean probabilities, `distillation.sharpen`ed with
-  `config.sharpen_temperature` (or the method's default).
+  "avg_logits": AVGLOGITS (`distillation.avg_logits_targets`); "probabilities": the mean
+  probabilities, `distillation.sharpen`ed with `config.sharpen_temperature`.
   """
-  if config.method == "feddf":
+  if config.targets == "avg_logits":
     return distillation.avg_logits_targets(predictions["mean_logits"])
-  temperature = config.sharpen_temperature
-  if temperature is None:
-    temperature = DEFAULT_SHARPEN_TEMPERATURE[config.method]
-  return distillation.sharpen(predictions["mean_probabilities"], temperature)
+  return distillation.sharpen(predictions["mean_probabilities"], config.sharpen_temperature)
 
 
 def rows_read(config: ServerDistillationConfig, unlabeled, seeds) -> server_data_lib.ReadRows:
@@ -440,7 +443,9 @@ class DistillationStep:
         self._model, images, distillation.EVAL_BATCH_SIZE
       )
     probabilities = [
-      tf.nn.softmax(p["mean_logits"]) if self.config.method == "feddf" else p["mean_probabilities"]
+      tf.nn.softmax(p["mean_logits"])
+      if self.config.targets == "avg_logits"
+      else p["mean_probabilities"]
       for p in batches
     ]
     return collections.OrderedDict(
@@ -461,7 +466,7 @@ def build_server_distillation(
   recalibration_images: np.ndarray | None = None,
   transport: transport_lib.Transport = transport_lib.VALUES,
 ) -> built_lib.BuiltProcess:
-  """Builds FedBE, FedDF or v-Distillation (`config.method`) as a
+  """Builds FedBE, FedDF or v-Distillation (`config`'s teachers and targets) as a
   `server_step.DriverProcess`, whose rounds give their teachers.
 
   Args:

@@ -185,6 +185,12 @@ def test_a_client_holds_out_the_authors_share_of_its_examples_seeded(n, held):
   np.testing.assert_array_equal(ditto.validation_split(n, 0.1, seed=7, client=3)[1], validation)
 
 
+def test_the_authors_code_holds_out_a_clients_last_examples():
+  train, validation = ditto.validation_split(25, 0.1, seed=7, client=3, which="last")
+  np.testing.assert_array_equal(validation, [22, 23, 24])
+  np.testing.assert_array_equal(train, np.arange(22))
+
+
 def test_each_client_holds_out_its_own_random_examples():
   first = ditto.validation_split(301, 0.1, seed=7, client=3)[1]
   assert not np.array_equal(ditto.validation_split(301, 0.1, seed=7, client=4)[1], first)

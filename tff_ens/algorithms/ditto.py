@@ -11,7 +11,8 @@ proximal gradient lambda (v_k - w^t) (Algorithm 1, lines 7-8), which never leave
 Lambda per device (`--ditto_lambda_choice=per_device`, the paper's experiments: each device
 selects lambda from {0.1, 1, 2} on its own validation data, and one with under 4 validation
 examples keeps lambda = 1): a client holds out a seeded validation part of its training
-examples (`validation_split`, the authors' code's 10%; neither model trains on it) and,
+examples (`validation_split`: a random 10%, the paper's split at the authors' code's size;
+neither model trains on it) and,
 each round it is sampled, trains its personal model once per candidate on the same batches
 and keeps the one of lowest validation loss (the authors' `--dynamic_lam`'s criterion) with
 its lambda. The authors' code chooses at every personal step instead (one step per
@@ -88,6 +89,12 @@ class Settings:
     above=0,
     below=1,
   )
+  ditto_validation_examples: str = setting(
+    "random",
+    "Ditto per_device: which examples a client holds out: a seeded random part (random, the "
+    "paper's) or its last ones (last, the authors' code's).",
+    choices=("random", "last"),
+  )
   ditto_min_validation: int = setting(
     4,
     "Ditto per_device: a client with fewer validation examples takes --ditto_lambda (the "
@@ -151,6 +158,7 @@ PER_DEVICE_FLAGS = (
   "ditto_lambda_candidates",
   "ditto_lambda_metric",
   "ditto_validation_fraction",
+  "ditto_validation_examples",
   "ditto_min_validation",
 )
 
@@ -170,13 +178,17 @@ def validate(config) -> None:
       )
 
 
-def validation_split(num_examples: int, fraction: float, seed: int, client: int):
-  """`(training indices, validation indices)` of a client's examples: a seeded random
-  `fraction` held out (the paper splits each device's data randomly), as many as the authors'
-  code's `n - int((1 - fraction) n)` (`client.py`), at least 1 and at most n - 1."""
+def validation_split(num_examples: int, fraction: float, seed: int, client: int, which="random"):
+  """`(training indices, validation indices)` of a client's examples: `fraction` of them held
+  out, as many as the authors' code's `n - int((1 - fraction) n)` (`client.py`), at least 1
+  and at most n - 1; `which` "random": seeded by (seed, client) (the paper splits each
+  device's data randomly), "last": the last ones (the authors' code)."""
   size = min(max(1, num_examples - int((1 - fraction) * num_examples)), num_examples - 1)
+  order = np.arange(num_examples)
+  if which == "random":
+    order = np.random.default_rng([seed, client]).permutation(num_examples)
   held = np.zeros(num_examples, bool)
-  held[np.random.default_rng([seed, client]).permutation(num_examples)[: max(size, 0)]] = True
+  held[order[num_examples - max(size, 0) :]] = True
   return np.flatnonzero(~held), np.flatnonzero(held)
 
 
@@ -186,7 +198,9 @@ def client_data(options: Settings, seed: int):
   the others."""
 
   def data(client, x, y, batches):
-    train, held = validation_split(len(y), options.ditto_validation_fraction, seed, client)
+    train, held = validation_split(
+      len(y), options.ditto_validation_fraction, seed, client, options.ditto_validation_examples
+    )
     validation = tf.data.Dataset.from_tensors((x[held], y[held]))
     return validation.concatenate(batches(x[train], y[train]))
 

@@ -112,6 +112,9 @@ def test_a_killed_run_resumes_to_the_uninterrupted_state_bit_for_bit(algorithm, 
   assert bool(want_states) == (algorithm in ("ditto", "lg_fedavg") or "local_objective" in flags)
   for name, value in want_states.items():
     np.testing.assert_array_equal(got_states[name], value, err_msg=name)
+  if algorithm == "ditto":  # A personal model that trained ends with its lambda and 1.
+    lambdas = {float(s[-2]) for s in got_states.values() if s[-1] == 1.0}
+    assert lambdas and lambdas <= {float(np.float32(lam)) for lam in (0.1, 1.0, 2.0)}
   rows, want_rows = read_metrics(tmp_path / "killed"), read_metrics(tmp_path / "uninterrupted")
   assert [_without_times(r) for r in rows] == [_without_times(r) for r in want_rows]
   summary, got_summary = (

@@ -8,8 +8,9 @@ its paper changes, its rules (`validate`) and one `Algorithm`, `ALGORITHM`, list
 line of `algorithms.REGISTRY`. Everything the program asks an algorithm is a hook of
 `FederatedAlgorithm` that every algorithm answers, the program's own behaviour by default
 (Flower's strategy methods): its cohort (`cohort`), the int32 its clients pass (`client_keys`),
-the model each client trains (`assigned_models`), what clients keep between their rounds
-(`ClientStates`, with each client's own model), and its keys of the run's summary (`summary`,
+the model each client trains (`assigned_models`), the dataset a client trains on
+(`client_data`), what clients keep between their rounds (`ClientStates`, with each client's
+own model), and its keys of the run's summary (`summary`,
 from a `FinishedRun`); `Algorithm` holds its saved-config upgrades (its settings' `before=`
 values and `upgrade_saved`) and its recipe for binarized models (`binary_recipe`).
 """
@@ -217,6 +218,13 @@ def sampled_cohort(num_clients: int, seed: int, round_num: int, sample) -> np.nd
   return sample()
 
 
+def program_client_data(client: int, x: np.ndarray, y: np.ndarray, batches) -> tf.data.Dataset:
+  """The dataset the program trains a client on: its examples' `batches(x, y)` (shuffled,
+  repeated, batched: `simulation.client_dataset`)."""
+  del client
+  return batches(x, y)
+
+
 @dataclasses.dataclass(frozen=True)
 class FederatedAlgorithm:
   """A built algorithm: its TFF process and the hooks the round loop and the summary call.
@@ -239,6 +247,9 @@ class FederatedAlgorithm:
     client_states: what each client keeps between its rounds, else None.
     cohort: `(num_clients, seed, round, sample) -> client indices`, the clients of a round
       (`sampled_cohort`: the program's uniform `sample()`; a random walk's walkers).
+    client_data: `(client index, x, y, batches) -> tf.data.Dataset`, the dataset a client
+      passes to `next` from its training examples and the program's `batches(x, y)`
+      (`program_client_data`; Ditto's holds out a validation batch first).
     summary: `FinishedRun -> {key: value}`, the algorithm's own keys of `summary.json`.
   """
 
@@ -252,6 +263,7 @@ class FederatedAlgorithm:
   assigned_models: Callable[[Sequence[int], Any], list[int]] | None = None
   client_states: ClientStates | None = None
   cohort: Callable[..., np.ndarray] = sampled_cohort
+  client_data: Callable[..., tf.data.Dataset] = program_client_data
   summary: Callable[[FinishedRun], Mapping[str, Any]] = lambda finished: {}
 
   @property

@@ -8,6 +8,7 @@ the same clients and ends in the same state as an uninterrupted one.
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -167,7 +168,7 @@ def _round(run, data, algorithm, held, store, devices, train_split, speeds, last
     )
   else:
     reports = plan.reports
-    datasets = _client_datasets(config, train_split, plan, run.task)
+    datasets = _client_datasets(config, train_split, plan, run.task, algorithm)
   row = {
     "clients_used": float(len(datasets)),
     "stragglers": float(np.sum(reports & (plan.work < 1.0))),
@@ -210,21 +211,26 @@ def _client_state_store(algorithm, output_dir: str, start_round: int):
   return store
 
 
-def _client_datasets(config, train, plan, task) -> list:
-  """The reporting clients' local datasets of the round (`simulation.client_dataset`), their
-  inputs as the task's models take them (`INPUT_DTYPE`)."""
+def _client_datasets(config, train, plan, task, algorithm) -> list:
+  """The reporting clients' local datasets of the round (`simulation.client_dataset`, as
+  the algorithm's `client_data` takes them), their inputs as the task's models take them
+  (`INPUT_DTYPE`)."""
   reports = plan.reports
   return [
-    simulation.client_dataset(
+    algorithm.client_data(
+      int(i),
       np.asarray(train.x[train.client_ids[i]], task.INPUT_DTYPE),
       train.y[train.client_ids[i]],
-      epochs=config.client_epochs,
-      batch_size=config.batch_size,
-      seed=int(s),
-      augmentation=task.TRAIN_AUGMENTATION,
-      work=w,
-      poisoned=p,
-      max_steps=config.client_steps,
+      functools.partial(
+        simulation.client_dataset,
+        epochs=config.client_epochs,
+        batch_size=config.batch_size,
+        seed=int(s),
+        augmentation=task.TRAIN_AUGMENTATION,
+        work=w,
+        poisoned=p,
+        max_steps=config.client_steps,
+      ),
     )
     for i, s, w, p in zip(
       plan.cohort[reports], plan.seeds[reports], plan.work[reports], plan.poisoned[reports]

@@ -141,8 +141,8 @@ def main(argv):
         mid = after.get(min(GROWTH_FROM, FLAGS.rounds), (0, 0))
         growth = f"{100 * (last[1] / mid[1] - 1):+.0f}%" if mid[1] and last[1] else "-"
         peak_growth = {}
-        for i, process in enumerate(("driver", "worker")):
-          during = {r: peaks[i] for r, peaks in m["during"].items()}
+        for index, process in enumerate(("driver", "worker")):
+          during = {r: peaks[index] for r, peaks in m["during"].items()}
           peak_growth[process] = report.peak_growth(during, GROWTH_FROM, FLAGS.rounds)
           print(
             f"{variant} {setting}: {process} peak GiB during each round: "

@@ -153,6 +153,12 @@ def is_per_client(type_spec: tff.types.Type) -> bool:
   )
 
 
+def returns_per_client_values(comp) -> bool:
+  """Whether `comp`'s result holds CLIENTS-placed values, which TFF 0.87's mergeable form (a
+  round in chunks or on several workers) returns out of client order."""
+  return tff.types.contains(comp.type_signature.result, is_per_client)
+
+
 def _compile_to_mergeable_form(comp):
   """TFF's mergeable-form compiler, refusing computations with per-client results.
 
@@ -160,7 +166,7 @@ def _compile_to_mergeable_form(comp):
   in the order the workers finish, not in client order; refuse rather than
   return them silently permuted.
   """
-  if tff.types.contains(comp.type_signature.result, is_per_client):
+  if returns_per_client_values(comp):
     raise ValueError(
       "Computations returning CLIENTS-placed values cannot run on several "
       "workers (TFF 0.87 returns them out of client order); use one worker."

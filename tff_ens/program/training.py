@@ -130,7 +130,7 @@ def _check_mergeable(run: experiment.Run, algorithm) -> None:
   next_fn = algorithm.process.next
   if not (chunked or len(run.workers) > 1) or not isinstance(next_fn, tff.Computation):
     return
-  if tff.types.contains(next_fn.type_signature.result, runtime.is_per_client):
+  if runtime.returns_per_client_values(next_fn):
     where = "on several --workers" if len(run.workers) > 1 else "in chunks (--clients_per_chunk)"
     raise experiment.UsageError(
       f"--client_transport=values returns the clients' states from the worker, which a round "

@@ -200,9 +200,19 @@ def describe(
   if static_batch:
     description["static_batch"] = static_batch
   shape = f"[n, {', '.join(map(str, task.INPUT_SHAPE))}] {input_dtype}"
+  description.update(
+    _interface(run, output_format, shape, quantized_io, quantization, static_batch)
+  )
+  return description
+
+
+def _interface(run, output_format, shape, quantized_io, quantization, static_batch) -> dict:
+  """`describe`'s entries of the file's interface: its signatures (an ensemble's, a
+  trainable file's) or its output, for inputs of `shape`."""
+  task = run.task
   one, many = ensemble_module.input_names(task.INPUT_DTYPE)
   if output_format == "ensemble":
-    description.update(
+    return dict(
       ensemble_size=len(run.model_paths),
       quantization=quantization,
       # JSON has no infinity; null means the uniform ensemble (an infinite temperature).
@@ -222,8 +232,8 @@ def describe(
         + " -> alpha [K] = softmax(-mean cross-entropy of each member / temperature)",
       },
     )
-  elif output_format == "trainable":
-    description.update(
+  if output_format == "trainable":
+    return dict(
       learning_rate=run.config.get("client_lr"),
       momentum=run.config.get("client_momentum", 0.0),
       signatures={
@@ -234,17 +244,15 @@ def describe(
         "set_weights": "w0, w1, ... -> num_weights [] (also restarts the momentum)",
       },
     )
-  else:
-    description["output"] = (
-      "logits [n, classes] ("
-      + (
-        "int8, dequantize with the output tensor's scale and zero point, then "
-        if quantized_io
-        else ""
-      )
-      + "softmax for probabilities; argmax indexes class_labels)"
+  return {
+    "output": "logits [n, classes] ("
+    + (
+      "int8, dequantize with the output tensor's scale and zero point, then "
+      if quantized_io
+      else ""
     )
-  return description
+    + "softmax for probabilities; argmax indexes class_labels)"
+  }
 
 
 def _finite_or_none(value):

@@ -28,6 +28,7 @@ from tff_ens.program import experiment
 from tff_ens.program import simulation
 from tff_ens.program import training
 from tff_ens.templates import client_work
+from tff_ens.templates import composition
 from tff_ens.templates import stateful_client_work
 from tiny import CLIENT_DATA
 from tiny import SPEC
@@ -93,7 +94,9 @@ def test_a_round_is_fedavgs_for_the_global_model_and_keeps_each_personal_model()
     initial, stateful_client_work.flatten(state["model"]).numpy(), rtol=0, atol=0
   )
   personal = [initial + 0.1 * c for c in range(3)]  # Three different personal models.
-  new_state, _, new_personal = built.process.next(state, datasets, personal)
+  new_state, _, new_personal = built.process.next(
+    state, composition.client_inputs(datasets, states=personal)
+  )
   # The global model moves as FedAvg's.
   fedavg_state = fedavg.process.next(fedavg.process.initialize(), datasets).state
   for got, want in zip(
@@ -140,7 +143,9 @@ def test_on_shuffled_data_the_global_pass_is_fedavgs_and_the_personal_pass_the_n
   fedavg = algorithms.build_algorithm("fedavg", lambda k=0: tiny_model(), SPEC, Config(LR))
   state = built.process.initialize()
   personal = [built.client_states.initial_value()] * len(data)
-  new_state, _, new_personal = built.process.next(state, datasets, personal)
+  new_state, _, new_personal = built.process.next(
+    state, composition.client_inputs(datasets, states=personal)
+  )
   fedavg_state = fedavg.process.next(fedavg.process.initialize(), datasets).state
   for got, want in zip(
     _numpy(new_state["model"]), _numpy(fedavg.process.get_model_weights(fedavg_state))
@@ -171,7 +176,9 @@ def test_personal_steps_can_be_fewer_than_the_global_ones():
     "ditto", lambda k=0: tiny_model(), SPEC, Config(LR), ditto_personal_steps=1, **FIXED
   )
   state = built.process.initialize()
-  _, metrics, _ = built.process.next(state, [three_batches], [built.client_states.initial_value()])
+  _, metrics, _ = built.process.next(
+    state, composition.client_inputs([three_batches], states=[built.client_states.initial_value()])
+  )
   assert metrics["client_work"]["num_examples"] == 3  # The global model's three steps.
   assert metrics["client_work"]["personal_train_accuracy"] in (0.0, 1.0)  # One example.
 
@@ -243,7 +250,9 @@ def test_a_client_keeps_the_lambda_of_the_lowest_validation_loss_by_hand(min_val
   state = built.process.initialize()
   personal = ModelWeights.from_model(tiny_model(seed=5))
   stored = np.concatenate([stateful_client_work.flatten(personal).numpy(), [0.1, 1.0]])
-  _, metrics, (got,) = built.process.next(state, [dataset], [np.float32(stored)])
+  _, metrics, (got,) = built.process.next(
+    state, composition.client_inputs([dataset], states=[np.float32(stored)])
+  )
   assert metrics["client_work"]["num_examples"] == len(train) == 3  # The global model's too.
   (v_kernel, v_bias), (w_kernel, w_bias) = _numpy(personal), _numpy(state["model"])
   g_kernel, g_bias = _mean_cross_entropy_gradient(v_kernel, v_bias, _X[train], _Y[train])
@@ -272,7 +281,10 @@ def test_the_candidates_train_on_the_same_batches_the_pass_after_the_global_one(
   )
   state = built.process.initialize()
   _, _, (got,) = built.process.next(
-    state, [built.client_data(0, x, y, batches)], [built.client_states.initial_value()]
+    state,
+    composition.client_inputs(
+      [built.client_data(0, x, y, batches)], states=[built.client_states.initial_value()]
+    ),
   )
   train, held = ditto.validation_split(8, 0.5, seed=0, client=0)
   reference = batches(x[train], y[train])
@@ -323,10 +335,12 @@ def test_a_personal_model_starts_from_w0_or_its_first_rounds_global_model(start)
   initial = built.client_states.initial_value()
   state = built.process.initialize()
   w0 = state["model"]
-  state, _, (kept,) = built.process.next(state, datasets[:1], [initial])
+  state, _, (kept,) = built.process.next(
+    state, composition.client_inputs(datasets[:1], states=[initial])
+  )
   w1 = state["model"]
   assert not np.allclose(stateful_client_work.flatten(w1), stateful_client_work.flatten(w0))
-  _, _, got = built.process.next(state, datasets, [kept, initial])
+  _, _, got = built.process.next(state, composition.client_inputs(datasets, states=[kept, initial]))
   config = Config(learning_rate=LR, proximal_mu=LAMBDA)
   starts = [
     stateful_client_work.unflatten_numpy(kept, w0),

@@ -19,6 +19,7 @@ from tff_ens.algorithms import fed_ensemble
 from tff_ens.math import member_updates
 from tff_ens.program import client_states
 from tff_ens.templates import client_work
+from tff_ens.templates import composition
 from tff_ens.templates import feddyn
 from tff_ens.templates import keyed_stages
 from tff_ens.templates import transport
@@ -282,7 +283,8 @@ def test_round_trains_only_the_assigned_members(built):
   state = built.process.initialize()
   before = list(state["model"])
   new_state, metrics = built.process.next(
-    state, [one_batch(x, y) for x, y in data], [np.int32(i) for i in indices]
+    state,
+    composition.client_inputs([one_batch(x, y) for x, y in data], [np.int32(i) for i in indices]),
   )
   after = list(new_state["model"])
   assert len(after) == k and all(isinstance(m, ModelWeights) for m in after)
@@ -338,7 +340,7 @@ def test_two_clients_on_one_member_are_averaged_as_member_average_says(
   state = process.initialize()
   before = list(state["model"])
   new_state, metrics = process.next(
-    state, [one_batch(x, y) for x, y in data], [np.int32(i), np.int32(j)]
+    state, composition.client_inputs([one_batch(x, y) for x, y in data], [np.int32(i), np.int32(j)])
   )
   after = list(new_state["model"])
   (wa, ua), (wb, ub) = [_trained_update(before[member], *d) for d in data]
@@ -359,7 +361,7 @@ def _run(process, state, rounds):
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   indices = [np.int32(i) for i in (2, 7, 11)]
   for _ in range(rounds):
-    state, _ = process.next(state, datasets, indices)
+    state, _ = process.next(state, composition.client_inputs(datasets, indices))
   return state
 
 
@@ -489,13 +491,15 @@ def test_feddyn_rounds_match_algorithm_1_computed_client_by_client(state_files, 
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   for round_num in range(2):
     keys = [assign(seed, c, round_num, k) for c in indices]
-    state, metrics, outputs = built.process.next(
+    # In files the new g stay where the clients wrote them; as values they come back.
+    state, metrics, *outputs = built.process.next(
       state,
-      datasets,
-      [np.int32(c) for c in indices],
-      store.round_inputs(round_num, indices, keys),
+      composition.client_inputs(
+        datasets, [np.int32(c) for c in indices], store.round_inputs(round_num, indices, keys)
+      ),
     )
-    store.round_outputs(round_num, indices, keys, outputs)
+    assert len(outputs) == (0 if state_files else 1)
+    store.round_outputs(round_num, indices, keys, outputs[0] if outputs else None)
     new_g = [store.load(c, j) for c, j in zip(indices, keys)]
     # Expected: each client's FedDyn update from its model and its own g,
     # then the unweighted per-model mean and h's correction.

@@ -9,6 +9,7 @@ import tensorflow_federated as tff
 from tff_ens import algorithms
 from tff_ens.algorithms import lg_fedavg
 from tff_ens.templates import client_work
+from tff_ens.templates import composition
 from tff_ens.templates import stateful_client_work
 from tiny import CLIENT_DATA
 from tiny import SPEC
@@ -59,7 +60,9 @@ def test_a_round_averages_the_top_layers_and_each_client_keeps_its_own_lower_one
   lower[1] = tf.nest.map_structure(lambda t: np.asarray(t) + 0.2, lower[1])
   states = [stateful_client_work.flatten(w).numpy() for w in lower]
   data = CLIENT_DATA[:2]
-  new_state, _, new_states = built.process.next(state, [one_batch(x, y) for x, y in data], states)
+  new_state, _, new_states = built.process.next(
+    state, composition.client_inputs([one_batch(x, y) for x, y in data], states=states)
+  )
   trained = [
     _local_training(lg_fedavg.join(state["model"], own, masks), x, y)
     for own, (x, y) in zip(lower, data)

@@ -31,6 +31,7 @@ from tff_ens.math import member_updates
 from tff_ens.program import experiment
 from tff_ens.program import training
 from tff_ens.templates import client_work
+from tff_ens.templates import composition
 from tff_ens.templates import privacy
 from tiny import SPEC
 from tiny import one_batch
@@ -218,7 +219,7 @@ def test_fed_ensemble_slots_are_clipped_and_noised():
   before = list(state["model"])
   datasets = [one_batch(x, y) for x, y in CLIENT_DATA]
   clients = [np.int32(i) for i in indices]
-  new_state, _ = built.process.next(state, datasets, clients)
+  new_state, _ = built.process.next(state, composition.client_inputs(datasets, clients))
   noise = []
   for member in range(k):
     clipped = [
@@ -233,7 +234,7 @@ def test_fed_ensemble_slots_are_clipped_and_noised():
   np.testing.assert_allclose(np.std(noise), z * clip / (m / k), rtol=0.05)
   # Not a function of --seed (which would let it be subtracted): the same
   # round again draws other noise.
-  again, _ = built.process.next(state, datasets, clients)
+  again, _ = built.process.next(state, composition.client_inputs(datasets, clients))
   for a, b in zip(again["model"], new_state["model"]):
     assert np.all(_flat(a) != _flat(b))
   with pytest.raises(ValueError, match="fixed clip norm"):

@@ -89,16 +89,9 @@ def _without_times(row: dict) -> dict:
   [
     pytest.param("ditto", {}, id="ditto"),
     pytest.param("fedensemble", {"ensemble_size": 2}, id="fedensemble"),
-    # 2-3 minutes each on CI's machine: with `-m slow` (FedDyn's states also resume in
-    # tests/test_training.py).
-    pytest.param("lg_fedavg", {}, id="lg_fedavg", marks=pytest.mark.slow),
-    pytest.param(
-      "fedensemble",
-      {"ensemble_size": 1, "local_objective": "feddyn"},
-      id="feddyn",
-      marks=pytest.mark.slow,
-    ),
-    pytest.param("random_walk", {"ensemble_size": 2}, id="random_walk", marks=pytest.mark.slow),
+    pytest.param("lg_fedavg", {}, id="lg_fedavg"),
+    pytest.param("fedensemble", {"ensemble_size": 1, "local_objective": "feddyn"}, id="feddyn"),
+    pytest.param("random_walk", {"ensemble_size": 2}, id="random_walk"),
   ],
 )
 def test_a_killed_run_resumes_to_the_uninterrupted_state_bit_for_bit(algorithm, flags, tmp_path):

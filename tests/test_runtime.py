@@ -465,12 +465,12 @@ def test_resident_state_cuts_the_workers_chain_of_held_states():
   _, state_cut, cut_every = _held_run(20 * 2**20, rounds)
   rss_copied, state_copied, copied_every = _held_run(0, rounds)
   uncut_growth = rss_uncut.max() - rss_uncut[0]
-  assert uncut_growth > 150e6
   assert uncut_every is None
   assert cut_every is not None and cut_every <= 4
   assert copied_every == 1
   # Less than the uncut chain; by how much varies with the load (a run of the whole suite
-  # once measured 220 MB for the copies against 350 MB uncut, another 220 against 860):
+  # once measured 220 MB for the copies against 350 MB uncut, another 220 against 860, a
+  # loaded one 90 MB uncut):
   # benchmarks/resident_memory.py measures it.
   assert rss_copied.max() - rss_copied[0] < uncut_growth
   # The copies, made tensor by tensor, keep every tensor in its place.

@@ -25,6 +25,7 @@ import tensorflow_federated as tff
 from tff_ens.execution import resident_state
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
+from tff_ens.templates import composition
 from tff_ens.templates import server_step
 from tff_ens.templates import transport as transport_lib
 
@@ -236,10 +237,10 @@ class FederatedAlgorithm:
     upload_type: what one client sends in a round.
     models_fn: `state -> list[ModelWeights]`, the global model(s) to evaluate.
     evaluation_model_fn: builds the Keras model `models_fn`'s weights fit.
-    client_keys: `(cohort, slots) -> [int]`, the int32 each client passes to `next` after its
-      data (`next`'s client indices): its index in the population (Fed-ensemble's
-      permutation rows, FedDF's prototypes) or its slot in the sampled cohort (a random
-      walk's walker); None: `next` takes none.
+    client_keys: `(cohort, slots) -> [int]`, the int32 each client passes to `next` with its
+      data (the index of `composition.client_inputs`): its index in the population
+      (Fed-ensemble's permutation rows, FedDF's prototypes) or its slot in the sampled
+      cohort (a random walk's walker); None: `next` takes none.
     assigned_models: `(cohort, key state) -> [k]`, the model of `models_fn` each client trains
       in the round whose distributor state is the key state (which the distributor reports
       as its measurements for the next round; Fed-ensemble's `assigned_model`); None: every
@@ -265,6 +266,11 @@ class FederatedAlgorithm:
   cohort: Callable[..., np.ndarray] = sampled_cohort
   client_data: Callable[..., tf.data.Dataset] = program_client_data
   summary: Callable[[FinishedRun], Mapping[str, Any]] = lambda finished: {}
+
+  @property
+  def packs_client_inputs(self) -> bool:
+    """`next` takes each client's data, index and state as one value (`composition`)."""
+    return composition.takes_client_inputs(self.process)
 
   @property
   def keyed(self) -> bool:
@@ -305,25 +311,31 @@ class FederatedAlgorithm:
     slots: Sequence[int] | None = None,
     states: Sequence[np.ndarray] | None = None,
   ) -> tuple:
-    """`process.next`'s arguments after the state, for one cohort: its datasets, its
-    `client_keys` (from the clients' indices in the population `cohort` and their
-    `slots` in the sampled cohort, by default their order) and its stored `states`."""
-    args = (list(datasets),)
+    """`process.next`'s arguments after the state, for one cohort: its client inputs
+    (`composition.client_inputs`: the datasets, with the `client_keys` from the clients'
+    indices in the population `cohort` and their `slots` in the sampled cohort, by default
+    their order, and their stored `states`)."""
+    keys = None
     if self.client_keys is not None:
       slots = np.arange(len(cohort)) if slots is None else slots
-      args += ([np.int32(k) for k in self.client_keys(np.asarray(cohort), np.asarray(slots))],)
-    if self.client_states is not None:
-      initial = self.client_states.initial_value
-      args += (list(states) if states is not None else [initial() for _ in cohort],)
-    return args
+      keys = self.client_keys(np.asarray(cohort), np.asarray(slots))
+    if self.client_states is not None and states is None:
+      states = [self.client_states.initial_value() for _ in cohort]
+    if self.packs_client_inputs:
+      return (composition.client_inputs(datasets, keys, states),)
+    args = (list(datasets),)
+    if keys is not None:
+      args += ([np.int32(k) for k in keys],)
+    return args + ((list(states),) if states is not None else ())
 
   def result(self, outputs) -> RoundResult:
     """The `RoundResult` of `next`'s results after the state: the metrics, then the
-    clients' new states (`client_states`) or the round's teachers (a `DriverProcess`)."""
+    clients' new states (`client_states`, unless they stay in files) or the round's
+    teachers (a `DriverProcess`)."""
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     metrics, *rest = outputs
     if self.client_states is not None:
-      return RoundResult(metrics, client_states=list(rest[0]))
+      return RoundResult(metrics, client_states=list(rest[0]) if rest else None)
     return RoundResult(metrics, output=rest[0] if rest else None)
 
   def next_fn(self, state, datasets, cohort) -> tuple[Any, RoundResult]:

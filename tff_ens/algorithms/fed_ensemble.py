@@ -151,7 +151,7 @@ def build_fed_ensemble(
     num_clients: the population m (FedDyn's h divides by it).
     on_device: the clients' data are their devices' results of training their member
       (`device_client_work.build_device_client_work`), so no FedDyn.
-    client_key: `(distributor state, the int32 a client passes after its data) -> [the
+    client_key: `(distributor state, the int32 a client passes with its data) -> [the
       member it trains]` in TensorFlow; None: `member_key`, the member its index in the
       population is assigned in the state's round (`assigned_model`).
     transport: what moves FedDyn's clients' g (`transport.Transport`; with files `next`
@@ -191,6 +191,7 @@ def build_fed_ensemble(
     finalizer,
     keyed=True,
     client_state_type=client_work.next_state_type if uses_feddyn else None,
+    returns_client_states=uses_feddyn and not client_work.state_files,
   )
   return built_lib.BuiltProcess(
     process,

@@ -325,21 +325,10 @@ def execution_context(
       )
     addresses = list(workers) or [local.address]
     stubs, factories = _connect(addresses, credentials_dir, local, channels, executors)
-    if not hasattr(_installed, "workers"):
-      _installed.workers = []
-    _installed.workers.append(
-      InstalledWorker(stubs[0], channels[0], addresses[0], local, executors, clients_per_chunk)
-      if len(factories) == 1
-      else None
-    )
-    context = (
-      _ChunkedContext(factories, clients_per_chunk) if clients_per_chunk else _context(factories)
-    )
-    try:
-      with tff.framework.get_context_stack().install(context):
-        yield
-    finally:
-      _installed.workers.pop()
+    with _installed_context(
+      stubs, channels, addresses, local, executors, factories, clients_per_chunk
+    ):
+      yield
   finally:
     try:
       for executor in executors:
@@ -349,3 +338,34 @@ def execution_context(
     finally:
       if local is not None:
         worker_process.stop_worker(local)
+
+
+@contextlib.contextmanager
+def _installed_context(stubs, channels, addresses, local, executors, factories, chunk: int):
+  """`execution_context`'s context over the connected workers, on top of the context stack
+  (and its single worker recorded for `current_worker`) while the block runs."""
+  if not hasattr(_installed, "workers"):
+    _installed.workers = []
+  _installed.workers.append(
+    InstalledWorker(stubs[0], channels[0], addresses[0], local, executors, chunk)
+    if len(factories) == 1
+    else None
+  )
+  context = _ChunkedContext(factories, chunk) if chunk else _context(factories)
+  try:
+    with tff.framework.get_context_stack().install(_ProgramContext(context)):
+      yield
+  finally:
+    _installed.workers.pop()
+
+
+class _ProgramContext(tff.program.FederatedContext):
+  """An installed context as TFF's federated programs require one
+  (`tff.learning.programs.train_model` checks for a `tff.program.FederatedContext`): its
+  results are concrete values, which a program's `materialize_value` keeps as they are."""
+
+  def __init__(self, context: tff.framework.SyncContext):
+    self._context = context
+
+  def invoke(self, comp, arg):
+    return self._context.invoke(comp, arg)

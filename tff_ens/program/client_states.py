@@ -173,12 +173,12 @@ class ClientStateStore:
 
   def round_outputs(self, round_num: int, clients, models, outputs) -> None:
     """Stores the states `next` returned for round `round_num` (`round_inputs`' clients), or
-    with `in_files` records the files the clients wrote."""
-    for c, m, output in zip(clients, models, outputs):
+    with `in_files` (`outputs` None) records the files the clients wrote."""
+    for i, (c, m) in enumerate(zip(clients, models)):
       if self._spec.in_files:
         self._record(round_num, int(c), int(m))
       else:
-        self.save(round_num, int(c), int(m), output)
+        self.save(round_num, int(c), int(m), outputs[i])
 
   def rewind(self, round_num: int) -> None:
     """Forgets the states written after round `round_num` (a resume's start, its newest

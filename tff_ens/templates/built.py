@@ -20,8 +20,9 @@ class BuiltProcess:
     upload_type: what one client sends in a round.
     models_fn: `state -> list[ModelWeights]`, the model(s) to evaluate (one, or an
       ensemble's K).
-    client_state_type: the TFF type of what each client keeps between its rounds (`next`
-      takes the cohort's states last and returns their new values last), or None.
+    client_state_type: the TFF type of what each client keeps between its rounds (each
+      client passes it with its data, `composition.client_inputs`; passed as values, `next`
+      returns their new values last), or None.
   """
 
   process: Any

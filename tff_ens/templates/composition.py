@@ -1,9 +1,11 @@
-"""Four TFF stages as one process, with what `tff.learning.templates.compose_learning_process`
-cannot pass: the cohort's client indices (keyed distributors) and the states clients keep
-between their rounds.
+"""Four TFF stages as one `tff.learning.templates.LearningProcess`, with what
+`tff.learning.templates.compose_learning_process` cannot pass: the cohort's client indices
+(keyed distributors) and the states clients keep between their rounds.
 
 `compose` gives the process the state `OrderedDict(model, distributor, client_work,
 aggregator, finalizer)` and one metrics entry per stage, as `tff.learning` composes FedAvg's.
+A client's index and state travel with its data, as one value at CLIENTS (`client_inputs`),
+so `next` takes `(state, client inputs)` as every `LearningProcess` does.
 """
 
 import collections
@@ -11,6 +13,11 @@ import dataclasses
 
 import numpy as np
 import tensorflow_federated as tff
+
+LearningProcess = tff.learning.templates.LearningProcess
+LearningProcessOutput = tff.learning.templates.LearningProcessOutput
+# The fields of a client's input beyond its data (`client_inputs`).
+DATA, INDEX, STATE = "data", "index", "state"
 
 
 def compose(
@@ -22,11 +29,15 @@ def compose(
   *,
   keyed: bool = False,
   client_state_type: tff.Type | None = None,
+  returns_client_states: bool = True,
 ) -> tff.templates.IterativeProcess:
-  """The stages as one `tff.templates.IterativeProcess`.
+  """The stages as one process: `next(state, client inputs) -> LearningProcessOutput(state,
+  metrics)`, a `LearningProcess` (`get_model_weights`: the state's model), or with client
+  states that come back as values `(state, metrics, new client states)`, an
+  `IterativeProcess`.
 
-  `next(state, client_data[, client_indices][, client_states]) -> (state, metrics[, new
-  client states])`.
+  A client's input is its data alone, or with `keyed` or `client_state_type` the struct
+  `client_inputs` makes: its data, its index and its state.
 
   Args:
     initial_model: TFF computation `() -> the server's model(s)`.
@@ -40,9 +51,11 @@ def compose(
     aggregator: `next(state, updates, weights[, keys])` (the keys with `keyed`, e.g.
       `keyed_stages.build_slot_aggregator`).
     finalizer: `next(state, model, aggregate) -> MeasuredProcessOutput(state, new model, ...)`.
-    keyed: `next` takes the cohort's client indices (int32 at CLIENTS) after its data.
-    client_state_type: what `next` takes for each client's state (the state, or the paths of
+    keyed: a client's input holds its index in the population (int32).
+    client_state_type: what a client's input holds as its state (the state, or the paths of
       its files: `StatefulClientWork.next_state_type`), or None.
+    returns_client_states: `next` returns the clients' new states (False: they stay where the
+      client work wrote them, `stateful_client_work.through_files`).
   """
 
   @tff.federated_computation
@@ -58,35 +71,79 @@ def compose(
     )
 
   state_type = init_fn.type_signature.result
-  data_type = client_work.next.type_signature.parameter[2]
-  stages = _Stages(distributor, client_work, aggregator, finalizer, keyed)
+  data_type = client_work.next.type_signature.parameter[2].member
+  input_type = _client_input_type(data_type, keyed, client_state_type)
+  returns = client_state_type is not None and returns_client_states
+  stages = _Stages(distributor, client_work, aggregator, finalizer, keyed, returns)
 
-  indices_type = tff.FederatedType(np.int32, tff.CLIENTS)
+  @tff.federated_computation(state_type, tff.FederatedType(input_type, tff.CLIENTS))
+  def next_fn(state, client_inputs):
+    if input_type is data_type:
+      return stages.round(state, client_inputs)
+    indices = client_inputs[INDEX] if keyed else None
+    states = client_inputs[STATE] if client_state_type is not None else None
+    return stages.round(state, client_inputs[DATA], indices, states)
+
+  if returns:
+    return tff.templates.IterativeProcess(init_fn, next_fn)
+  return _learning_process(init_fn, next_fn)
+
+
+def _client_input_type(data_type, keyed: bool, client_state_type):
+  """A client's input: its data, or the struct of its data, index and state."""
+  if not keyed and client_state_type is None:
+    return data_type
+  fields = [(DATA, data_type)]
+  if keyed:
+    fields.append((INDEX, tff.TensorType(np.int32)))
   if client_state_type is not None:
-    states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
-  # TFF's computations take no varargs: one signature for each kind of `next`.
-  if keyed and client_state_type is not None:
+    fields.append((STATE, client_state_type))
+  return tff.StructWithPythonType(fields, collections.OrderedDict)
 
-    @tff.federated_computation(state_type, data_type, indices_type, states_type)
-    def next_fn(state, client_data, client_indices, client_states):
-      return stages.round(state, client_data, client_indices, client_states)
-  elif keyed:
 
-    @tff.federated_computation(state_type, data_type, indices_type)
-    def next_fn(state, client_data, client_indices):
-      return stages.round(state, client_data, client_indices)
-  elif client_state_type is not None:
+def client_inputs(datasets, indices=None, states=None) -> list:
+  """`next`'s client inputs: the datasets alone, or per client its data, its index in the
+  population (int32) and its state, those given."""
+  if indices is None and states is None:
+    return list(datasets)
+  inputs = []
+  for i, data in enumerate(datasets):
+    value = collections.OrderedDict([(DATA, data)])
+    if indices is not None:
+      value[INDEX] = np.int32(indices[i])
+    if states is not None:
+      value[STATE] = states[i]
+    inputs.append(value)
+  return inputs
 
-    @tff.federated_computation(state_type, data_type, states_type)
-    def next_fn(state, client_data, client_states):
-      return stages.round(state, client_data, client_states=client_states)
-  else:
 
-    @tff.federated_computation(state_type, data_type)
-    def next_fn(state, client_data):
-      return stages.round(state, client_data)
+def takes_client_inputs(process) -> bool:
+  """Whether `process.next` takes `client_inputs`' structs (a composed process whose
+  clients pass an index or a state)."""
+  next_fn = getattr(process, "next", None)
+  if not isinstance(next_fn, tff.Computation):
+    return False
+  member = next_fn.type_signature.parameter[1].member
+  return isinstance(member, tff.StructType) and tff.structure.name_list(member)[:1] == [DATA]
 
-  return tff.templates.IterativeProcess(init_fn, next_fn)
+
+def _learning_process(init_fn, next_fn) -> LearningProcess:
+  """`next_fn`'s process as a `LearningProcess` whose model weights are the state's model."""
+  state_type = init_fn.type_signature.result.member
+  model_type = state_type.model
+
+  @tff.tensorflow.computation(state_type)
+  def get_model_weights(state):
+    return state["model"]
+
+  @tff.tensorflow.computation(state_type, model_type)
+  def set_model_weights(state, weights):
+    return collections.OrderedDict(
+      (name, weights if name == "model" else state[name])
+      for name, _ in tff.structure.iter_elements(state_type)
+    )
+
+  return LearningProcess(init_fn, next_fn, get_model_weights, set_model_weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +155,11 @@ class _Stages:
   aggregator: tff.templates.AggregationProcess
   finalizer: tff.templates.MeasuredProcess
   keyed: bool
+  returns_client_states: bool
 
   def round(self, state, client_data, client_indices=None, client_states=None):
-    """One round inside a federated computation: `(state, metrics[, new client states])`."""
+    """One round inside a federated computation: `LearningProcessOutput(state, metrics)`, or
+    `(state, metrics, new client states)` with `returns_client_states`."""
     keys = ()
     if self.keyed:
       sent = self.distributor.next(state.distributor, state.model, client_indices)
@@ -135,6 +194,6 @@ class _Stages:
         finalizer=finalized.measurements,
       )
     )
-    if client_states is None:
-      return new_state, metrics
-    return new_state, metrics, new_client_states
+    if self.returns_client_states:
+      return new_state, metrics, new_client_states
+    return LearningProcessOutput(new_state, metrics)

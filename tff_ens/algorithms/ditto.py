@@ -421,7 +421,6 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     aggregator,
     finalizer,
     client_state_type=client_work.next_state_type,
-    returns_client_states=not client_work.state_files,
   )
   update = client_work.client_update.type_signature
   built = built_lib.BuiltProcess(

@@ -191,7 +191,6 @@ def build_fed_ensemble(
     finalizer,
     keyed=True,
     client_state_type=client_work.next_state_type if uses_feddyn else None,
-    returns_client_states=uses_feddyn and not client_work.state_files,
   )
   return built_lib.BuiltProcess(
     process,

@@ -129,7 +129,6 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     aggregator,
     finalizer,
     client_state_type=client_work.next_state_type,
-    returns_client_states=not client_work.state_files,
   )
   initial_local = tf.nest.map_structure(np.asarray, part(initial, masks, False))
   update = client_update.type_signature

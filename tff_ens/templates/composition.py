@@ -29,7 +29,6 @@ def compose(
   *,
   keyed: bool = False,
   client_state_type: tff.Type | None = None,
-  returns_client_states: bool = True,
 ) -> tff.templates.IterativeProcess:
   """The stages as one process: `next(state, client inputs) -> LearningProcessOutput(state,
   metrics)`, a `LearningProcess` (`get_model_weights`: the state's model), or with client
@@ -53,9 +52,9 @@ def compose(
     finalizer: `next(state, model, aggregate) -> MeasuredProcessOutput(state, new model, ...)`.
     keyed: a client's input holds its index in the population (int32).
     client_state_type: what a client's input holds as its state (the state, or the paths of
-      its files: `StatefulClientWork.next_state_type`), or None.
-    returns_client_states: `next` returns the clients' new states (False: they stay where the
-      client work wrote them, `stateful_client_work.through_files`).
+      its files: `StatefulClientWork.next_state_type`), or None. States in files
+      (`client_work.state_files`) stay where the client work wrote them; `next` returns
+      the others.
   """
 
   @tff.federated_computation
@@ -73,7 +72,7 @@ def compose(
   state_type = init_fn.type_signature.result
   data_type = client_work.next.type_signature.parameter[2].member
   input_type = _client_input_type(data_type, keyed, client_state_type)
-  returns = client_state_type is not None and returns_client_states
+  returns = client_state_type is not None and not client_work.state_files
   stages = _Stages(distributor, client_work, aggregator, finalizer, keyed, returns)
 
   @tff.federated_computation(state_type, tff.FederatedType(input_type, tff.CLIENTS))

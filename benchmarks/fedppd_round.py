@@ -78,7 +78,7 @@ def main(argv):
     teacher_fn,
     student_fn,
     element_spec,
-    fedppd_local.PosteriorConfig(epochs=FLAGS.epochs),
+    fedppd_local.PosteriorConfig(epochs=FLAGS.epochs, max_update_norm=0.0, seed=0),
     fedppd.joint_weights_type(teacher_fn, student_fn),
   ).client_update
   to_numpy = lambda weights: tf.nest.map_structure(lambda v: v.numpy(), weights)

@@ -62,7 +62,7 @@ FLAGS = flags.FLAGS
 
 def data_dir_of(run: runs.Run) -> str | None:
   """--data_dir for a FEMNIST run; None (the run's own) for the others, Shakespeare's."""
-  return FLAGS.data_dir if run.config.get("task", "femnist") == "femnist" else None
+  return FLAGS.data_dir if run.task_name == "femnist" else None
 
 
 def evaluate_on_device(run: runs.Run, path: str) -> dict | None:

@@ -186,7 +186,7 @@ def describe(
     ),
     "format": output_format,
     "runtime": (metadata.RUNTIME_LCE if output_format == "lce" else metadata.RUNTIME_TFLITE),
-    "task": run.config.get("task", "femnist"),
+    "task": run.task_name,
     "model": run.config.get("model"),
     "algorithm": run.config.get("algorithm"),
     "class_labels": list(task.CLASS_LABELS),

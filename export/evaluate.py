@@ -172,7 +172,7 @@ def load_data(run: runs.Run, data_dir: str | None):
   FEMNIST's LEAF files by writer."""
   if reference is not None:
     return reference.load_data(run, data_dir)
-  task = run.config.get("task", "femnist")
+  task = run.task_name
   in_main = "evaluate it in the main environment (uv run python -m export.evaluate ...)"
   if task not in ("femnist", "shakespeare"):
     raise ExportError(

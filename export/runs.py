@@ -38,8 +38,18 @@ class Run:
     return len(self.model_paths) > 1
 
   @property
+  def task_name(self) -> str:
+    """`--task` (its default where config.json predates the flag)."""
+    return self.config.get("task", tasks.DEFAULT_TASK)
+
+  @property
+  def classes(self) -> str:
+    """`--classes` (its default where config.json predates the flag)."""
+    return self.config.get("classes", tasks.DEFAULT_CLASSES)
+
+  @property
   def task(self):
-    return tasks.get_task(self.config.get("task", "femnist"), self.config.get("classes", "all"))
+    return tasks.get_task(self.task_name, self.classes)
 
   @property
   def is_binary(self) -> bool:
@@ -64,7 +74,7 @@ class Run:
     }
     if "seed" in self.config:
       options["seed"] = self.config["seed"]
-    group = tasks.task_settings(self.config.get("task", "femnist"))
+    group = tasks.task_settings(self.task_name)
     if group is not None:
       options["config"] = self._settings(group)
     return options

@@ -40,7 +40,8 @@ import importlib
 from tasks import data
 from tasks import partition  # noqa: F401
 
-# Task name -> (module, attribute or None for the module itself). The modules
+# Task name -> (module, attribute or None for the module itself); the first is --task's
+# default. The modules
 # build Keras models, so they are imported on first use: `tasks.data`,
 # `tasks.partition`, `tasks.leaf` and `tasks.plays` run without TensorFlow (the
 # device environment, device/).
@@ -50,6 +51,8 @@ TASKS = {
   "cifar100": ("cifar", "CIFAR100"),
   "shakespeare": ("shakespeare", None),
 }
+
+DEFAULT_TASK = next(iter(TASKS))
 
 # Task name -> (module, attribute) of its settings group, in a module without TensorFlow.
 TASK_SETTINGS = {"shakespeare": ("plays", "ShakespeareConfig")}
@@ -71,9 +74,10 @@ PER_POSITION_LOGITS = "per_position_logits"
 DataError = data.DataError
 
 
-# --classes: every class of the task, or FEMNIST's digits with its letters as
+# --classes: every class of the task (the default), or FEMNIST's digits with its letters as
 # out-of-distribution inputs (`femnist.DIGITS`).
 CLASSES = ("all", "digits")
+DEFAULT_CLASSES = CLASSES[0]
 
 
 def __getattr__(name: str):
@@ -84,7 +88,7 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'tasks' has no attribute {name!r}")
 
 
-def get_task(name: str, classes: str = "all"):
+def get_task(name: str, classes: str = DEFAULT_CLASSES):
   """The task called `name`, with `classes`; ValueError if there is none."""
   if name not in TASKS:
     raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")

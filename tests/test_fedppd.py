@@ -74,6 +74,7 @@ def test_client_update_is_one_sgld_step_then_one_distillation_step():
   """T = 0 and no input noise: both steps checked against a separate path,
   with both networks' weight decay."""
   config = fedppd_local.PosteriorConfig(
+    **tiny.POSTERIOR_USES,
     teacher_step_size=0.01,
     temperature=0.0,
     prior_precision=0.5,
@@ -115,6 +116,7 @@ def test_client_update_is_one_sgld_step_then_one_distillation_step():
 def test_authors_scaling_steps_on_the_mean_loss_with_weight_decay():
   """lib/sgld_optim.py without noise: w - lr/2 (grad mean NLL + wd w)."""
   config = fedppd_local.PosteriorConfig(
+    **tiny.POSTERIOR_USES,
     teacher_step_size=0.2,
     temperature=0.0,
     sgld_scaling="authors",
@@ -255,6 +257,8 @@ def test_alternate_epochs_puts_a_batch_in_the_epoch_of_its_first_example():
 def test_client_update_follows_the_student_minibatch_order(mode):
   """T = 0, no input noise: the update is that of the replayed order."""
   config = fedppd_local.PosteriorConfig(
+    max_update_norm=0.0,
+    seed=0,
     teacher_step_size=0.2,
     temperature=0.0,
     teacher_weight_decay=0.0,
@@ -285,6 +289,8 @@ def test_client_update_schedules_the_step_sizes_by_round_and_epoch():
   """Round 2: eps * 0.9^2 * 0.5^epoch (step decay every epoch), student
   lr * 0.8^2."""
   config = fedppd_local.PosteriorConfig(
+    max_update_norm=0.0,
+    seed=0,
     teacher_step_size=0.2,
     temperature=0.0,
     teacher_weight_decay=0.0,
@@ -329,11 +335,11 @@ def test_client_update_schedules_the_step_sizes_by_round_and_epoch():
 )
 def test_config_rejects_bad_options(change, message):
   with pytest.raises(ValueError, match=message):
-    fedppd_local.PosteriorConfig(**change)
+    fedppd_local.PosteriorConfig(**tiny.POSTERIOR_USES, **change)
 
 
 def test_client_noise_is_reproducible_and_differs_by_round():
-  config = fedppd_local.PosteriorConfig(teacher_step_size=0.01)
+  config = fedppd_local.PosteriorConfig(**tiny.POSTERIOR_USES, teacher_step_size=0.01)
   run = (
     lambda round_num: fedppd.train_teacher_student(
       tiny.tiny_model(),
@@ -351,7 +357,9 @@ def test_client_noise_is_reproducible_and_differs_by_round():
 
 
 def test_process_averages_students_and_uploads_teacher_plus_student():
-  config = fedppd_local.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
+  config = fedppd_local.PosteriorConfig(
+    **tiny.POSTERIOR_USES, teacher_step_size=0.01, student_lr=0.5
+  )
   with runtime.execution_context():
     built = fedppd.build_fedppd(tiny.tiny_model, lambda: tiny.tiny_model(7), tiny.SPEC, config)
     state = built.process.initialize()
@@ -423,7 +431,9 @@ def test_fedppd_distill_run_distills_the_students(tmp_path):
 def test_fedppd_distill_distills_the_teachers_when_asked():
   """Without a teacher config the teachers are averaged as in FedPPD; with
   one they are distilled, the students' step unchanged."""
-  config = fedppd_local.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
+  config = fedppd_local.PosteriorConfig(
+    **tiny.POSTERIOR_USES, teacher_step_size=0.01, student_lr=0.5
+  )
   student_settings = server_distillation.Settings(
     distill_steps=25, distill_batch_size=8, distill_curve_every=0
   )

@@ -478,7 +478,10 @@ STATE = {
 
 def _outputs(output_dir, state):
   return run_outputs.RunOutputs(
-    experiment.ExperimentConfig(output_dir=str(output_dir), resume=True), state
+    experiment.resolve(
+      experiment.ExperimentConfig(output_dir=str(output_dir), resume=True)
+    ).outputs,
+    state,
   )
 
 

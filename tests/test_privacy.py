@@ -21,6 +21,7 @@ import tensorflow_federated as tff
 
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import read_metrics
+from tests.tiny import POSTERIOR_USES
 from tff_ens import algorithms
 from tff_ens import run_files
 from tff_ens.algorithms import fed_ensemble
@@ -249,7 +250,7 @@ def test_fed_ensemble_slots_are_clipped_and_noised():
 
 def test_fedppd_clips_the_joined_teacher_and_student_update():
   clip, m = 0.05, 2
-  config = fedppd_local.PosteriorConfig(teacher_step_size=0.01, student_lr=0.5)
+  config = fedppd_local.PosteriorConfig(**POSTERIOR_USES, teacher_step_size=0.01, student_lr=0.5)
   built = fedppd.build_fedppd(
     lambda: tiny_model(0),
     lambda: tiny_model(5),
@@ -291,6 +292,7 @@ def test_dp_for_distillation_algorithms_is_refused(algorithm):
       SPEC,
       Config(),
       dp=privacy.DPConfig(0.1, 1.0, clients_per_round=4),
+      **({"client_epochs": 1} if algorithm == "fedppd_distill" else {}),  # FedPPD's SGLD.
     )
 
 

@@ -21,6 +21,7 @@ from tests.femnist_runs import ROOT
 from tff_ens import algorithms
 from tff_ens import settings
 from tff_ens.algorithms import feddf
+from tff_ens.program import active_learning
 from tff_ens.program import experiment
 from tff_ens.program import run_settings
 from tff_ens.settings import setting
@@ -107,17 +108,28 @@ def test_every_flag_is_declared_once_with_help_by_a_settings_group():
 def test_a_library_default_is_its_flags_default():
   defaults = {f.name: f.default for f in dataclasses.fields(experiment.ExperimentConfig)}
   for group in experiment.COMMON_GROUPS + algorithms.SETTINGS_GROUPS:
-    # A group's fields that are flags, and those that take another group's flag.
-    for flag, field in {**settings.flags_of(group), **settings.uses_of(group)}.items():
+    for flag, field in settings.flags_of(group).items():
       assert field.default == defaults[flag], f"{group.__qualname__}.{field.name} and --{flag}"
-    # A group built from the defaults of the run is the library's default config (DP's
-    # defaults are no DP, for which there is no config).
+    # A field that takes another group's flag has no default of its own but None: its
+    # builder gives the flag's value.
+    uses = {field.name: defaults[flag] for flag, field in settings.uses_of(group).items()}
+    for field in settings.uses_of(group).values():
+      assert field.default in (dataclasses.MISSING, None), f"{group.__qualname__}.{field.name}"
+    # A group built from the defaults of the run is the library's config given those
+    # values (DP's defaults are no DP, for which there is no config).
     if group is not privacy.DPConfig:
       resolved = settings.resolve(group, experiment.ExperimentConfig())
       if group is run_settings.RunSettings:  # Unset, the model is the task's first.
         assert resolved.model == tasks.get_task(resolved.task).MODEL_NAMES[0]
         resolved = dataclasses.replace(resolved, model=None)
-      assert resolved == group(), group
+      assert resolved == group(**uses), group
+
+
+def test_a_setting_that_uses_another_flag_refuses_a_default_of_its_own():
+  with pytest.raises(TypeError, match="uses --rounds takes that flag's default, not 100"):
+    settings.setting(100, uses="rounds")
+  with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'rounds'"):
+    active_learning.ActiveLearningConfig()
 
 
 @pytest.mark.parametrize("task", ["femnist", "shakespeare", "cifar10"])

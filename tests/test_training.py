@@ -366,7 +366,8 @@ def test_a_moved_run_directory_resumes(fedavg_run, tmp_path):
   moved.mkdir()
   shutil.copy(os.path.join(config.output_dir, run_files.CONFIG_FILE), moved)
   outputs = run_outputs.RunOutputs(
-    dataclasses.replace(config, output_dir=str(moved), resume=True), None
+    experiment.resolve(dataclasses.replace(config, output_dir=str(moved), resume=True)).outputs,
+    None,
   )
   outputs.close()
   assert json.loads((moved / run_files.CONFIG_FILE).read_text())["output_dir"] == str(moved)
@@ -375,7 +376,9 @@ def test_a_moved_run_directory_resumes(fedavg_run, tmp_path):
 def test_client_states_outlive_the_older_checkpoint(tmp_path):
   # A resume from the older of the two checkpoints kept (the newer deleted as unreadable)
   # finds the client states of its round.
-  outputs = run_outputs.RunOutputs(dataclasses.replace(QUICK, output_dir=str(tmp_path)), None)
+  outputs = run_outputs.RunOutputs(
+    experiment.resolve(dataclasses.replace(QUICK, output_dir=str(tmp_path))).outputs, None
+  )
   spec = algorithm_lib.ClientStates(shape=(2,), dtype=np.dtype(np.float32))
   store = client_states.ClientStateStore(str(tmp_path / client_states.DIRECTORY), spec)
   for round_num in (1, 2, 3, 4):
@@ -394,16 +397,18 @@ def test_run_from_before_a_new_flag_resumes_at_its_default(tmp_path):
   old = dataclasses.asdict(config)
   del old["active_budget"]  # As if the run predates --active_budget.
   (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(old))
-  run_outputs.RunOutputs(config, None).close()
+  run_outputs.RunOutputs(experiment.resolve(config).outputs, None).close()
   (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(old))
   with pytest.raises(experiment.UsageError, match="it has --active_budget=10\\)"):
-    run_outputs.RunOutputs(dataclasses.replace(config, active_budget=3), None)
+    run_outputs.RunOutputs(
+      experiment.resolve(dataclasses.replace(config, active_budget=3)).outputs, None
+    )
 
 
 def test_learning_curves_are_kept_by_round_and_rewound_on_resume(tmp_path):
   config = dataclasses.replace(QUICK, output_dir=str(tmp_path), resume=True)
   path = tmp_path / run_files.CURVES_FILE
-  outputs = run_outputs.RunOutputs(config, None)
+  outputs = run_outputs.RunOutputs(experiment.resolve(config).outputs, None)
   outputs.release_curves(1, {"validation_curve": [[0.0, 0.5], [20.0, 0.6]]})
   outputs.release_curves(2, {})  # A round that distilled nothing adds no entry.
   outputs.release_curves(3, {"validation_curve": [[0.0, 0.7]]})
@@ -413,14 +418,14 @@ def test_learning_curves_are_kept_by_round_and_rewound_on_resume(tmp_path):
     "3": {"validation_curve": [[0.0, 0.7]]},
   }
   # A resume from round 1's checkpoint runs rounds 2 and 3 again: theirs are replaced.
-  outputs = run_outputs.RunOutputs(config, None)
+  outputs = run_outputs.RunOutputs(experiment.resolve(config).outputs, None)
   outputs.release_curves(2, {"validation_curve": [[0.0, 0.4]]})
   outputs.close()
   assert sorted(json.loads(path.read_text())) == ["1", "2"]
   # A file that is not a run's curves is named, and left as it was.
   path.write_text("[1, 2]")
   with pytest.raises(experiment.UsageError, match="is not a run's learning curves"):
-    run_outputs.RunOutputs(config, None)
+    run_outputs.RunOutputs(experiment.resolve(config).outputs, None)
   assert path.read_text() == "[1, 2]"
 
 
@@ -690,7 +695,9 @@ def test_a_checkpoint_leaves_no_copy_of_the_state_behind(tmp_path):
   # TFF's writer makes the state variables inside reference cycles; left to Python's rare
   # full collections, a long run's driver would hold one state more for every checkpoint.
   state = {"w": np.ones((1000, 7), np.float32)}
-  outputs = run_outputs.RunOutputs(dataclasses.replace(QUICK, output_dir=str(tmp_path)), state)
+  outputs = run_outputs.RunOutputs(
+    experiment.resolve(dataclasses.replace(QUICK, output_dir=str(tmp_path))).outputs, state
+  )
   gc.disable()  # Only the collections the code makes itself.
   try:
     for round_num in (1, 2, 3):
@@ -704,13 +711,18 @@ def test_a_checkpoint_leaves_no_copy_of_the_state_behind(tmp_path):
 
 def test_resume_refuses_a_checkpoint_past_rounds_and_a_schedule_over_other_rounds(tmp_path):
   config = dataclasses.replace(QUICK, output_dir=str(tmp_path), resume=True)
-  outputs = run_outputs.RunOutputs(config, {"w": np.zeros((2,), np.float32)})
+  outputs = run_outputs.RunOutputs(
+    experiment.resolve(config).outputs, {"w": np.zeros((2,), np.float32)}
+  )
   outputs.save_checkpoint(4, {"w": np.ones((2,), np.float32)})
   outputs.close()
   with pytest.raises(experiment.UsageError, match="of round 4, past --rounds=3: pass --rounds=4"):
-    run_outputs.RunOutputs(dataclasses.replace(config, rounds=3), {"w": np.zeros((2,), np.float32)})
+    run_outputs.RunOutputs(
+      experiment.resolve(dataclasses.replace(config, rounds=3)).outputs,
+      {"w": np.zeros((2,), np.float32)},
+    )
   assert json.loads((tmp_path / run_files.CONFIG_FILE).read_text())["rounds"] == 4
   step = dataclasses.replace(config, output_dir=str(tmp_path / "step"), lr_schedule="step")
-  run_outputs.RunOutputs(step, None).close()
+  run_outputs.RunOutputs(experiment.resolve(step).outputs, None).close()
   with pytest.raises(experiment.UsageError, match="--rounds=4; --rounds stays: --lr_schedule=step"):
-    run_outputs.RunOutputs(dataclasses.replace(step, rounds=8), None)
+    run_outputs.RunOutputs(experiment.resolve(dataclasses.replace(step, rounds=8)).outputs, None)

@@ -71,3 +71,8 @@ def record_students(monkeypatch):
 
   monkeypatch.setattr(student_lib.Student, "distill", recording)
   return calls
+
+
+# What a run gives `fedppd_local.PosteriorConfig` from other groups' flags: one local epoch,
+# no bound on an update's norm, seed 0.
+POSTERIOR_USES = dict(epochs=1, max_update_norm=0.0, seed=0)

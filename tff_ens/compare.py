@@ -371,13 +371,12 @@ def per_writer_accuracies(
       raise finished_runs.CompareError(
         f"{run.path}: this version cannot load its data ({e})"
       ) from None
-    config = resolved.config
     key = (
       resolved.task,
-      data_dir or config.data_dir,
+      data_dir or resolved.data_dir,
       resolved.partition,
       repr(resolved.task_config),
-      config.seed,
+      resolved.seed,
     )
     if key not in loaded:
       loaded[key] = resolved.load_data(data_dir).test

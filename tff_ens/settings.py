@@ -99,14 +99,20 @@ def setting(
 
   In a settings group, `flag` names its flag when that is not the field's name, None makes
   it the library's own (no flag); `uses` makes it take the value of the flag of that name,
-  which another group declares (its default here must be that flag's, which
-  `tests/test_settings.py` checks). `before`: what a run did before the flag existed, when
+  which another group declares with its default: such a field has none of its own (a
+  keyword its builder must give; `resolve` gives the flag's value), or None (unset).
+  `before`: what a run did before the flag existed, when
   its default changed that (a saved config without the flag takes it: `saved_values`).
   """
-  if uses is not None:
-    flag = None
   declared = Setting(help, tuple(choices), above, at_least, at_most, below, flag, uses, before)
-  return dataclasses.field(default=default, metadata={_METADATA_KEY: declared})
+  if uses is None:
+    return dataclasses.field(default=default, metadata={_METADATA_KEY: declared})
+  if default not in (dataclasses.MISSING, None):
+    raise TypeError(
+      f"a setting that uses --{uses} takes that flag's default, not {default!r}: declare none"
+    )
+  declared = dataclasses.replace(declared, flag=None)
+  return dataclasses.field(default=default, kw_only=True, metadata={_METADATA_KEY: declared})
 
 
 def declared(field: dataclasses.Field) -> Setting:
@@ -258,6 +264,11 @@ def resolve(group: type, source, **values):
   given = {field.name: getattr(source, flag) for flag, field in named.items()}
   with named_by(field_flags(group)):
     return group(**{**given, **values})
+
+
+def field_flags_of(group: type) -> list[tuple[str, dataclasses.Field]]:
+  """(flag name, field) of the group's fields that are or use flags."""
+  return list({**flags_of(group), **uses_of(group)}.items())
 
 
 def field_flags(group: type) -> dict[str, str]:

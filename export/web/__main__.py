@@ -54,8 +54,8 @@ def config(run: runs.Run, paths: list[str]) -> tuple[bytes, dict[str, str]]:
     raise ExportError(f"two --tflite files are named {twice[0]}: rename one")
   run_info = {
     "algorithm": run.config.get("algorithm"),
-    "task": run.config.get("task", "femnist"),
-    "classes": run.config.get("classes", "all"),
+    "task": run.task_name,
+    "classes": run.classes,
     "rounds": run.config.get("rounds"),
     **{key: run.summary.get(key) for key in SUMMARY_KEYS},
   }

@@ -95,18 +95,24 @@ def settings_read(name: str, **flags) -> dict:
 
 def groups_of(name: str, **flags) -> tuple:
   """The settings groups algorithm `name` reads, with `flags` (by their command-line names,
-  e.g. `ensemble_size=3`) and the defaults elsewhere.
+  e.g. `ensemble_size=3`, and those of other groups its fields use, e.g. `client_epochs=2`)
+  and the defaults elsewhere.
 
   Raises:
-    ValueError: a flag none of its groups declares.
+    ValueError: a flag none of its groups declares or uses.
+    TypeError: a flag a group uses is not given.
   """
-  declared = _declared_flags(name)
   groups = REGISTRY[name].settings
-  unknown = sorted(set(flags) - declared)
+  declared = _declared_flags(name)
+  used = {flag for group in groups for flag in settings.uses_of(group)}
+  unknown = sorted(set(flags) - declared - used)
   if unknown:
     raise ValueError(f"{name} reads no setting {', '.join(unknown)}: it reads {sorted(declared)}")
+  missing = sorted(used - set(flags))
+  if missing:
+    raise TypeError(f"{name}'s settings use {', '.join(missing)}: pass {missing[0]}=...")
   return tuple(
-    group(**{f.name: flags[flag] for flag, f in settings.flags_of(group).items() if flag in flags})
+    group(**{f.name: flags[flag] for flag, f in settings.field_flags_of(group) if flag in flags})
     for group in groups
   )
 
@@ -116,11 +122,22 @@ def build_algorithm(name: str, model_fn, element_spec, local, **options):
   (`dp=`, `server_data=`, `num_clients=`, ...) and the algorithm's settings by their flags
   (`ensemble_size=3`, `local_objective="feddyn"`)."""
   fields = {f.name for f in dataclasses.fields(algorithm.BuildContext)}
+  # What a group's fields may use: the context's seed, the local training's fields
+  # (max_update_norm) and the flags given.
+  context_defaults = {
+    f.name: f.default
+    for f in dataclasses.fields(algorithm.BuildContext)
+    if f.default is not dataclasses.MISSING
+  }
+  known = {**context_defaults, **dataclasses.asdict(local), **options}
+  used = {flag for group in _spec(name).settings for flag in settings.uses_of(group)}
+  flags = {k: v for k, v in options.items() if k not in fields}
+  flags.update({flag: known[flag] for flag in used if flag in known and flag not in flags})
   context = algorithm.BuildContext(
     model_fn,
     element_spec,
     local,
-    groups=groups_of(name, **{k: v for k, v in options.items() if k not in fields}),
+    groups=groups_of(name, **flags),
     **{k: v for k, v in options.items() if k in fields},
   )
   return build(name, context)

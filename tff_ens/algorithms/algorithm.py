@@ -90,6 +90,27 @@ class BuildContext:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunFacts:
+  """What an algorithm's rules (`Algorithm.validate`) check of the run beyond its groups.
+
+  Attributes:
+    task: the run's task (a `tasks` module), named `task_name`.
+    model: the name of the run's model.
+    dp: DP-FedAvg's aggregation (`templates.privacy.DPConfig`), None without `--dp_*`.
+    client_runtime: `--client_runtime`, and whether it trains the clients on devices.
+    recalibrate_batch_norm: `--recalibrate_batch_norm`.
+  """
+
+  task: Any
+  task_name: str
+  model: str
+  dp: Any
+  client_runtime: str
+  on_devices: bool
+  recalibrate_batch_norm: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Algorithm:
   """A registered algorithm: what its module declares.
 
@@ -99,8 +120,9 @@ class Algorithm:
     build: `BuildContext -> FederatedAlgorithm`.
     settings: the settings groups it reads besides the run's common ones (the program
       refuses a flag of a group no chosen algorithm reads).
-    validate: `config -> None`, its rules across its settings and the run's (a flat config
-      of every flag); raises `settings.SettingError` naming the flag. None: no rule.
+    validate: `(groups, RunFacts) -> None`, its rules across its settings groups (by type,
+      as `settings` lists them) and the run's facts; raises `settings.SettingError` naming
+      the flag. None: no rule.
     server_data: its server step uses the server's data.
     dp: its server needs only the mean of the clients' updates, so DP-FedAvg's clipped and
       noised mean can replace it.
@@ -118,7 +140,7 @@ class Algorithm:
   summary: str
   build: Callable[[BuildContext], "FederatedAlgorithm"]
   settings: tuple[type, ...] = ()
-  validate: Callable[[Any], None] | None = None
+  validate: Callable[[Mapping[type, Any], "RunFacts"], None] | None = None
   server_data: bool = False
   dp: bool = False
   recalibrates: bool = False

@@ -163,9 +163,9 @@ PER_DEVICE_FLAGS = (
 )
 
 
-def validate(config) -> None:
+def validate(groups, facts: algorithm.RunFacts) -> None:
   """The per-device flags only with `--ditto_lambda_choice=per_device`."""
-  own = settings.resolve(Settings, config)
+  own = groups[Settings]
   if own.per_device:
     return
   defaults = {f.name: f.default for f in dataclasses.fields(Settings)}

@@ -430,25 +430,26 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   )
 
 
-def validate(config) -> None:
+def validate(groups, facts: algorithm.RunFacts) -> None:
   """FedDyn keeps each client's unclipped updates, which DP cannot; devices train with plain
   SGD(M); Fed-ensemble's DP clips at a fixed norm."""
-  if config.local_objective == "feddyn" and (config.dp_noise_multiplier or config.dp_clip_norm):
+  local_objective = groups[Settings].local_objective
+  if local_objective == "feddyn" and facts.dp is not None:
     raise settings.SettingError(
       "local_objective",
       "feddyn",
       "FedDyn keeps each client's unclipped updates: it does not combine with DP (--dp_*); "
       "use --local_objective=sgd or fedprox",
     )
-  if config.local_objective != "sgd" and config.on_devices:
+  if local_objective != "sgd" and facts.on_devices:
     raise settings.SettingError(
       "client_runtime",
-      config.client_runtime,
+      facts.client_runtime,
       "the device file trains with plain SGD(M) on all its examples, so "
-      f"--local_objective={config.local_objective} is not supported there: use "
+      f"--local_objective={local_objective} is not supported there: use "
       "--local_objective=sgd or --client_runtime=tff",
     )
-  if config.dp_noise_multiplier and not config.dp_clip_norm:
+  if facts.dp is not None and facts.dp.noise_multiplier and not facts.dp.clip_norm:
     raise settings.SettingError(
       "dp_clip_norm",
       0.0,

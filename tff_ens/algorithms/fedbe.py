@@ -110,11 +110,9 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   return algorithm.FederatedAlgorithm.of("fedbe", built, context)
 
 
-def validate(config) -> None:
+def validate(groups, facts: algorithm.RunFacts) -> None:
   """The student's budget fits SWA (`DistillationConfig`'s check, named by its flags)."""
-  distillation_config(
-    settings.resolve(server_distillation.Settings, config), settings.resolve(Settings, config)
-  )
+  distillation_config(groups[server_distillation.Settings], groups[Settings])
 
 
 ALGORITHM = algorithm.Algorithm(

@@ -11,7 +11,6 @@ FedAvg's distributor and client work; the collect aggregator and the server step
 
 import functools
 
-import tasks
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
 from tff_ens.algorithms import model_prototypes
@@ -146,30 +145,31 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   )
 
 
-def validate(config) -> None:
+def validate(groups, facts: algorithm.RunFacts) -> None:
   """Two or more different prototypes of the task, the first the run's model; the student's
   budget (`DistillationConfig`'s check, named by its flags)."""
-  own = settings.resolve(Settings, config)
-  distillation_config(settings.resolve(server_distillation.Settings, config), own)
+  own = groups[Settings]
+  distillation_config(groups[server_distillation.Settings], own)
   names = own.prototype_names()
   if not names:
     return
   problem = None
-  models = tasks.get_task(config.task, config.classes).MODEL_NAMES
-  if config.recalibrate_batch_norm:
+  models, model = facts.task.MODEL_NAMES, facts.model
+  if facts.recalibrate_batch_norm:
     problem = "not with --recalibrate_batch_norm (one model's statistics): drop one of them"
   elif len(names) < 2 or len(set(names)) < len(names):
     problem = "list two or more different models, e.g. --prototypes=cnn,resnet8"
   elif unknown := [n for n in names if n not in models]:
-    problem = f"unknown model {unknown[0]} for task {config.task}: choose from {', '.join(models)}"
-  elif names[0] != config.model:
     problem = (
-      f"starts with {names[0]} but --model={config.model}: the first prototype is the run's "
-      f"model (test_accuracy, model.keras); pass --model={names[0]} or list {config.model} "
-      "first"
+      f"unknown model {unknown[0]} for task {facts.task_name}: choose from {', '.join(models)}"
+    )
+  elif names[0] != model:
+    problem = (
+      f"starts with {names[0]} but --model={model}: the first prototype is the run's "
+      f"model (test_accuracy, model.keras); pass --model={names[0]} or list {model} first"
     )
   if problem:
-    raise settings.SettingError("prototypes", config.prototypes, problem)
+    raise settings.SettingError("prototypes", own.prototypes, problem)
 
 
 ALGORITHM = algorithm.Algorithm(

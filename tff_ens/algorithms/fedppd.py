@@ -43,7 +43,6 @@ from typing import Callable
 import tensorflow as tf
 import tensorflow_federated as tff
 
-import tasks
 from tff_ens import settings
 from tff_ens.algorithms import algorithm
 from tff_ens.math import fedppd_local
@@ -392,15 +391,15 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   return algorithm.FederatedAlgorithm.of("fedppd", built, context, evaluation_model_fn=student)
 
 
-def validate(config) -> None:
+def validate(groups, facts: algorithm.RunFacts) -> None:
   """The student is one of the task's models."""
-  task = tasks.get_task(config.task, config.classes)
-  name = student_name(task, config.model, settings.resolve(Settings, config))
-  if name not in task.MODEL_NAMES:
+  own = groups[Settings]
+  name = student_name(facts.task, facts.model, own)
+  if name not in facts.task.MODEL_NAMES:
     raise settings.SettingError(
       "student_model",
-      config.student_model,
-      f"choose one of {', '.join(task.MODEL_NAMES)} (the models of task {config.task})",
+      own.student_model,
+      f"choose one of {', '.join(facts.task.MODEL_NAMES)} (the models of task {facts.task_name})",
     )
 
 

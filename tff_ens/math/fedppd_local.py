@@ -150,9 +150,9 @@ class PosteriorConfig:
     before="same",
   )
   input_noise_std: float = setting(0.001, flag=None, at_least=0)
-  epochs: int = setting(1, uses="client_epochs", above=0)
-  max_update_norm: float = setting(0.0, uses="max_update_norm", at_least=0)
-  seed: int = setting(0, uses="seed")
+  epochs: int = setting(uses="client_epochs", above=0)
+  max_update_norm: float = setting(uses="max_update_norm", at_least=0)
+  seed: int = setting(uses="seed")
 
   def __post_init__(self):
     settings.check(self)

@@ -68,7 +68,7 @@ class ActiveLearningConfig:
     flag="active_selection",
     choices=SELECTIONS,
   )
-  rounds: int = setting(100, uses="rounds", above=0)
+  rounds: int = setting(uses="rounds", above=0)
 
   def __post_init__(self):
     settings.check(self)

@@ -173,17 +173,17 @@ def result_dataset(trained: list[np.ndarray], loss: float, correct: float, num_e
   )
 
 
-def write_trainable_file(config, task, output_dir: str) -> str:
+def write_trainable_file(run: experiment.Run, output_dir: str) -> str:
   """The run's model as a `--format=trainable` file (`export.trainable`) with its client
   learning rate and momentum, for `--client_runtime=litert`, in `output_dir`; its path.
 
   Raises:
     UsageError: the model does not convert (the message names the layer).
   """
-  model = task.build_model(config.model, seed=config.seed, norm=config.norm)
+  model = run.task.build_model(run.model.name, seed=run.model.seed, norm=run.model.norm)
   try:
     flatbuffer = trainable.convert_trainable(
-      model, learning_rate=config.client_lr, momentum=config.client_momentum
+      model, learning_rate=run.local.learning_rate, momentum=run.local.momentum
     )
   except ValueError as e:
     raise experiment.UsageError(f"--client_runtime=litert: {e}") from None

@@ -48,7 +48,7 @@ def saved_config(saved: dict) -> dict:
   iid partition with CIFAR's server sizes, which now mean a pooled split: they become unset.
   Before `--train_positions` Shakespeare's clients trained on the last position: "last".
   """
-  task = saved.get("task", TASK_DEFAULT)
+  task = saved.get("task", tasks.DEFAULT_TASK)
   algorithm = saved.get("algorithm")
   groups = groups_read(algorithm, task) if algorithm in algorithms.REGISTRY else ALL_GROUPS
   upgraded = {
@@ -168,7 +168,7 @@ ExperimentConfig = settings.compose(
 ALL_GROUPS = tuple(
   dict.fromkeys(COMMON_GROUPS + tuple(TASK_GROUPS.values()) + algorithms.SETTINGS_GROUPS)
 )
-TASK_DEFAULT = run_settings.RunSettings.task
+
 ExperimentConfig.__doc__ = """Everything that defines a run (written to `config.json`): one
 field per flag of every settings group (`COMMON_GROUPS` and the algorithms')."""
 
@@ -177,8 +177,9 @@ field per flag of every settings group (`COMMON_GROUPS` and the algorithms')."""
 class Run:
   """A run's settings resolved once, after validation: what the program hands on.
 
+  Each program module reads its part, never the flags (`ExperimentConfig`) themselves.
+
   Attributes:
-    config: the flags.
     algorithm: the registered algorithm of `--algorithm`.
     task: the task of `--task` and `--classes` (a `tasks` module).
     partition: the split of a pooled task, None for its own clients.
@@ -187,10 +188,20 @@ class Run:
     active: active learning (`enabled` or not).
     groups: the algorithm's settings groups, by type.
     task_config: the task's own settings (`tasks.task_settings`), or None.
-    workers: the `--workers` addresses (empty: a local worker).
+    data_dir: `--data_dir`.
+    model: the run's model.
+    schedule: the loop's rounds, cohort and saves.
+    clients: how a round's clients train and fail.
+    execution: where the clients' computations run (`workers`: the `--workers` addresses,
+      empty for a local worker).
+    devices: the clients' devices with `--client_runtime=litert`, else None.
+    transport: what moves the clients' states and collected updates.
+    server_data: `--server_data`.
+    recalibrate_batch_norm: `--recalibrate_batch_norm`.
+    evaluation: the summary's settings.
+    outputs: the output directory's.
   """
 
-  config: Any
   algorithm: algorithm_lib.Algorithm
   task: Any
   partition: tasks.partition.PartitionConfig | None
@@ -199,13 +210,27 @@ class Run:
   active: active_learning.ActiveLearningConfig
   groups: dict[type, Any]
   task_config: Any
-  workers: list[str]
+  data_dir: str | None
+  model: run_settings.Model
+  schedule: run_settings.Schedule
+  clients: run_settings.ClientRounds
+  execution: run_settings.Execution
+  devices: run_settings.Devices | None
+  transport: transport_lib.Transport
+  server_data: str | None
+  recalibrate_batch_norm: int
+  evaluation: run_settings.Evaluation
+  outputs: run_settings.Outputs
+
+  @property
+  def seed(self) -> int:
+    return self.schedule.seed
 
   def load_data(self, data_dir: str | None = None):
     """The task's data as the run splits it, from `data_dir` or else its `--data_dir`."""
     own = {"config": self.task_config} if self.task_config is not None else {}
     return self.task.load_data(
-      data_dir or self.config.data_dir, partition=self.partition, seed=self.config.seed, **own
+      data_dir or self.data_dir, partition=self.partition, seed=self.seed, **own
     )
 
 
@@ -243,7 +268,6 @@ def resolve(config) -> Run:
         clients_per_round=config.aggregate_first or config.clients_per_round,
       )
     run = Run(
-      config=config,
       algorithm=spec,
       task=task,
       partition=partition,
@@ -254,11 +278,11 @@ def resolve(config) -> Run:
       task_config=(
         settings.resolve(TASK_GROUPS[config.task], config) if config.task in TASK_GROUPS else None
       ),
-      workers=config.worker_addresses(),
+      **_program_parts(config),
     )
     _check_capabilities(config, spec)
     if spec.validate is not None:
-      spec.validate(config)
+      spec.validate(run.groups, _facts(config, run))
   except settings.SettingError as e:
     raise UsageError(e.named(f"--{e.name}")) from None
   except ValueError as e:
@@ -267,6 +291,74 @@ def resolve(config) -> Run:
     raise UsageError(str(e)) from None
   _check_run(config, run)
   return run
+
+
+def _facts(config, run: Run) -> algorithm_lib.RunFacts:
+  """What the algorithm's rules check of the run (`Algorithm.validate`)."""
+  return algorithm_lib.RunFacts(
+    task=run.task,
+    task_name=config.task,
+    model=config.model,
+    dp=run.dp,
+    client_runtime=config.client_runtime,
+    on_devices=config.on_devices,
+    recalibrate_batch_norm=config.recalibrate_batch_norm,
+  )
+
+
+def _program_parts(config) -> dict:
+  """The parts of `RunSettings` each program module reads (`Run`'s attributes)."""
+  return dict(
+    data_dir=config.data_dir,
+    model=run_settings.Model(config.model, config.norm, config.seed),
+    schedule=run_settings.Schedule(
+      rounds=config.rounds,
+      clients_per_round=config.clients_per_round,
+      seed=config.seed,
+      eval_every=config.eval_every,
+      checkpoint_every=config.checkpoint_every,
+      stop_grace_seconds=config.stop_grace_seconds,
+      worker_growth_mib=config.worker_growth_mib,
+    ),
+    clients=run_settings.ClientRounds(
+      epochs=config.client_epochs,
+      batch_size=config.batch_size,
+      max_steps=config.client_steps,
+      dropout_rate=config.dropout_rate,
+      straggler_rate=config.straggler_rate,
+      aggregate_first=config.aggregate_first,
+      nan_clients=config.nan_clients_per_round,
+    ),
+    execution=run_settings.Execution(
+      workers=tuple(config.worker_addresses()),
+      credentials_dir=config.worker_credentials or None,
+      local_worker=config.local_worker,
+      max_concurrent_clients=config.max_concurrent_clients,
+      clients_per_chunk=config.clients_per_chunk,
+    ),
+    devices=run_settings.Devices(config.device_processes) if config.on_devices else None,
+    transport=config.transport,
+    server_data=config.server_data,
+    recalibrate_batch_norm=config.recalibrate_batch_norm,
+    evaluation=run_settings.Evaluation(
+      personalization_samples=config.personalization_samples,
+      personalization_temperature=config.personalization_temperature,
+      seed=config.seed,
+      title=(
+        f"{config.algorithm}, {config.task} ({config.classes} classes), "
+        f"seed {config.seed}, {config.rounds} rounds"
+      ),
+    ),
+    outputs=run_settings.Outputs(
+      directory=config.output_dir,
+      resume=config.resume,
+      rounds=config.rounds,
+      flags=dataclasses.asdict(config),
+      fixed_rounds_reason=fixed_rounds_reason(config),
+      algorithm=config.algorithm,
+      model=config.model,
+    ),
+  )
 
 
 def _check_capabilities(config, spec: algorithm_lib.Algorithm) -> None:
@@ -345,7 +437,7 @@ def _check_run(config, run: Run) -> None:
       "--dp_target_delta needs --dp_noise_multiplier > 0: "
       "without noise there is no epsilon to report"
     )
-  if run.workers and config.max_concurrent_clients > 0:
+  if run.execution.workers and config.max_concurrent_clients > 0:
     raise UsageError(
       "--max_concurrent_clients is a flag of the worker process when "
       "--workers is given: start each worker with `python -m "
@@ -357,7 +449,7 @@ def _check_run(config, run: Run) -> None:
 def _check_workers(config, run: Run) -> None:
   """--workers on other hosts need --worker_credentials, and the credentials must load."""
   if config.worker_credentials:
-    if not run.workers:
+    if not run.execution.workers:
       raise UsageError(
         "--worker_credentials is for --workers: a local worker needs none (drop the flag)"
       )
@@ -366,14 +458,14 @@ def _check_workers(config, run: Run) -> None:
     except tls.CredentialsError as e:
       raise UsageError(f"--worker_credentials={config.worker_credentials}: {e}") from None
     return
-  remote = [a for a in run.workers if not tls.is_local(a)]
+  remote = [a for a in run.execution.workers if not tls.is_local(a)]
   if remote:
     raise UsageError(
       f"--workers={config.workers}: {remote[0]} is reached over the network: pass "
       "--worker_credentials=DIR, the driver's part of the credentials its workers serve with "
       f"(`{tls.MAKE_COMMAND}`)"
     )
-  if run.workers and config.local_worker != "isolated":
+  if run.execution.workers and config.local_worker != "isolated":
     raise UsageError("--local_worker is for runs without --workers (drop the flag)")
 
 

@@ -61,29 +61,29 @@ def train(
 ) -> Trained:
   """The round loop of `training.run_experiment`, from the round and state `outputs` start
   from (the checkpoint `--resume` continues from)."""
-  config = run.config
+  schedule = run.schedule
   start_round, state = outputs.take_start()
   active = run.active
   sizes = {c: data.train.num_examples(c) for c in data.train.client_ids}
-  pool = active_learning.pool_at_round(active, config.seed, sizes, outputs.dir, start_round)
+  pool = active_learning.pool_at_round(active, run.seed, sizes, outputs.dir, start_round)
   train_split = active_learning.labeled(data.train, pool, sizes)
   num_clients = len(data.train.client_ids)
   dp_epsilons = _dp_epsilons(run, num_clients)
-  speeds = simulation.client_speeds(num_clients, config.seed)
+  speeds = simulation.client_speeds(num_clients, run.seed)
   store = _client_state_store(algorithm, outputs.dir, start_round)
   last = _Round(key_state=state["distributor"] if algorithm.keyed else None)
   # The state waits on the TFF worker between rounds; `held.value` downloads
   # it for evaluation and checkpoints.
   held = resident_state.ResidentState(
-    algorithm.process.next, state, max_growth_bytes=config.worker_growth_mib * 2**20
+    algorithm.process.next, state, max_growth_bytes=schedule.worker_growth_mib * 2**20
   )
   del state  # Held from here on by `held` alone, until the worker has it.
-  stopper = stopping.Stopper(config.stop_grace_seconds)
+  stopper = stopping.Stopper(schedule.stop_grace_seconds)
   with contextlib.ExitStack() as stack:
-    report = stack.enter_context(reporting.progress(config, start_round))
+    report = stack.enter_context(reporting.progress(schedule.rounds, start_round))
     stack.enter_context(stopper.installed())
     devices = stack.enter_context(_devices(run, outputs))
-    for round_num in range(start_round + 1, config.rounds + 1):
+    for round_num in range(start_round + 1, schedule.rounds + 1):
       try:
         row, curves = _round(
           run, data, algorithm, held, store, devices, train_split, speeds, last, round_num
@@ -94,9 +94,9 @@ def train(
         ) from None
       if dp_epsilons is not None:
         row["dp_epsilon"] = float(dp_epsilons[round_num - 1])
-      is_last = round_num == config.rounds
+      is_last = round_num == schedule.rounds
       phase_end = pool is not None and round_num in active.phase_ends()
-      if round_num % config.eval_every == 0 or is_last or phase_end:
+      if round_num % schedule.eval_every == 0 or is_last or phase_end:
         models = algorithm.models_fn(held.value)
         member_test = evaluator.member_probabilities(models, data.test)
         row.update(evaluator.summary(models, data.test, member_probs=member_test))
@@ -120,7 +120,7 @@ def train(
           pool.save(outputs.dir)
         outputs.release_metrics(round_num, row)
         stop = stopper.requested
-        if round_num % config.checkpoint_every == 0 or is_last or phase_end or stop:
+        if round_num % schedule.checkpoint_every == 0 or is_last or phase_end or stop:
           outputs.save_checkpoint(round_num, held.value)
           if store is not None:
             store.prune(outputs.checkpoint_rounds())
@@ -137,15 +137,15 @@ def train(
 def _round(run, data, algorithm, held, store, devices, train_split, speeds, last, round_num):
   """Plans, trains and measures round `round_num`: its metrics.csv row and the server step's
   learning curves (None if no client reported)."""
-  config = run.config
+  seed, clients = run.seed, run.clients
   start = time.perf_counter()
   train_sizes = np.array([len(train_split.y[c]) for c in train_split.client_ids])
   cohort = algorithm.cohort(
     len(train_sizes),
-    config.seed,
+    seed,
     round_num,
     lambda: simulation.sample_clients(
-      len(train_sizes), config.clients_per_round, config.seed, round_num
+      len(train_sizes), run.schedule.clients_per_round, seed, round_num
     ),
   )
   plan = simulation.plan_round(
@@ -153,22 +153,22 @@ def _round(run, data, algorithm, held, store, devices, train_split, speeds, last
     train_sizes,
     speeds,
     round_num,
-    seed=config.seed,
-    epochs=config.client_epochs,
-    batch_size=config.batch_size,
-    dropout_rate=config.dropout_rate,
-    straggler_rate=config.straggler_rate,
-    aggregate_first=config.aggregate_first,
-    nan_clients=config.nan_clients_per_round,
-    max_steps=config.client_steps,
+    seed=seed,
+    epochs=clients.epochs,
+    batch_size=clients.batch_size,
+    dropout_rate=clients.dropout_rate,
+    straggler_rate=clients.straggler_rate,
+    aggregate_first=clients.aggregate_first,
+    nan_clients=clients.nan_clients,
+    max_steps=clients.max_steps,
   )
   if devices is not None:
     reports, datasets = _train_on_devices(
-      devices, config, train_split, plan, held, algorithm, last.key_state
+      devices, clients, train_split, plan, held, algorithm, last.key_state
     )
   else:
     reports = plan.reports
-    datasets = _client_datasets(config, train_split, plan, run.task, algorithm)
+    datasets = _client_datasets(clients, train_split, plan, run.task, algorithm)
   row = {
     "clients_used": float(len(datasets)),
     "stragglers": float(np.sum(reports & (plan.work < 1.0))),
@@ -190,12 +190,11 @@ def _dp_epsilons(run, num_clients: int) -> np.ndarray | None:
   """With DP noise, the epsilon spent after each round (for metrics.csv); else None."""
   if run.dp is None or not run.dp.noise_multiplier:
     return None
-  config = run.config
   return privacy.epsilons(
     run.dp.noise_multiplier,
-    config.clients_per_round,
+    run.schedule.clients_per_round,
     num_clients,
-    config.rounds,
+    run.schedule.rounds,
     run.dp.delta(num_clients),
   )
 
@@ -211,7 +210,7 @@ def _client_state_store(algorithm, output_dir: str, start_round: int):
   return store
 
 
-def _client_datasets(config, train, plan, task, algorithm) -> list:
+def _client_datasets(clients, train, plan, task, algorithm) -> list:
   """The reporting clients' local datasets of the round (`simulation.client_dataset`, as
   the algorithm's `client_data` takes them), their inputs as the task's models take them
   (`INPUT_DTYPE`)."""
@@ -223,13 +222,13 @@ def _client_datasets(config, train, plan, task, algorithm) -> list:
       train.y[train.client_ids[i]],
       functools.partial(
         simulation.client_dataset,
-        epochs=config.client_epochs,
-        batch_size=config.batch_size,
+        epochs=clients.epochs,
+        batch_size=clients.batch_size,
         seed=int(s),
         augmentation=task.TRAIN_AUGMENTATION,
         work=w,
         poisoned=p,
-        max_steps=config.client_steps,
+        max_steps=clients.max_steps,
       ),
     )
     for i, s, w, p in zip(
@@ -285,18 +284,16 @@ def _end_phase(run, data, algorithm, held, evaluator, pool, train, row, round_nu
   pool.curve.append(
     {"round": round_num, "labeled": train.num_examples(), "test_accuracy": row["test_accuracy"]}
   )
-  if round_num == run.config.rounds:
+  if round_num == run.schedule.rounds:
     return train
   probs = evaluator.member_probabilities(algorithm.models_fn(held.value), data.train)
   row["annotated"] = float(
-    pool.acquire(
-      round_num, {c: p.mean(0) for c, p in probs.items()}, sizes, run.active, run.config.seed
-    )
+    pool.acquire(round_num, {c: p.mean(0) for c, p in probs.items()}, sizes, run.active, run.seed)
   )
   return active_learning.labeled(data.train, pool, sizes)
 
 
-def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
+def _train_on_devices(devices, clients, train, plan, held, algorithm, key_state):
   """The round's reporting clients trained on devices (`device_clients`), each from the
   model it is assigned: the reports left after device failures, and their results as the
   clients' datasets."""
@@ -313,13 +310,13 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
         "y": train.y[name],
         "order": simulation.client_order(
           len(x),
-          epochs=config.client_epochs,
-          batch_size=config.batch_size,
+          epochs=clients.epochs,
+          batch_size=clients.batch_size,
           seed=int(plan.seeds[k]),
           work=float(plan.work[k]),
-          max_steps=config.client_steps,
+          max_steps=clients.max_steps,
         ),
-        "batch_size": config.batch_size,
+        "batch_size": clients.batch_size,
         "model": model,
       }
     )
@@ -332,12 +329,11 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
 @contextlib.contextmanager
 def _devices(run, outputs):
   """The run's `device_clients.DevicePool` with `--client_runtime=litert`, else None."""
-  config = run.config
-  if not config.on_devices:
+  if run.devices is None:
     yield None
     return
-  path = device_clients.write_trainable_file(config, run.task, outputs.dir)
-  pool = device_clients.DevicePool(path, config.device_processes)
+  path = device_clients.write_trainable_file(run, outputs.dir)
+  pool = device_clients.DevicePool(path, run.devices.processes)
   try:
     yield pool
   finally:

@@ -8,7 +8,6 @@ algorithm's own (`FederatedAlgorithm.summary`).
 """
 
 import contextlib
-import dataclasses
 import logging
 import os
 import statistics
@@ -22,9 +21,9 @@ from tff_ens.math import ensemble_math
 from tff_ens.math import evaluation
 from tff_ens.math import metrics
 from tff_ens.math import personalization
-from tff_ens.program import experiment
 from tff_ens.program import plots
 from tff_ens.program import run_outputs
+from tff_ens.program import run_settings
 from tff_ens.templates import privacy
 
 
@@ -57,7 +56,7 @@ class Evaluator:
     return metrics.classification_summary(probs, split.y, prefix)
 
   def ensemble_summary(
-    self, models: list, data, member_test: dict, config: experiment.ExperimentConfig
+    self, models: list, data, member_test: dict, config: run_settings.Evaluation
   ) -> dict:
     """Fed-ensemble's metrics: members, personalized weights, uncertainty."""
     clients = [c for c in data.test.client_ids if c in data.train.x]
@@ -96,12 +95,12 @@ EVALUATION_KEYS = ("test_accuracy", "test_loss", "ece", "per_client_accuracy")
 
 
 @contextlib.contextmanager
-def progress(config: experiment.ExperimentConfig, start_round: int):
-  """A tqdm bar on a terminal; plain log lines otherwise."""
+def progress(rounds: int, start_round: int):
+  """A tqdm bar of `rounds` on a terminal; plain log lines otherwise."""
   if sys.stderr.isatty():
     from tqdm import tqdm
 
-    bar = tqdm(total=config.rounds, initial=start_round, unit="round", dynamic_ncols=True)
+    bar = tqdm(total=rounds, initial=start_round, unit="round", dynamic_ncols=True)
     last = {}  # The latest value of each shown metric.
 
     def report(round_num, row):
@@ -122,7 +121,7 @@ def progress(config: experiment.ExperimentConfig, start_round: int):
     yield lambda r, row: logging.info(
       "round %d/%d %s",
       r,
-      config.rounds,
+      rounds,
       " ".join(f"{k}={v:.4f}" for k, v in row.items() if isinstance(v, float)),
     )
 
@@ -135,8 +134,8 @@ def write_summary(run, data, algorithm, outputs, evaluator, trained):
   `trained.last` is the loop's record of the last round (its teachers and their
   predictions); `trained.store` the clients' own states, if they keep any.
   """
-  config = run.config
   models, last, pool = trained.models, trained.last, trained.pool
+  flags = run.outputs.flags  # What config.json holds, which the summary repeats.
   teacher_test = last.teacher_test
   # Each split predicted once (FEMNIST's shift split is its new clients), the test split
   # by the loop's evaluation of the last round.
@@ -150,27 +149,29 @@ def write_summary(run, data, algorithm, outputs, evaluator, trained):
   member_test = member_probabilities(data.test)
   summary = evaluator.summary(models, data.test, member_probs=member_test)
   if len(models) > 1:
-    summary.update(evaluator.ensemble_summary(models, data, member_test, config))
+    summary.update(evaluator.ensemble_summary(models, data, member_test, run.evaluation))
   rows = outputs.metrics_rows()
   if run.dp is not None:
     summary.update(privacy_summary(run, rows, len(data.train.client_ids)))
   summary.update(algorithm.summary(_finished_run(data, outputs, evaluator, trained, summary, rows)))
-  summary.update(uncertainty_summary(config, data, member_probabilities, outputs.dir, teacher_test))
+  summary.update(
+    uncertainty_summary(run.evaluation.title, data, member_probabilities, outputs.dir, teacher_test)
+  )
   new_clients = evaluator.summary(
     models, data.new_clients, prefix="new", member_probs=member_probabilities(data.new_clients)
   )
   down, up = algorithm.bytes_per_client_round()
   seconds = [float(r["seconds"]) for r in rows if r.get("seconds")]
   summary.update(
-    task=config.task,
-    algorithm=config.algorithm,
-    rounds=config.rounds,
-    seed=config.seed,
+    task=flags["task"],
+    algorithm=flags["algorithm"],
+    rounds=run.schedule.rounds,
+    seed=run.seed,
     new_client_accuracy=new_clients.get("new_accuracy"),
     bytes_down_per_client_round=down,
     bytes_up_per_client_round=up,
     seconds_per_round=statistics.median(seconds) if seconds else None,
-    config=dataclasses.asdict(config),
+    config=flags,
   )
   if pool is not None:
     summary["active_learning_curve"] = [[p["labeled"], p["test_accuracy"]] for p in pool.curve]
@@ -198,11 +199,11 @@ def evaluation_splits(data) -> dict:
   }
 
 
-def uncertainty_summary(config, data, member_probabilities, output_dir: str, teacher=None) -> dict:
+def uncertainty_summary(title: str, data, member_probabilities, output_dir: str, teacher=None):
   """`metrics.uncertainty_summary` of the run's model(s), whose
   `member_probabilities(split)` are {client: [K, n, classes]}, and of the last
   round's teachers (keys prefixed `teacher_`) for server-distillation
-  algorithms; draws `plots.UNCERTAINTY_FIGURE`."""
+  algorithms; draws `plots.UNCERTAINTY_FIGURE`, headed `title`."""
   splits = evaluation_splits(data)
   members = {}
   for name, split in splits.items():
@@ -224,8 +225,7 @@ def uncertainty_summary(config, data, member_probabilities, output_dir: str, tea
       "test (in-distribution)" if name == "test" else name: p["entropy"]
       for name, p in predictions.items()
     },
-    f"{config.algorithm}, {config.task} ({config.classes} classes), "
-    f"seed {config.seed}, {config.rounds} rounds",
+    title,
   )
   if teacher is not None:
     counts = [splits[name].num_examples() for name in splits]
@@ -258,14 +258,14 @@ def privacy_summary(run, rows, num_clients: int) -> dict:
   `dp_clip_norm` is the fixed clip, or the adaptive clip after the last round
   (`dp_clipping` says which).
   """
-  config, dp = run.config, run.dp
+  dp, schedule = run.dp, run.schedule
   clips = [float(r["dp_clip_norm"]) for r in rows if r.get("dp_clip_norm")]
   noised = dp.noise_multiplier > 0
   delta = dp.delta(num_clients) if noised else None
   return {
     "dp_epsilon": float(
       privacy.epsilons(
-        dp.noise_multiplier, config.clients_per_round, num_clients, config.rounds, delta
+        dp.noise_multiplier, schedule.clients_per_round, num_clients, schedule.rounds, delta
       )[-1]
     )
     if noised

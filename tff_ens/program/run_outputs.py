@@ -23,16 +23,16 @@ import tensorflow_federated as tff
 from tff_ens import run_files
 from tff_ens.math import evaluation
 from tff_ens.program import experiment
+from tff_ens.program import run_settings
 
 
 class RunOutputs:
   """The run's files: config, metrics (CSV and TensorBoard), checkpoints."""
 
-  def __init__(self, config: experiment.ExperimentConfig, initial_state):
+  def __init__(self, config: run_settings.Outputs, initial_state):
     """`initial_state`: the algorithm's, which `take_start` gives unless `--resume` finds a
     checkpoint (read against its structure here)."""
-    self._config = config
-    self.dir = config.output_dir
+    self.dir = config.directory
     self._loop = asyncio.new_event_loop()
     self._start = (0, initial_state)
     self._prepare_dir(config, initial_state)
@@ -52,13 +52,13 @@ class RunOutputs:
       os.path.join(self.dir, run_files.TENSORBOARD_DIR)
     )
 
-  def _prepare_dir(self, config: experiment.ExperimentConfig, initial_state):
+  def _prepare_dir(self, config: run_settings.Outputs, initial_state):
     if os.path.exists(self.dir) and not os.path.isdir(self.dir):
       raise experiment.UsageError(f"--output_dir={self.dir} is a file: choose a directory")
     config_path = os.path.join(self.dir, run_files.CONFIG_FILE)
-    fixed_rounds = experiment.fixed_rounds_reason(config)
+    fixed_rounds = config.fixed_rounds_reason
     free = experiment.RESUME_FREE_KEYS + (() if fixed_rounds else ("rounds",))
-    wanted = {k: v for k, v in dataclasses.asdict(config).items() if k not in free}
+    wanted = {k: v for k, v in config.flags.items() if k not in free}
     if os.path.exists(config_path):
       try:
         with open(config_path, "rb") as f:
@@ -101,14 +101,14 @@ class RunOutputs:
         self._start = resumed
     try:
       os.makedirs(self.dir, exist_ok=True)
-      run_files.write_json_atomically(config_path, dataclasses.asdict(config))
+      run_files.write_json_atomically(config_path, config.flags)
     except OSError as e:
       raise experiment.UsageError(
         f"cannot write to --output_dir={self.dir} ({e.strerror}): choose a writable directory"
       ) from None
 
   def _read_checkpoint(
-    self, directory: str, config: experiment.ExperimentConfig, initial_state
+    self, directory: str, config: run_settings.Outputs, initial_state
   ) -> tuple[int, Any] | None:
     """(round, state) of the last checkpoint in `directory`, or None.
 

@@ -40,9 +40,9 @@ class RunSettings:
   files (`experiment.ExperimentConfig` adds the other groups' and checks them)."""
 
   # The task and its clients.
-  task: str = setting("femnist", "The task (docs/tasks.md).", choices=tasks.TASKS)
+  task: str = setting(tasks.DEFAULT_TASK, "The task (docs/tasks.md).", choices=tasks.TASKS)
   classes: str = setting(
-    "all",
+    tasks.DEFAULT_CLASSES,
     "all: every class of the task; digits (femnist): train and test on the digits, with the "
     "test writers' letters as out-of-distribution inputs (summary.json's ood_* keys).",
     choices=tasks.CLASSES,
@@ -210,3 +210,83 @@ class RunSettings:
     "last checkpoint with --resume.",
     at_least=0,
   )
+
+
+# The parts of `RunSettings` each program module reads, built once by `experiment.resolve`.
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """The loop's: the rounds, the cohort, when it evaluates and saves, how it stops."""
+
+  rounds: int
+  clients_per_round: int
+  seed: int
+  eval_every: int
+  checkpoint_every: int
+  stop_grace_seconds: float
+  worker_growth_mib: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientRounds:
+  """How a round's clients train and fail (`simulation.plan_round`, `client_dataset`)."""
+
+  epochs: int
+  batch_size: int
+  max_steps: int
+  dropout_rate: float
+  straggler_rate: float
+  aggregate_first: int
+  nan_clients: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+  """Where the clients' computations run (`runtime.execution_context`)."""
+
+  workers: tuple[str, ...]
+  credentials_dir: str | None
+  local_worker: str
+  max_concurrent_clients: int
+  clients_per_chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+  """Clients trained on devices (`device_clients`): how many at once."""
+
+  processes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """The run's model: its name, its ResNets' normalization, the seed of its weights."""
+
+  name: str
+  norm: str
+  seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+  """The summary's: personalized weights (Fed-ensemble eq. 4) and the run's title."""
+
+  personalization_samples: int
+  personalization_temperature: float
+  seed: int
+  title: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+  """The output directory's (`run_outputs`): where, whether to resume, what config.json holds
+  (`flags`), and why a resume may not change `rounds` (None: it may)."""
+
+  directory: str
+  resume: bool
+  rounds: int
+  flags: dict
+  fixed_rounds_reason: str | None
+  algorithm: str
+  model: str

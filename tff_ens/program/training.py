@@ -29,16 +29,16 @@ from tff_ens.server import server_data as server_data_lib
 @contextlib.contextmanager
 def _execution_context(run: experiment.Run):
   """The run's TFF context: a local worker, or the workers of --workers."""
-  config = run.config
+  execution = run.execution
   with contextlib.ExitStack() as stack:
     try:
       stack.enter_context(
         runtime.execution_context(
-          workers=run.workers,
-          credentials_dir=config.worker_credentials or None,
-          local_worker=config.local_worker,
-          max_concurrent_computation_calls=config.max_concurrent_clients,
-          clients_per_chunk=config.clients_per_chunk,
+          workers=list(execution.workers),
+          credentials_dir=execution.credentials_dir,
+          local_worker=execution.local_worker,
+          max_concurrent_computation_calls=execution.max_concurrent_clients,
+          clients_per_chunk=execution.clients_per_chunk,
         )
       )
     except worker_process.IsolationError as e:
@@ -47,10 +47,10 @@ def _execution_context(run: experiment.Run):
         "reaches its port can run code in"
       ) from None
     except worker_process.WorkerError as e:
-      if not run.workers:
+      if not run.execution.workers:
         raise
       raise experiment.UsageError(
-        f"--workers={config.workers}: {e} Start it there with `python -m "
+        f"--workers={','.join(execution.workers)}: {e} Start it there with `python -m "
         "tff_ens.worker --port=PORT --credentials=DIR`, or fix the address"
       ) from None
     yield
@@ -67,18 +67,18 @@ def run_experiment(config) -> dict:
     Stopped: a signal stopped the run; the message says from which round it continues.
   """
   run = experiment.resolve(config)
-  task = run.task
+  task, model, cohort = run.task, run.model, run.schedule.clients_per_round
   data = run.load_data()
   num_clients = len(data.train.client_ids)
-  if config.clients_per_round > num_clients:
+  if cohort > num_clients:
     raise experiment.UsageError(
-      f"--clients_per_round={config.clients_per_round} exceeds the {num_clients} training "
+      f"--clients_per_round={cohort} exceeds the {num_clients} training "
       f"writers in the data: use at most {num_clients}"
     )
   server_data = None
-  if run.algorithm.server_data or config.recalibrate_batch_norm:
+  if run.algorithm.server_data or run.recalibrate_batch_norm:
     server_data = server_data_lib.server_split(
-      data, task, seed=config.seed, unlabeled_path=config.server_data
+      data, task, seed=run.seed, unlabeled_path=run.server_data
     )
     logging.info(
       "server data: %d unlabeled (%s), %d validation",
@@ -86,32 +86,32 @@ def run_experiment(config) -> dict:
       server_data.source,
       len(server_data.validation_y),
     )
-  tf.keras.utils.set_random_seed(config.seed)
-  build_model = lambda name, seed: task.build_model(name, seed=seed, norm=config.norm)
+  tf.keras.utils.set_random_seed(run.seed)
+  build_model = lambda name, seed: task.build_model(name, seed=seed, norm=model.norm)
   # Member k of an ensemble starts from its own seed; k = 0 for one model.
-  model_fn = lambda k=0: build_model(config.model, config.seed + 1009 * k)
+  model_fn = lambda k=0: build_model(model.name, model.seed + 1009 * k)
   context = algorithm_lib.BuildContext(
     model_fn=model_fn,
     element_spec=simulation.batch_element_spec(task),
     local=run.local,
     groups=run.groups,
-    seed=config.seed,
+    seed=run.seed,
     num_clients=num_clients,
-    clients_per_round=config.clients_per_round,
+    clients_per_round=cohort,
     server_data=server_data if run.algorithm.server_data else None,
     dp=run.dp,
-    on_device=config.on_devices,
-    recalibration_images=_recalibration_images(config, model_fn, server_data),
+    on_device=run.devices is not None,
+    recalibration_images=_recalibration_images(run, model_fn, server_data),
     build_model=build_model,
     task=task,
-    model=config.model,
-    transport=config.transport,
+    model=model.name,
+    transport=run.transport,
   )
   with contextlib.ExitStack() as stack:
     with _execution_context(run):
-      algorithm = algorithms.build(config.algorithm, context)
+      algorithm = algorithms.build(run.algorithm.name, context)
       _check_mergeable(run, algorithm)
-      outputs = run_outputs.RunOutputs(config, algorithm.process.initialize())
+      outputs = run_outputs.RunOutputs(run.outputs, algorithm.process.initialize())
       stack.callback(outputs.close)
       evaluator = reporting.Evaluator(algorithm.evaluation_model_fn)
       try:
@@ -125,13 +125,16 @@ def run_experiment(config) -> dict:
 def _check_mergeable(run: experiment.Run, algorithm) -> None:
   """A round in chunks or on several workers (TFF's mergeable form) cannot return
   CLIENTS-placed values: UsageError before the first round if this one's would."""
-  config = run.config
-  chunked = 0 < config.clients_per_chunk < config.clients_per_round
+  chunked = 0 < run.execution.clients_per_chunk < run.schedule.clients_per_round
   next_fn = algorithm.process.next
-  if not (chunked or len(run.workers) > 1) or not isinstance(next_fn, tff.Computation):
+  if not (chunked or len(run.execution.workers) > 1) or not isinstance(next_fn, tff.Computation):
     return
   if runtime.returns_per_client_values(next_fn):
-    where = "on several --workers" if len(run.workers) > 1 else "in chunks (--clients_per_chunk)"
+    where = (
+      "on several --workers"
+      if len(run.execution.workers) > 1
+      else "in chunks (--clients_per_chunk)"
+    )
     raise experiment.UsageError(
       f"--client_transport=values returns the clients' states from the worker, which a round "
       f"{where} cannot (TFF 0.87 merges them out of client order): use "
@@ -139,22 +142,23 @@ def _check_mergeable(run: experiment.Run, algorithm) -> None:
     )
 
 
-def _recalibration_images(config, model_fn, server_data) -> np.ndarray | None:
+def _recalibration_images(run, model_fn, server_data) -> np.ndarray | None:
   """The server images of `--recalibrate_batch_norm` (a seeded draw), or None."""
-  if not config.recalibrate_batch_norm:
+  count, model = run.recalibrate_batch_norm, run.model
+  if not count:
     return None
   with tf.Graph().as_default():
     layers = model_fn(0).submodules
   if not any(isinstance(layer, tf.keras.layers.BatchNormalization) for layer in layers):
     raise experiment.UsageError(
-      f"--recalibrate_batch_norm: --model={config.model} --norm={config.norm} has no batch "
+      f"--recalibrate_batch_norm: --model={model.name} --norm={model.norm} has no batch "
       "norm to recalibrate: drop the flag, or use a ResNet with --norm=batch"
     )
   unlabeled = server_data.unlabeled
-  if config.recalibrate_batch_norm > len(unlabeled):
+  if count > len(unlabeled):
     raise experiment.UsageError(
-      f"--recalibrate_batch_norm={config.recalibrate_batch_norm} exceeds the server's "
+      f"--recalibrate_batch_norm={count} exceeds the server's "
       f"{len(unlabeled)} unlabeled images ({server_data.source}): use at most {len(unlabeled)}"
     )
-  rng = np.random.default_rng(config.seed)
-  return unlabeled[rng.choice(len(unlabeled), config.recalibrate_batch_norm, replace=False)]
+  rng = np.random.default_rng(run.seed)
+  return unlabeled[rng.choice(len(unlabeled), count, replace=False)]

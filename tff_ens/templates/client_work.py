@@ -46,7 +46,7 @@ class LocalTrainingConfig:
     proximal_mu: FedProx's mu; 0 gives FedAvg's local objective.
     lr_schedule: "constant", or "step": the rate times 0.1 at 30% and again at
       60% of `total_rounds` (FedBE's schedule).
-    total_rounds: number of rounds the schedule spans.
+    total_rounds: number of rounds the schedule spans (a "step" schedule needs it).
     max_update_norm: an update whose trainable part has a larger L2 norm is
       rejected (`reject_bad_update`); 0 accepts every finite update.
     train_positions: for a sequence model (one with the layer `tasks.PER_POSITION_LOGITS`,
@@ -71,7 +71,7 @@ class LocalTrainingConfig:
     "Client learning rate: constant, or x0.1 at 30% and 60% of the rounds (step).",
     choices=LR_SCHEDULES,
   )
-  total_rounds: int = setting(100, uses="rounds", above=0)
+  total_rounds: int | None = setting(None, uses="rounds", above=0)
   max_update_norm: float = setting(
     0.0,
     "Reject a client update whose trainable weights moved by a larger L2 norm (counted in "
@@ -91,6 +91,10 @@ class LocalTrainingConfig:
     if self.optimizer == "adam" and self.momentum:
       raise settings.SettingError(
         "momentum", self.momentum, "must be 0 with the adam optimizer, which keeps its own moments"
+      )
+    if self.lr_schedule != "constant" and self.total_rounds is None:
+      raise settings.SettingError(
+        "total_rounds", None, f"lr_schedule={self.lr_schedule} spans them: give total_rounds"
       )
 
 

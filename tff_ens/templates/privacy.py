@@ -70,7 +70,7 @@ class DPConfig:
     at_least=0,
     below=1,
   )
-  clients_per_round: int = setting(10, uses="clients_per_round", above=0)
+  clients_per_round: int = setting(uses="clients_per_round", above=0)
 
   def delta(self, num_clients: int) -> float:
     """`target_delta`, or `default_target_delta` of `num_clients` clients."""

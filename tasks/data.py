@@ -9,7 +9,7 @@ FedDF, Lin et al., NeurIPS 2020, Sec. 4), then the rest is split by
 """
 
 import collections
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 import dataclasses
 import hashlib
 import logging
@@ -24,19 +24,50 @@ class DataError(ValueError):
   """A one-line, user-facing problem with the input data (names the file/dir and the fix)."""
 
 
+class ExamplesOnDisk(Mapping):
+  """client id -> its float32 examples [n, *shape], read from one file of rows each time
+  they are asked for (`np.fromfile`): the process holds none of them between reads, so its
+  memory does not grow with the clients.
+
+  `spans`: client id -> (its first row, its rows) in the file.
+  """
+
+  def __init__(self, path: str, shape: tuple[int, ...], spans: Mapping[str, tuple[int, int]]):
+    self._path, self._shape, self._spans = path, tuple(shape), dict(spans)
+    self._row_values = int(np.prod(self._shape))
+
+  def __getitem__(self, client_id: str) -> np.ndarray:
+    first, rows = self._spans[client_id]
+    values = np.fromfile(
+      self._path, np.float32, count=rows * self._row_values, offset=first * self._row_values * 4
+    )
+    return values.reshape(rows, *self._shape)
+
+  def __iter__(self):
+    return iter(self._spans)
+
+  def __len__(self) -> int:
+    return len(self._spans)
+
+  def restricted(self, client_ids: Iterable[str]) -> "ExamplesOnDisk":
+    """The same file's examples of `client_ids` only."""
+    return ExamplesOnDisk(self._path, self._shape, {c: self._spans[c] for c in client_ids})
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientArrays:
-  """Examples of a set of clients, held in memory.
+  """Examples of a set of clients, in memory or read from disk when asked for.
 
   Attributes:
     client_ids: the client (FEMNIST: writer) ids, sorted.
-    x: client id -> float32 images [n, *input_shape] (the task's preprocessing).
+    x: client id -> float32 images [n, *input_shape] (the task's preprocessing): a dict, or
+      an `ExamplesOnDisk` that reads a client's when they are asked for.
     y: client id -> int32 labels [n], in 0..num_classes - 1.
     input_shape: the shape of one image, for `concatenated` of no clients.
   """
 
   client_ids: tuple[str, ...]
-  x: dict[str, np.ndarray]
+  x: Mapping[str, np.ndarray]
   y: dict[str, np.ndarray]
   input_shape: tuple[int, ...] = ()
 
@@ -77,19 +108,37 @@ class ClientArrays:
     unknown = [c for c in ids if c not in self.x]
     if unknown:
       raise KeyError(f"unknown client ids: {', '.join(unknown[:5])}")
-    return ClientArrays(
-      ids, {c: self.x[c] for c in ids}, {c: self.y[c] for c in ids}, self.input_shape
+    x = (
+      self.x.restricted(ids) if isinstance(self.x, ExamplesOnDisk) else {c: self.x[c] for c in ids}
     )
+    return ClientArrays(ids, x, {c: self.y[c] for c in ids}, self.input_shape)
 
   def at_most(self, limit: int, seed: tuple[int, ...]) -> "ClientArrays":
-    """At most `limit` (0: all) examples of each client (`subsample`)."""
-    samples = {c: subsample(self.x[c], self.y[c], limit, seed, c) for c in self.client_ids}
-    return ClientArrays(
-      self.client_ids,
-      {c: x for c, (x, _) in samples.items()},
-      {c: y for c, (_, y) in samples.items()},
-      self.input_shape,
-    )
+    """At most `limit` (0: all) examples of each client (`subsample`); the images of
+    examples on disk are subsampled when they are read."""
+    y = {c: subsample(self.y[c], self.y[c], limit, seed, c)[1] for c in self.client_ids}
+    if isinstance(self.x, ExamplesOnDisk):
+      x = _Subsampled(self.x, self.y, limit, seed)
+    else:
+      x = {c: subsample(self.x[c], self.y[c], limit, seed, c)[0] for c in self.client_ids}
+    return ClientArrays(self.client_ids, x, y, self.input_shape)
+
+
+class _Subsampled(Mapping):
+  """client id -> `subsample` of its images, read when asked for."""
+
+  def __init__(self, x: ExamplesOnDisk, y: Mapping, limit: int, seed: tuple[int, ...]):
+    self._x, self._y, self._limit, self._seed = x, y, limit, seed
+
+  def __getitem__(self, client_id: str) -> np.ndarray:
+    x, y = self._x[client_id], self._y[client_id]
+    return subsample(x, y, self._limit, self._seed, client_id)[0]
+
+  def __iter__(self):
+    return iter(self._x)
+
+  def __len__(self) -> int:
+    return len(self._x)
 
 
 def subsample(x, y, limit: int, seed: tuple[int, ...], client: str):

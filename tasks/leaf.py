@@ -6,18 +6,27 @@ directory of train/*.json and test/*.json, each {"users", "num_samples", "user_d
 (1.0 is the background) and int32 labels in 0..61 (CLASS_LABELS[label]). `tasks.femnist`
 builds the task on it; the device environment (`device/`, no TensorFlow) reads the same
 splits through it to evaluate exported files.
+
+A directory is parsed once, file by file, into a cache (`$TFF_ENS_CACHE_DIR`, else
+~/.cache/tff_ens): each split's images as one file of float32 rows, read a writer at a time
+when a round or an evaluation asks for them (`data.ExamplesOnDisk`), and its labels. A
+process then holds the labels and one file's text at most, whatever the number of writers,
+and later loads read only the labels. A changed file (size or time) is parsed again.
 """
 
 import collections
 import glob
+import hashlib
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 
 from tasks.data import ClientArrays
 from tasks.data import DataError
+from tasks.data import ExamplesOnDisk
 from tasks.data import FederatedData
 
 NUM_CLASSES = 62
@@ -27,8 +36,15 @@ CLASS_LABELS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 # The LEAF directory to read when none is given.
 DATA_DIR_ENV = "TFF_ENS_DATA_DIR"
 
+# Where parsed directories are kept (module docstring).
+CACHE_DIR_ENV = "TFF_ENS_CACHE_DIR"
+
 _PIXELS = INPUT_SHAPE[0] * INPUT_SHAPE[1]
 _LEAF_KEYS = ("users", "num_samples", "user_data")
+_SPLITS = ("train", "test")
+# A cached directory's files: per split, its images' rows and its labels; and the index.
+_IMAGES, _LABELS, _INDEX = "{}_images.f32", "{}_labels.i32", "index.json"
+_CACHE_FORMAT = 1  # Bumped when the cache's layout changes.
 
 
 def _client_arrays(examples: dict[str, tuple[np.ndarray, np.ndarray]]) -> ClientArrays:
@@ -40,10 +56,16 @@ def _client_arrays(examples: dict[str, tuple[np.ndarray, np.ndarray]]) -> Client
 
 def split_by_writer(train, test, source: str) -> FederatedData:
   """FederatedData from writer -> (x, y) dicts of the train and test files."""
-  new_clients = _client_arrays({c: v for c, v in test.items() if c not in train})
+  return _by_writer(_client_arrays(train), _client_arrays(test), source)
+
+
+def _by_writer(train: ClientArrays, test: ClientArrays, source: str) -> FederatedData:
+  """FederatedData of the train and test files' writers: the test writers who train are
+  the test split, the others new clients."""
+  new_clients = test.subset(c for c in test.client_ids if c not in train.y)
   return FederatedData(
-    train=_client_arrays(train),
-    test=_client_arrays({c: v for c, v in test.items() if c in train}),
+    train=train,
+    test=test.subset(c for c in test.client_ids if c in train.y),
     new_clients=new_clients,
     source=source,
     shift=new_clients,
@@ -183,8 +205,8 @@ def _load_leaf_file(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   return examples
 
 
-def _load_leaf_split(data_dir: str, split: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-  """writer -> (x, y) over all JSON files of data_dir/split; a writer may be in one file only."""
+def _split_paths(data_dir: str, split: str) -> list[str]:
+  """The JSON files of data_dir/split; DataError if there are none."""
   split_dir = os.path.join(data_dir, split)
   if not os.path.isdir(split_dir):
     raise DataError(
@@ -194,20 +216,80 @@ def _load_leaf_split(data_dir: str, split: str) -> dict[str, tuple[np.ndarray, n
   paths = sorted(glob.glob(os.path.join(split_dir, "*.json")))
   if not paths:
     raise DataError(f"{split_dir} has no *.json files: copy LEAF's {split} files into it")
-  examples, file_of = {}, {}
+  return paths
+
+
+def _parse_split(paths: list[str], split: str, images, labels) -> dict[str, list[int]]:
+  """Appends each writer's images and labels of `paths` (a split's files) to the open files
+  `images` and `labels`; returns writer -> [first row, rows]. A writer may be in one file
+  only."""
+  spans, file_of, rows = {}, {}, 0
   for path in paths:
-    for writer, arrays in _load_leaf_file(path).items():
-      if writer in examples:
+    for writer, (x, y) in _load_leaf_file(path).items():
+      if writer in spans:
         raise DataError(
           f"writer {writer!r} appears in two {split} files, {file_of[writer]} and "
           f"{path}: remove one of the copies"
         )
-      examples[writer], file_of[writer] = arrays, path
-  return examples
+      images.write(np.ascontiguousarray(x, np.float32).tobytes())
+      labels.write(np.asarray(y, np.int32).tobytes())
+      spans[writer], file_of[writer] = [rows, len(y)], path
+      rows += len(y)
+  return spans
+
+
+def _cache_dir(data_dir: str, paths: list[str]) -> str:
+  """The cache directory of `data_dir` as its files now are (their names, sizes, times)."""
+  digest = hashlib.sha256(f"{_CACHE_FORMAT}\0{data_dir}".encode())
+  for path in paths:
+    stat = os.stat(path)
+    digest.update(f"\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+  root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tff_ens")
+  return os.path.join(root, "leaf", digest.hexdigest()[:32])
+
+
+def _write_cache(directory: str, paths: dict[str, list[str]]) -> None:
+  """Parses the splits' files into `directory`, whole or not at all (written beside it,
+  then renamed: a failed or concurrent parse leaves no partial cache)."""
+  partial = f"{directory}.partial{os.getpid()}"
+  try:
+    os.makedirs(partial)
+    index = {}
+    for split in _SPLITS:
+      with (
+        open(os.path.join(partial, _IMAGES.format(split)), "wb") as images,
+        open(os.path.join(partial, _LABELS.format(split)), "wb") as labels,
+      ):
+        index[split] = _parse_split(paths[split], split, images, labels)
+    with open(os.path.join(partial, _INDEX), "w") as f:
+      json.dump(index, f)
+    os.rename(partial, directory)
+  except OSError as e:
+    if os.path.isdir(directory):  # Another process cached the same files first.
+      return
+    raise DataError(
+      f"cannot write the parsed FEMNIST files to {os.path.dirname(directory)} ({e.strerror}): "
+      f"set {CACHE_DIR_ENV} to a writable directory"
+    ) from None
+  finally:
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def _cached_split(directory: str, split: str, spans: dict) -> ClientArrays:
+  """A cached split: its labels in memory, its images read when asked for."""
+  labels = np.fromfile(os.path.join(directory, _LABELS.format(split)), np.int32)
+  ids = tuple(sorted(spans))
+  return ClientArrays(
+    ids,
+    ExamplesOnDisk(os.path.join(directory, _IMAGES.format(split)), INPUT_SHAPE, spans),
+    {c: labels[spans[c][0] : spans[c][0] + spans[c][1]].copy() for c in ids},
+    INPUT_SHAPE,
+  )
 
 
 def load_leaf(data_dir: str) -> FederatedData:
-  """Loads a LEAF femnist directory (data_dir/train/*.json, data_dir/test/*.json).
+  """Loads a LEAF femnist directory (data_dir/train/*.json, data_dir/test/*.json), through
+  its cache (module docstring).
 
   Raises DataError, with a one-line message that names the file or directory, if the data
   is missing or malformed.
@@ -223,15 +305,20 @@ def load_leaf(data_dir: str) -> FederatedData:
       f"FEMNIST data directory {data_dir} is not a directory: pass a LEAF "
       "femnist directory with train/ and test/"
     )
-  train = _load_leaf_split(data_dir, "train")
-  test = _load_leaf_split(data_dir, "test")
-  if not train:
+  paths = {split: _split_paths(data_dir, split) for split in _SPLITS}
+  directory = _cache_dir(data_dir, paths["train"] + paths["test"])
+  if not os.path.isfile(os.path.join(directory, _INDEX)):
+    _write_cache(directory, paths)
+  with open(os.path.join(directory, _INDEX)) as f:
+    index = json.load(f)
+  if not index["train"]:
     raise DataError(
       f"{os.path.join(data_dir, 'train')}: no writer in its "
       "*.json files has examples (every num_samples is 0): "
       "copy LEAF's train files into it"
     )
-  return split_by_writer(train, test, f"leaf:{data_dir}")
+  train, test = (_cached_split(directory, split, index[split]) for split in _SPLITS)
+  return _by_writer(train, test, f"leaf:{data_dir}")
 
 
 def _digits(arrays: ClientArrays, letters: bool = False) -> ClientArrays:

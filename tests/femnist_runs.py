@@ -47,3 +47,15 @@ def read_metrics(output_dir):
   """The rows of a run's metrics.csv."""
   with open(os.path.join(output_dir, run_files.METRICS_FILE)) as f:
     return list(csv.DictReader(f))
+
+
+def reference_test_metrics(models, x, y) -> tuple[float, float]:
+  """(accuracy, mean negative log-likelihood) of the Keras `models`' uniform mixture on
+  `(x, y)`, computed apart from the program's evaluator: logits softmaxed and averaged in
+  NumPy, float64."""
+  import numpy as np
+
+  logits = np.stack([m(x, training=False).numpy() for m in models]).astype(np.float64)
+  exp = np.exp(logits - logits.max(-1, keepdims=True))
+  probs = (exp / exp.sum(-1, keepdims=True)).mean(0)
+  return float(np.mean(probs.argmax(-1) == y)), float(-np.mean(np.log(probs[np.arange(len(y)), y])))

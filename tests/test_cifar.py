@@ -17,6 +17,7 @@ import tasks
 from tasks import cifar
 from tasks import cifar_files
 from tasks import partition
+from tests.femnist_runs import reference_test_metrics
 from tff_ens import algorithms
 from tff_ens import run_files
 from tff_ens.program import experiment
@@ -609,12 +610,10 @@ def test_every_algorithm_runs_on_cifar(cifar10_dir, tmp_path, algorithm):
   summary = training.run_experiment(config)
   assert summary["task"] == "cifar10" and summary["algorithm"] == algorithm
   models = finished_runs.load_models(finished_runs.load_run(str(tmp_path)))
-  x, y = experiment.resolve(config).load_data().test.concatenated()
-  logits = np.stack([m(x, training=False).numpy() for m in models]).astype(np.float64)
-  exp = np.exp(logits - logits.max(-1, keepdims=True))
-  probs = (exp / exp.sum(-1, keepdims=True)).mean(0)
-  assert summary["test_accuracy"] == pytest.approx(np.mean(probs.argmax(-1) == y), abs=1e-12)
-  nll = -np.mean(np.log(probs[np.arange(len(y)), y]))
+  accuracy, nll = reference_test_metrics(
+    models, *experiment.resolve(config).load_data().test.concatenated()
+  )
+  assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-12)
   assert summary["test_loss"] == pytest.approx(nll, rel=1e-5)
   assert summary["new_client_accuracy"] is None  # CIFAR has no new clients.
   with open(tmp_path / run_files.SUMMARY_FILE) as f:

@@ -15,6 +15,7 @@ import tensorflow_federated as tff
 
 import tasks
 from tasks import femnist
+from tasks import leaf
 from tff_ens.program import experiment
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared/data/femnist"
@@ -259,6 +260,49 @@ def test_tiny_leaf_directory(tmp_path):
   assert x[1, 0, 5, 0] == np.float32(rows[1][5])  # Row-major 28x28.
   assert x[1, 2, 3, 0] == np.float32(rows[1][2 * 28 + 3])
   np.testing.assert_array_equal(data.new_clients.y["w3"], [20, 21])
+
+
+def test_a_directory_is_parsed_once_and_its_images_read_from_disk(tmp_path, monkeypatch):
+  root = _tiny_leaf(tmp_path / "leaf")
+  monkeypatch.setenv(leaf.CACHE_DIR_ENV, str(tmp_path / "cache"))
+  first = femnist.load_leaf(str(root))
+  assert isinstance(first.train.x, tasks.data.ExamplesOnDisk)
+  # The images are the JSON's rows, read back from the cache's file (not held).
+  rows, _ = _examples(3, 59, 2)
+  np.testing.assert_array_equal(
+    first.train.x["w2"], np.float32(rows).reshape(3, 28, 28, 1), strict=True
+  )
+  # A second load reads the cache, not the JSON files.
+  with monkeypatch.context() as patched:
+    patched.setattr(leaf, "_load_leaf_file", lambda path: pytest.fail(f"parsed {path}"))
+    again = femnist.load_leaf(str(root))
+  for split in ("train", "test", "new_clients"):
+    a, b = getattr(first, split), getattr(again, split)
+    assert a.client_ids == b.client_ids
+    for c in a.client_ids:
+      np.testing.assert_array_equal(a.x[c], b.x[c], strict=True)
+      np.testing.assert_array_equal(a.y[c], b.y[c], strict=True)
+  # A file that changes is parsed again.
+  _write(root / "test/a.json", _leaf({"w1": _examples(2, 30, 5)}))
+  changed = femnist.load_leaf(str(root))
+  np.testing.assert_array_equal(changed.test.y["w1"], [30, 31])
+  assert changed.new_clients.client_ids == ()
+
+
+def test_a_failed_parse_leaves_no_cache(tmp_path, monkeypatch):
+  root = _tiny_leaf(tmp_path / "leaf")
+  _write(root / "test/b.json", "{not json")
+  monkeypatch.setenv(leaf.CACHE_DIR_ENV, str(tmp_path / "cache"))
+  with pytest.raises(tasks.DataError, match="b.json: not valid JSON"):
+    femnist.load_leaf(str(root))
+  assert list((tmp_path / "cache" / "leaf").iterdir()) == []
+
+
+def test_an_unwritable_cache_is_one_line_naming_the_variable(tmp_path, monkeypatch):
+  (tmp_path / "file").write_text("")
+  monkeypatch.setenv(leaf.CACHE_DIR_ENV, str(tmp_path / "file"))
+  with pytest.raises(tasks.DataError, match=f"set {leaf.CACHE_DIR_ENV} to a writable directory"):
+    femnist.load_leaf(str(_tiny_leaf(tmp_path / "leaf")))
 
 
 def test_load_data_argument_beats_env_var(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ so `tff_ens`'s layers, `tasks` and `export` form no import cycle."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -98,3 +99,60 @@ def test_a_module_imports_only_its_layer_and_those_below(package, path):
     if _package_of(name) not in (None, package, *ALLOWED[package])
   }
   assert not above, f"{path.relative_to(ROOT)} imports {sorted(above)}"
+
+
+def _own_flags() -> dict[str, str]:
+  """{flag: algorithm} of the flags that one algorithm alone reads."""
+  from tff_ens import algorithms
+  from tff_ens import settings
+
+  owners = {}
+  for spec in algorithms.REGISTRY.values():
+    for group in spec.settings:
+      readers = [n for n, s in algorithms.REGISTRY.items() if group in s.settings]
+      if readers == [spec.name]:
+        owners.update(dict.fromkeys(settings.flags_of(group), spec.name))
+  return owners
+
+
+# What the program, the command lines and the export are: they call an algorithm's hooks and
+# never name one (docs/library.md).
+PROGRAM_FILES = sorted(
+  [*(ROOT / "tff_ens" / "program").glob("*.py"), *(ROOT / "export").rglob("*.py")]
+  + [ROOT / path for path in ENTRY_POINTS]
+)
+
+
+def _code_names(path: pathlib.Path) -> set[str]:
+  """The attribute names and string constants (docstrings apart) of a module's code."""
+  tree = ast.parse(path.read_text())
+  docstrings = {
+    id(node.body[0].value)
+    for node in ast.walk(tree)
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    and node.body
+    and isinstance(node.body[0], ast.Expr)
+    and isinstance(node.body[0].value, ast.Constant)
+  }
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute):
+      names.add(node.attr)
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      if id(node) not in docstrings:
+        names.update(re.findall(r"[a-z][a-z0-9_]*", node.value))
+  return names
+
+
+def test_the_program_names_no_algorithm_nor_a_flag_only_one_reads():
+  from tff_ens import algorithms
+
+  own = _own_flags()
+  assert {"ditto_lambda_choice", "prototypes"} <= set(own)
+  named = {
+    str(path.relative_to(ROOT)): sorted(
+      (_code_names(path) & (set(algorithms.REGISTRY) | set(own))) - {algorithms.ALGORITHMS[0]}
+    )
+    for path in PROGRAM_FILES
+  }
+  assert {path: names for path, names in named.items() if names} == {}

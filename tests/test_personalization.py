@@ -8,6 +8,7 @@ import pytest
 import tensorflow_federated as tff
 
 from tasks.data import ClientArrays
+from tasks.data import ExamplesOnDisk
 from tff_ens.math import ensemble_math
 from tff_ens.math import personalization
 from tff_ens.program import reporting
@@ -186,3 +187,31 @@ def test_the_summarys_personalized_weights_come_from_the_weighting_examples():
   by_hand = summary(personalization.weighting_examples(data.train, 50, seed=7), 0)
   assert capped["personalized_test_loss"] == by_hand["personalized_test_loss"]
   assert capped["personalized_test_loss"] != summary(data.train, 0)["personalized_test_loss"]
+
+
+def test_an_evaluation_in_groups_of_clients_is_the_evaluation_of_the_whole_split(
+  monkeypatch, tmp_path
+):
+  # The split's images on disk (as LEAF's are), predicted a few clients at a time: the
+  # probabilities of one prediction of all the examples, from the same file read in memory.
+  split = _clients([3, 7, 2, 5], seed=4)
+  rows = np.concatenate([split.x[c] for c in split.client_ids])
+  rows.tofile(tmp_path / "images.f32")
+  starts = np.cumsum([0] + [split.num_examples(c) for c in split.client_ids])
+  spans = {c: (int(starts[i]), split.num_examples(c)) for i, c in enumerate(split.client_ids)}
+  on_disk = ClientArrays(
+    split.client_ids,
+    ExamplesOnDisk(str(tmp_path / "images.f32"), (2, 2, 1), spans),
+    split.y,
+    (2, 2, 1),
+  )
+  evaluator = reporting.Evaluator(tiny_model)
+  models = [tff.learning.models.ModelWeights.from_model(tiny_model(s)) for s in (1, 2)]
+  whole = evaluator.member_probabilities(models, split)
+  monkeypatch.setattr(reporting, "PREDICTED_AT_ONCE", 8)
+  assert reporting._client_groups(on_disk, 8) == [["c0"], ["c1"], ["c2", "c3"]]
+  grouped = evaluator.member_probabilities(models, on_disk)
+  assert list(grouped) == list(split.client_ids)
+  for c in split.client_ids:
+    np.testing.assert_allclose(grouped[c], whole[c], rtol=1e-6)
+    assert grouped[c].shape == (2, split.num_examples(c), 3)

@@ -153,9 +153,10 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
   )
 
 
-def validate(config) -> None:
-  fedppd.validate(config)
-  fedbe.validate(config)
+def validate(groups, facts: algorithm.RunFacts) -> None:
+  """FedPPD's rules (its student) and FedBE's (the student's budget)."""
+  fedppd.validate(groups, facts)
+  fedbe.validate(groups, facts)
 
 
 ALGORITHM = algorithm.Algorithm(

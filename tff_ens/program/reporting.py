@@ -26,6 +26,24 @@ from tff_ens.program import run_outputs
 from tff_ens.program import run_settings
 from tff_ens.templates import privacy
 
+# Examples an evaluation predicts at once (`Evaluator.member_probabilities`): FEMNIST's
+# slice's test split (1,685) in one group.
+PREDICTED_AT_ONCE = 16_384
+
+
+def _client_groups(split, examples: int) -> list[list[str]]:
+  """The split's clients in order, in consecutive groups of at most `examples` examples
+  (a larger client alone)."""
+  groups, size = [[]], 0
+  for c in split.client_ids:
+    n = split.num_examples(c)
+    if groups[-1] and size + n > examples:
+      groups.append([])
+      size = 0
+    groups[-1].append(c)
+    size += n
+  return groups if groups[-1] else []
+
 
 class Evaluator:
   """Evaluates the process' model(s) on a task split with one Keras model."""
@@ -34,18 +52,21 @@ class Evaluator:
     self.model = model_fn()
 
   def member_probabilities(self, models: list, split) -> dict[str, np.ndarray]:
-    """{client: [K, n, classes]} for the K models on each client's examples."""
-    x, _ = split.concatenated()
-    counts = [split.num_examples(c) for c in split.client_ids]
-    member_probs = []
-    for weights in models:
-      evaluation.assign_weights(self.model, weights)
-      member_probs.append(evaluation.predict_probabilities(self.model, x))
-    stacked = np.stack(member_probs, axis=1)  # [n, K, classes]
-    return {
-      c: np.moveaxis(p, 1, 0)
-      for c, p in zip(split.client_ids, metrics.split_by_client(stacked, counts))
-    }
+    """{client: [K, n, classes]} for the K models on each client's examples, predicted a
+    group of clients of about `PREDICTED_AT_ONCE` examples at a time (a split read from
+    disk is then never in memory whole)."""
+    probabilities = {}
+    for clients in _client_groups(split, PREDICTED_AT_ONCE):
+      x = np.concatenate([split.x[c] for c in clients])
+      counts = [split.num_examples(c) for c in clients]
+      member_probs = []
+      for weights in models:
+        evaluation.assign_weights(self.model, weights)
+        member_probs.append(evaluation.predict_probabilities(self.model, x))
+      stacked = np.stack(member_probs, axis=1)  # [n, K, classes]
+      for c, p in zip(clients, metrics.split_by_client(stacked, counts)):
+        probabilities[c] = np.moveaxis(p, 1, 0)
+    return probabilities
 
   def summary(
     self, models: list, split, prefix: str = "test", member_probs: dict | None = None

@@ -12,6 +12,7 @@ import dataclasses
 import tasks
 from tasks import resnet
 from tff_ens import algorithms
+from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.execution import resident_state
 from tff_ens.execution import tls
 from tff_ens.execution import worker_process
@@ -64,7 +65,10 @@ class RunSettings:
   )
   norm: str = setting("batch", "Normalization layers of ResNets.", choices=resnet.NORMS)
   rounds: int = setting(100, "Communication rounds.", above=0)
-  clients_per_round: int = setting(10, "Clients sampled per round.", above=0)
+  # The library's defaults (`algorithm.BuildContext`), which a library user's build takes.
+  clients_per_round: int = setting(
+    algorithm_lib.BuildContext.clients_per_round, "Clients sampled per round.", above=0
+  )
   client_epochs: int = setting(1, "Local epochs per round.", above=0)
   batch_size: int = setting(20, "Local batch size.", above=0)
   client_steps: int = setting(
@@ -134,7 +138,7 @@ class RunSettings:
   )
 
   # The run.
-  seed: int = setting(0, "Seed of models, client sampling and data.")
+  seed: int = setting(algorithm_lib.BuildContext.seed, "Seed of models, client sampling and data.")
   output_dir: str = setting("runs/femnist", "Where outputs go.")
   eval_every: int = setting(10, "Evaluate on test data every N rounds.", above=0)
   checkpoint_every: int = setting(10, "Checkpoint every N rounds.", above=0)

@@ -21,6 +21,7 @@ import tensorflow_federated as tff
 
 from tests import worker_processes
 from tests.femnist_runs import QUICK
+from tff_ens.execution import client_values
 from tff_ens.execution import resident_state
 from tff_ens.execution import runtime
 from tff_ens.execution import worker_process
@@ -599,6 +600,9 @@ def test_a_round_in_chunks_equals_the_round_in_one_call(name, monkeypatch):
     one_batch(rng.normal(size=(n, 4)), rng.integers(0, 3, n)) for n in (2, 3, 1, 4, 2, 3, 2)
   ]
   clients = np.arange(7)
+  # The chunked round takes its datasets made when their chunk is sent (the program's).
+  made = []
+  lazy = client_values.ClientValues(lambda k: made.append(k) or datasets[k], range(7))
   results = {}
   for chunk in (0, 3):
     seen = _recorded_cohorts(monkeypatch)
@@ -606,9 +610,14 @@ def test_a_round_in_chunks_equals_the_round_in_one_call(name, monkeypatch):
       initial = algorithm.process.initialize()
       before = tf.nest.flatten(algorithm.models_fn(initial))
       held = resident_state.ResidentState(algorithm.process.next, initial)
-      outputs = held.next(*algorithm.next_args(datasets, clients))
+      args = algorithm.next_args(datasets if chunk == 0 else lazy, clients)
+      assert made == []
+      outputs = held.next(*args)
       results[chunk] = (algorithm.models_fn(held.value), algorithm.result(outputs).metrics)
     assert max(seen) == (7 if chunk == 0 else 3), seen
+  # Chunk by chunk (3, 2 and 2 clients), then the first chunk's again for the merged
+  # result's step (TFF's `after_merge` takes the first chunk's argument).
+  assert made == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2], made
   whole, chunked = (tf.nest.flatten(results[c]) for c in (0, 3))
   assert len(whole) == len(chunked) > 4
   for a, b in zip(whole, chunked):

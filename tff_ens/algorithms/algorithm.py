@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_ens.execution import client_values
 from tff_ens.execution import resident_state
 from tff_ens.templates import built as built_lib
 from tff_ens.templates import client_work as client_work_lib
@@ -345,7 +346,8 @@ class FederatedAlgorithm:
       states = [self.client_states.initial_value() for _ in cohort]
     if self.packs_client_inputs:
       return (composition.client_inputs(datasets, keys, states),)
-    args = (list(datasets),)
+    # A `ClientValues` stays one: its datasets are made when their chunk is sent.
+    args = (datasets if isinstance(datasets, client_values.ClientValues) else list(datasets),)
     if keys is not None:
       args += ([np.int32(k) for k in keys],)
     return args + ((list(states),) if states is not None else ())

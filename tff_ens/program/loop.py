@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tff_ens.algorithms import algorithm as algorithm_lib
+from tff_ens.execution import client_values
 from tff_ens.execution import resident_state
 from tff_ens.program import active_learning
 from tff_ens.program import client_states as client_states_lib
@@ -210,13 +211,18 @@ def _client_state_store(algorithm, output_dir: str, start_round: int):
   return store
 
 
-def _client_datasets(clients, train, plan, task, algorithm) -> list:
+def _client_datasets(clients, train, plan, task, algorithm) -> client_values.ClientValues:
   """The reporting clients' local datasets of the round (`simulation.client_dataset`, as
   the algorithm's `client_data` takes them), their inputs as the task's models take them
-  (`INPUT_DTYPE`)."""
+  (`INPUT_DTYPE`), each made when TFF sends its chunk (`client_values`)."""
   reports = plan.reports
-  return [
-    algorithm.client_data(
+  chosen = list(
+    zip(plan.cohort[reports], plan.seeds[reports], plan.work[reports], plan.poisoned[reports])
+  )
+
+  def dataset(k: int):
+    i, s, w, p = chosen[k]
+    return algorithm.client_data(
       int(i),
       np.asarray(train.x[train.client_ids[i]], task.INPUT_DTYPE),
       train.y[train.client_ids[i]],
@@ -231,10 +237,8 @@ def _client_datasets(clients, train, plan, task, algorithm) -> list:
         max_steps=clients.max_steps,
       ),
     )
-    for i, s, w, p in zip(
-      plan.cohort[reports], plan.seeds[reports], plan.work[reports], plan.poisoned[reports]
-    )
-  ]
+
+  return client_values.ClientValues(dataset, range(len(chosen)))
 
 
 def _teacher_predictions(data, teachers, every_split: bool):

@@ -14,6 +14,8 @@ import dataclasses
 import numpy as np
 import tensorflow_federated as tff
 
+from tff_ens.execution import client_values
+
 LearningProcess = tff.learning.templates.LearningProcess
 LearningProcessOutput = tff.learning.templates.LearningProcessOutput
 # The fields of a client's input beyond its data (`client_inputs`).
@@ -103,17 +105,21 @@ def _client_input_type(data_type, keyed: bool, client_state_type):
 def client_inputs(datasets, indices=None, states=None) -> list:
   """`next`'s client inputs: the datasets alone, or per client its data, its index in the
   population (int32) and its state, those given."""
+  if not isinstance(datasets, client_values.ClientValues):
+    datasets = client_values.ClientValues(list(datasets))
   if indices is None and states is None:
-    return list(datasets)
-  inputs = []
-  for i, data in enumerate(datasets):
+    return datasets
+
+  def packed(i: int, data):
     value = collections.OrderedDict([(DATA, data)])
     if indices is not None:
       value[INDEX] = np.int32(indices[i])
     if states is not None:
       value[STATE] = states[i]
-    inputs.append(value)
-  return inputs
+    return value
+
+  # Made when read, as the datasets are (`client_values`).
+  return datasets.mapped(packed)
 
 
 def takes_client_inputs(process) -> bool:

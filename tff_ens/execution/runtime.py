@@ -22,6 +22,7 @@ Note: TFF's context stack is thread-local; the context is current only in the
 thread that entered the block.
 """
 
+import asyncio
 from collections.abc import Iterator, Sequence
 import contextlib
 import dataclasses
@@ -31,6 +32,10 @@ from typing import Optional
 
 import grpc
 import tensorflow_federated as tff
+from tensorflow_federated.python.common_libs import async_utils
+from tensorflow_federated.python.core.impl.execution_contexts import (
+  mergeable_comp_execution_context as mergeable_lib,
+)
 from tensorflow_federated.python.core.impl.executors import cardinalities_utils
 
 from tff_ens.execution import tls
@@ -194,16 +199,14 @@ _TRANSFORMS = dict(
 )
 
 
-def _mergeable(factories: list, subrounds: Optional[int] = None):
-  """TFF's mergeable-form context over the workers' factories: `subrounds` calls (default:
-  one per worker), each on a share of the clients, run on the workers as they become free
-  and merged as they finish."""
+def _mergeable(factories: list):
+  """TFF's mergeable-form context over the workers' factories: one call per worker, each on
+  a share of the clients, merged as they finish."""
   return tff.framework.MergeableCompExecutionContext(
     async_contexts=[
       tff.framework.AsyncExecutionContext(f, _COMPILER, **_TRANSFORMS) for f in factories
     ],
     compiler_fn=_compile_to_mergeable_form,
-    num_subrounds=subrounds,
     **_TRANSFORMS,
   )
 
@@ -229,10 +232,12 @@ class _ChunkedContext(tff.framework.SyncContext):
   """A context whose calls with more clients than `clients_per_chunk` run in chunks.
 
   A call of n clients on W workers runs as one call (`_context`) while ceil(n / chunk) <= W;
-  else as ceil(n / chunk) chunks of at most `clients_per_chunk` clients, taken by the workers
-  one after another as they become free, each chunk's partial aggregate merged into the
-  others' as it finishes (TFF's mergeable form, the subrounds of its
-  `MergeableCompExecutionContext`). A worker then holds one chunk's client values at a time.
+  else as ceil(n / chunk) chunks of at most `clients_per_chunk` clients (TFF's mergeable
+  form: its split of the argument, and each chunk's `up_to_merge`, `merge` and
+  `after_merge`), taken by the workers one after another as they become free, each chunk's
+  partial aggregate merged into the running one as it finishes (`_merged_chunks`). A worker
+  then holds one chunk's client values at a time, and this process one chunk's argument
+  (a `client_values.ClientValues` is made chunk by chunk) and two partial aggregates.
   Computations with CLIENTS-placed results cannot run in chunks (`_compile_to_mergeable_form`).
   """
 
@@ -240,15 +245,57 @@ class _ChunkedContext(tff.framework.SyncContext):
     self._factories = factories
     self._whole = _context(factories)
     self._clients_per_chunk = clients_per_chunk
-    self._by_chunks = {}  # Chunk count -> its context (each compiles once).
+    self._contexts = [
+      tff.framework.AsyncExecutionContext(f, _COMPILER, **_TRANSFORMS) for f in factories
+    ]
+    self._forms = {}  # id(computation) -> (computation, its mergeable form), compiled once.
+    self._runner = async_utils.AsyncThreadRunner()
 
   def invoke(self, comp, arg):
     chunks = -(-clients_of(comp, arg) // self._clients_per_chunk)
     if chunks <= len(self._factories):
       return self._whole.invoke(comp, arg)
-    if chunks not in self._by_chunks:
-      self._by_chunks[chunks] = _mergeable(self._factories, chunks)
-    return self._by_chunks[chunks].invoke(comp, arg)
+    if id(comp) not in self._forms:
+      self._forms[id(comp)] = (comp, _compile_to_mergeable_form(comp))
+    form = self._forms[id(comp)][1]
+    parts = mergeable_lib._split_value_into_subrounds(  # noqa: SLF001 (TFF's own split)
+      arg, form.up_to_merge.type_signature.parameter, chunks
+    )
+    result = self._runner.run_coro_and_return_result(_merged_chunks(form, parts, self._contexts))
+    return tff.tensorflow.transform_result(
+      tff.types.type_to_py_container(result, form.after_merge.type_signature.result)
+    )
+
+
+async def _merged_chunks(form, parts: list, contexts: list):
+  """`form.after_merge` of the first chunk's argument and the merge of every chunk's
+  `up_to_merge`: each chunk on the next free context, its partial aggregate merged into the
+  running one as soon as it finishes, none kept once merged (TFF 0.87's pool keeps every
+  finished chunk's until the call ends: the cohort's worth of partial aggregates)."""
+  remaining = iter(parts)
+  running = {}
+
+  def start(context) -> None:
+    for part in remaining:
+      running[asyncio.ensure_future(context.invoke(form.up_to_merge, part))] = context
+      return
+
+  for context in contexts:
+    start(context)
+  merged, context = None, contexts[0]
+  while running:
+    done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+      context = running.pop(task)
+      partial = task.result()
+      if merged is None:
+        merged = partial
+      else:
+        merged = await context.invoke(form.merge, tff.structure.Struct.unnamed(merged, partial))
+      del partial
+      start(context)
+    del done
+  return await context.invoke(form.after_merge, tff.structure.Struct.unnamed(parts[0], merged))
 
 
 def _connect(addresses, credentials_dir, local, channels: list, executors: list):

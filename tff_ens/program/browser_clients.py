@@ -16,6 +16,7 @@ next idle page takes the next task; a page that joins later is used too.
 """
 
 import concurrent.futures
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -55,14 +56,16 @@ def address(browser_clients: str) -> tuple[str, int] | None:
 def missing(browser_clients: str) -> str | None:
   """What `--client_runtime=browser` lacks on this machine, as a one-line fix, or None."""
   if not os.path.isfile(os.path.join(server.LITERT_DIR, "core", "dist", "index.js")):
-    return (
-      f"--client_runtime=browser needs LiteRT.js: run `npm ci --prefix {server.LITERT_DIR}/../..`"
-    )
-  if browser_clients == HEADLESS and not os.path.exists(drive.CHROMIUM):
+    return "--client_runtime=browser needs LiteRT.js: run `npm ci --prefix export/web`"
+  if browser_clients != HEADLESS:
+    return None
+  if not os.path.exists(drive.CHROMIUM):
     return (
       f"--browser_clients=headless needs Chromium ({drive.CHROMIUM} is missing): "
       "apt-get install chromium, or pass --browser_clients=HOST:PORT and open the URL elsewhere"
     )
+  if importlib.util.find_spec("playwright") is None:
+    return "--browser_clients=headless needs Playwright: uv sync --locked (its dev group)"
   return None
 
 

@@ -173,9 +173,10 @@ def result_dataset(trained: list[np.ndarray], loss: float, correct: float, num_e
   )
 
 
-def write_trainable_file(config, task, output_dir: str) -> str:
+def write_trainable_file(config, task, output_dir: str, static_batch: int | None = None) -> str:
   """The run's model as a `--format=trainable` file (`export.trainable`) with its client
-  learning rate and momentum, for `--client_runtime=litert`, in `output_dir`; its path.
+  learning rate and momentum (and `static_batch`), for `--client_runtime=litert`, in
+  `output_dir`; its path.
 
   Raises:
     UsageError: the model does not convert (the message names the layer).
@@ -183,10 +184,13 @@ def write_trainable_file(config, task, output_dir: str) -> str:
   model = task.build_model(config.model, seed=config.seed, norm=config.norm)
   try:
     flatbuffer = trainable.convert_trainable(
-      model, learning_rate=config.client_lr, momentum=config.client_momentum
+      model,
+      learning_rate=config.client_lr,
+      momentum=config.client_momentum,
+      static_batch=static_batch,
     )
   except ValueError as e:
-    raise experiment.UsageError(f"--client_runtime=litert: {e}") from None
+    raise experiment.UsageError(f"--client_runtime={config.client_runtime}: {e}") from None
   path = os.path.join(output_dir, TRAINABLE_FILE)
   with open(f"{path}.tmp", "wb") as f:
     f.write(flatbuffer)

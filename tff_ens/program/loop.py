@@ -18,6 +18,7 @@ import numpy as np
 from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.execution import resident_state
 from tff_ens.program import active_learning
+from tff_ens.program import browser_clients
 from tff_ens.program import client_states as client_states_lib
 from tff_ens.program import device_clients
 from tff_ens.program import experiment
@@ -331,13 +332,18 @@ def _train_on_devices(devices, config, train, plan, held, algorithm, key_state):
 
 @contextlib.contextmanager
 def _devices(run, outputs):
-  """The run's `device_clients.DevicePool` with `--client_runtime=litert`, else None."""
+  """The run's `device_clients.DevicePool` with `--client_runtime=litert`, its
+  `browser_clients.BrowserPool` with `--client_runtime=browser`, else None."""
   config = run.config
   if not config.on_devices:
     yield None
     return
-  path = device_clients.write_trainable_file(config, run.task, outputs.dir)
-  pool = device_clients.DevicePool(path, config.device_processes)
+  if config.in_browsers:  # LiteRT.js runs a fixed batch.
+    path = device_clients.write_trainable_file(config, run.task, outputs.dir, config.batch_size)
+    pool = browser_clients.BrowserPool(path, config.device_processes, config.browser_clients)
+  else:
+    path = device_clients.write_trainable_file(config, run.task, outputs.dir)
+    pool = device_clients.DevicePool(path, config.device_processes)
   try:
     yield pool
   finally:

@@ -29,6 +29,7 @@ import numpy as np
 from export.web import client_server
 from export.web import drive
 from export.web import server
+from tff_ens.program import device_clients
 
 HEADLESS = "headless"
 # How long headless pages may take to load LiteRT.js and the file and connect.
@@ -81,20 +82,27 @@ class _Headless:
     self._thread.start()
 
   def _serve(self):
-    with drive.browser() as chromium:
-      pages = []
+    try:
+      with drive.browser() as chromium:
+        self._run_commands(chromium)
+    except Exception as e:  # Chromium did not start: each command says so.
       while (command := self._commands.get()) is not None:
-        kind, index, done = command
-        try:
-          if kind == "open":
-            page = chromium.new_context().new_page()
-            page.goto(f"{self._url}?name=headless-{len(pages)}")
-            pages.append(page)
-          else:
-            pages[index].context.close()
-          done.set_result(None)
-        except Exception as e:  # Reported to the caller.
-          done.set_exception(e)
+        command[2].set_exception(e)
+
+  def _run_commands(self, chromium):
+    pages = []
+    while (command := self._commands.get()) is not None:
+      kind, index, done = command
+      try:
+        if kind == "open":
+          page = chromium.new_context().new_page()
+          page.goto(f"{self._url}?name=headless-{len(pages)}")
+          pages.append(page)
+        else:
+          pages[index].context.close()
+        done.set_result(None)
+      except Exception as e:  # Reported to the caller.
+        done.set_exception(e)
 
   def open(self) -> concurrent.futures.Future:
     done = concurrent.futures.Future()
@@ -127,14 +135,24 @@ class BrowserPool:
     try:
       if where is None:
         self.headless = _Headless(self.server.urls()[0])
-        for _ in range(num_clients):
-          self.headless.open().result(timeout=HEADLESS_START_SECONDS)
+        self._open_pages(num_clients)
       else:
         _announce(self.server.urls(), num_clients)
       self._wait_for(num_clients, HEADLESS_START_SECONDS if where is None else None)
     except BaseException:
       self.close()
       raise
+
+  def _open_pages(self, count: int):
+    try:
+      for _ in range(count):
+        self.headless.open().result(timeout=HEADLESS_START_SECONDS)
+    except Exception as e:
+      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise device_clients.DeviceError(
+        f"headless Chromium did not open the client page ({first[:200]}): check that "
+        f"{drive.CHROMIUM} --headless --no-sandbox runs here"
+      ) from None
 
   def connected(self) -> int:
     return sum(not c.gone.is_set() for c in self.server.clients)
@@ -143,7 +161,7 @@ class BrowserPool:
     start, shown = time.monotonic(), None
     while (now := self.connected()) < count:
       if timeout is not None and time.monotonic() - start > timeout:
-        raise RuntimeError(
+        raise device_clients.DeviceError(
           f"{count - now} of {count} headless Chromium page(s) did not connect in {timeout:.0f} s"
           f": check that {drive.CHROMIUM} runs (--no-sandbox) and LiteRT.js is installed"
         )

@@ -230,12 +230,15 @@ def test_cli_browser_run_ends_as_the_litert_run(tmp_path, algorithm):
   litert = cli_metrics(tmp_path / "litert", *algorithm, "--client_runtime=litert")
   browser = cli_metrics(tmp_path / "browser", *algorithm, "--client_runtime=browser")
   assert [r["clients_used"] for r in browser] == [r["clients_used"] for r in litert] == [3.0] * 3
-  # Round 1 starts from the same weights: the kernels' rounding only (FedAvg measured: test
-  # loss 8e-8 apart, train loss equal).
-  for key in ("num_examples", "train_loss", "train_accuracy", "test_loss", "test_accuracy"):
-    assert browser[0][key] == pytest.approx(litert[0][key], rel=1e-5, abs=1e-6), key
-  # The flat start of training amplifies it, as between TFF's and LiteRT's kernels
-  # (FedAvg measured at round 3: train loss 1.5e-3 apart, test loss 1.1e-2, accuracy equal).
+  # Round 1 starts from the same weights, the clients' updates 1e-8 apart; a near tie (a
+  # max-pool's or a ReLU's) that rounding flips in a client's steps moves more (measured:
+  # FedAvg's test loss 2e-8 apart, relative; Fed-ensemble's 6e-5).
+  for key in ("num_examples", "train_loss", "test_loss"):
+    assert browser[0][key] == pytest.approx(litert[0][key], rel=2e-4), key
+  assert browser[0]["test_accuracy"] == pytest.approx(litert[0]["test_accuracy"], abs=0.005)
+  # The flat start of training amplifies it, as between TFF's and LiteRT's kernels (measured
+  # at round 3: train loss 1.5e-3 and 1.8e-3 apart, test loss 1.1e-2 and 2.7e-3, test
+  # accuracy equal).
   assert browser[-1]["train_loss"] == pytest.approx(litert[-1]["train_loss"], abs=5e-3)
   assert browser[-1]["test_loss"] == pytest.approx(litert[-1]["test_loss"], abs=3e-2)
   assert browser[-1]["test_accuracy"] == pytest.approx(litert[-1]["test_accuracy"], abs=0.01)

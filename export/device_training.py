@@ -60,7 +60,10 @@ class DeviceTrainer:
     self._set_weights = interpreter.get_signature_runner("set_weights")
     inputs = self._set_weights.get_input_details()
     self.weight_shapes = [tuple(inputs[weight_name(i)]["shape"]) for i in range(len(inputs))]
-    self.input_shape = tuple(self._train.get_input_details()["x"]["shape_signature"][1:])
+    train_inputs = self._train.get_input_details()
+    self.input_shape = tuple(train_inputs["x"]["shape_signature"][1:])
+    # A file of `convert_trainable(static_batch=B)`: batches padded to B, with a mask.
+    self.static_batch = int(train_inputs["x"]["shape"][0]) if "mask" in train_inputs else None
     self.num_classes = int(self._infer.get_output_details()["logits"]["shape_signature"][-1])
     self.runtime = f"{on_device.RUNTIME} (Interpreter, signature runners)"
 
@@ -88,7 +91,21 @@ class DeviceTrainer:
 
   def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
     """One SGD step on the batch; its mean cross-entropy before the step."""
-    return float(self._train(x=self._check_x(x), y=self._check_y(y, len(x)))["loss"])
+    return float(self._step(self._check_x(x), self._check_y(y, len(x)))["loss"])
+
+  def _step(self, x: np.ndarray, y: np.ndarray) -> dict:
+    """The `train` signature on a batch, padded with copies of its first example and masked
+    in a static-batch file."""
+    if self.static_batch is None:
+      return self._train(x=x, y=y)
+    n, size = len(x), self.static_batch
+    if not 1 <= n <= size:
+      raise ExportError(f"the file trains on batches of 1 to {size} examples, got {n}")
+    pad = np.zeros(size - n, int)
+    mask = np.arange(size) < n
+    return self._train(
+      x=np.concatenate([x, x[pad]]), y=np.concatenate([y, y[pad]]), mask=mask.astype(np.float32)
+    )
 
   def train_epochs(
     self,
@@ -99,6 +116,7 @@ class DeviceTrainer:
     batch_size: int,
     seed: int | None = None,
     order: np.ndarray | None = None,
+    step_losses: list | None = None,
   ) -> "LocalTraining":
     """One `train` step per minibatch of the example stream, cut as the module docstring says.
 
@@ -108,6 +126,7 @@ class DeviceTrainer:
       batch_size: ...cut into batches of this size, the last one possibly smaller.
       order: the stream's example indices instead (epochs and seed unused), e.g. the order
         of the main environment's `tf.data` pipeline.
+      step_losses: if given, each step's loss is appended to it.
 
     Returns:
       `LocalTraining`: the weights after the last step, the number of examples trained on
@@ -133,10 +152,12 @@ class DeviceTrainer:
         f"got batch_size={batch_size}, order {order.dtype} {list(order.shape)}"
       )
     loss_sum = correct = 0.0
+    losses = [] if step_losses is None else step_losses
     for start in range(0, len(order), batch_size):
       batch = order[start : start + batch_size]
-      step = self._train(x=x[batch], y=y[batch])
-      loss_sum += len(batch) * float(step["loss"])
+      step = self._step(x[batch], y[batch])
+      losses.append(float(step["loss"]))
+      loss_sum += len(batch) * losses[-1]
       correct += float(step["correct"])
     n = len(order)
     return LocalTraining(

@@ -206,6 +206,24 @@ def mean_cross_entropy(logits, one_hot_labels):
   return loss, grad
 
 
+@tf.custom_gradient
+def masked_mean_cross_entropy(logits, one_hot_labels, mask):
+  """`mean_cross_entropy` over the examples of mask 1 only (a fixed batch's real ones, the
+  rest padding): sum_n m_n ce_n / sum_n m_n; gradient m_n (softmax - one_hot) / sum_n m_n,
+  a select, so that padding adds exact zeros."""
+  log_probs = tf.nn.log_softmax(logits)
+  real = mask > 0
+  losses = tf.where(real, -tf.reduce_sum(one_hot_labels * log_probs, axis=1), 0.0)
+  count = tf.reduce_sum(mask)
+  loss = tf.reduce_sum(losses) / count
+
+  def grad(dloss):
+    dlogits = tf.where(real[:, None], dloss * (tf.exp(log_probs) - one_hot_labels) / count, 0.0)
+    return dlogits, None, None
+
+  return loss, grad
+
+
 def _activation(layer) -> Callable:
   name = layer.get_config().get("activation")
   if name not in ACTIVATIONS:
@@ -296,7 +314,13 @@ def _layer_steps(model: tf.keras.Model) -> list[tuple[Callable, list]]:
 class TrainableModule(tf.Module):
   """The model's trainable weights (`w0`, ...), momentum buffers and the four signatures."""
 
-  def __init__(self, model: tf.keras.Model, learning_rate: float, momentum: float = 0.0):
+  def __init__(
+    self,
+    model: tf.keras.Model,
+    learning_rate: float,
+    momentum: float = 0.0,
+    static_batch: int | None = None,
+  ):
     super().__init__(name="trainable")
     if not isinstance(model, tf.keras.Sequential):
       raise ValueError(
@@ -340,10 +364,13 @@ class TrainableModule(tf.Module):
     self.learning_rate = learning_rate
     self.momentum = momentum
     self.num_classes = model.output_shape[-1]
-    x_spec = tf.TensorSpec([None, *input_shape], tf.float32, name="x")
-    self.train = tf.function(
-      self._train, input_signature=[x_spec, tf.TensorSpec([None], tf.int32, name="y")]
-    )
+    x_spec = tf.TensorSpec([static_batch, *input_shape], tf.float32, name="x")
+    y_spec = tf.TensorSpec([static_batch], tf.int32, name="y")
+    if static_batch is None:
+      self.train = tf.function(self._train, input_signature=[x_spec, y_spec])
+    else:
+      mask_spec = tf.TensorSpec([static_batch], tf.float32, name="mask")
+      self.train = tf.function(self._masked_train, input_signature=[x_spec, y_spec, mask_spec])
     self.infer = tf.function(lambda x: {"logits": self.logits(x)}, input_signature=[x_spec])
     self.get_weights = tf.function(
       lambda: {weight_name(i): tf.identity(w) for i, w in enumerate(self.weights)},
@@ -367,7 +394,21 @@ class TrainableModule(tf.Module):
       loss = mean_cross_entropy(logits, tf.one_hot(y, self.num_classes))
     # Before the step, as Keras and TFF's client work count training accuracy.
     correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, tf.int32), y), tf.float32))
-    grads = tape.gradient(loss, self.weights)
+    self._step(tape.gradient(loss, self.weights))
+    return {"loss": loss, "correct": correct}
+
+  def _masked_train(self, x, y, mask):
+    """`_train` on the examples of mask 1 (`masked_mean_cross_entropy`), the rest padding."""
+    with tf.GradientTape() as tape:
+      logits = self.logits(x)
+      loss = masked_mean_cross_entropy(logits, tf.one_hot(y, self.num_classes), mask)
+    hits = tf.equal(tf.argmax(logits, -1, tf.int32), y)
+    correct = tf.reduce_sum(tf.where(mask > 0, tf.cast(hits, tf.float32), 0.0))
+    self._step(tape.gradient(loss, self.weights))
+    return {"loss": loss, "correct": correct}
+
+  def _step(self, grads):
+    """SGD(M) on the weights (module docstring)."""
     if self.velocities:
       started = self.velocity_started > 0
       for w, v, g in zip(self.weights, self.velocities, grads):
@@ -379,7 +420,6 @@ class TrainableModule(tf.Module):
     else:
       for w, g in zip(self.weights, grads):
         w.assign_sub(g * self.learning_rate)
-    return {"loss": loss, "correct": correct}
 
   def _set_weights(self, *weights):
     for w, value in zip(self.weights, weights):
@@ -391,15 +431,27 @@ class TrainableModule(tf.Module):
 
 
 def convert_trainable(
-  model: tf.keras.Model, *, learning_rate: float, momentum: float = 0.0
+  model: tf.keras.Model,
+  *,
+  learning_rate: float,
+  momentum: float = 0.0,
+  static_batch: int | None = None,
 ) -> bytes:
   """`model` as a TFLite flatbuffer with the `train`, `infer`, `get_weights` and
-  `set_weights` signatures (module docstring), builtin ops and resource variables only."""
+  `set_weights` signatures (module docstring), builtin ops and resource variables only.
+
+  `static_batch` (for runtimes that run only declared shapes, LiteRT.js): `train` and `infer`
+  take exactly that many examples, and `train` a third input, `mask [static_batch]` float32,
+  1 for a real example and 0 for padding, and steps on the mean over the real ones (a last
+  partial batch padded to the size trains as the dynamic file's smaller batch does).
+  """
   if not learning_rate > 0 or not momentum >= 0:
     raise ValueError(
       f"learning_rate must be > 0 and momentum >= 0, got {learning_rate} and {momentum}"
     )
-  module = TrainableModule(model, learning_rate, momentum)
+  if static_batch is not None and not (isinstance(static_batch, int) and static_batch >= 1):
+    raise ValueError(f"static_batch must be a positive number of examples, got {static_batch}")
+  module = TrainableModule(model, learning_rate, momentum, static_batch)
   with tempfile.TemporaryDirectory() as saved_model_dir:
     tf.saved_model.save(
       module,

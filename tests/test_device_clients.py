@@ -24,6 +24,7 @@ from tff_ens import run_files
 from tff_ens.algorithms import fedavg
 from tff_ens.execution import runtime
 from tff_ens.math import member_updates
+from tff_ens.program import browser_clients
 from tff_ens.program import device_clients
 from tff_ens.program import experiment
 from tff_ens.program import simulation
@@ -187,7 +188,23 @@ def test_device_pool_without_the_device_environment_is_one_line(tmp_path):
     ({"lr_schedule": "step"}, "--lr_schedule=step is not supported there"),
     ({"task": "cifar10", "data_dir": None}, "augments its training images"),
     ({"device_processes": 0}, "--device_processes must be a positive integer"),
-    ({"client_runtime": "phone"}, "unknown --client_runtime=phone: choose one of tff, litert"),
+    (
+      {"client_runtime": "phone"},
+      "unknown --client_runtime=phone: choose one of tff, litert, browser",
+    ),
+    (
+      {"client_runtime": "browser", "algorithm": "fedbe"},
+      "--client_runtime=browser: fedbe's clients cannot train on devices",
+    ),
+    (
+      {"client_runtime": "browser", "browser_clients": "phone:80"},
+      r"^--browser_clients=phone:80 is neither headless nor HOST:PORT \(an IP address and a "
+      r"port\): use e.g. --browser_clients=0.0.0.0:8765 for phones on this network$",
+    ),
+    (
+      {"browser_clients": "127.0.0.1:8765"},
+      r"^--browser_clients is for --client_runtime=browser \(drop the flag\)$",
+    ),
   ],
 )
 def test_bad_client_runtime_settings_are_usage_errors(flags, message):
@@ -196,6 +213,23 @@ def test_bad_client_runtime_settings_are_usage_errors(flags, message):
   )
   with pytest.raises(experiment.UsageError, match=message):
     config.validate()
+
+
+def test_browser_clients_without_chromium_or_litert_js_are_one_line(monkeypatch, tmp_path):
+  config = experiment.ExperimentConfig(data_dir=DATA_DIR, client_runtime="browser")
+  monkeypatch.setattr(browser_clients.drive, "CHROMIUM", str(tmp_path / "chromium"))
+  with pytest.raises(
+    experiment.UsageError,
+    match=r"^--browser_clients=headless needs Chromium \(.*/chromium is missing\): apt-get "
+    r"install chromium, or pass --browser_clients=HOST:PORT and open the URL elsewhere$",
+  ):
+    config.validate()
+  # Phones need no Chromium here, but the page needs LiteRT.js.
+  assert browser_clients.missing("0.0.0.0:8765") is None
+  monkeypatch.setattr(browser_clients.server, "LITERT_DIR", str(tmp_path))
+  assert browser_clients.missing("0.0.0.0:8765") == (
+    "--client_runtime=browser needs LiteRT.js: run `npm ci --prefix export/web`"
+  )
 
 
 CLI = [

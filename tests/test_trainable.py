@@ -380,6 +380,36 @@ def test_device_trainer_matches_keras_in_this_environment():
     trainer.train_epochs(x, y + 5, epochs=1, batch_size=4)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_static_batch_file_trains_as_the_dynamic_one(momentum):
+  # 2 epochs of 11 examples in batches of 4: the last batch (2 examples) is padded and masked.
+  x, y = batch(11, seed=6)
+  static = trainable.convert_trainable(
+    MODELS["leaf_like"](), learning_rate=LEARNING_RATE, momentum=momentum, static_batch=4
+  )
+  runs = []
+  for flatbuffer in (trainable_file("leaf_like", momentum), static):
+    trainer, losses = device_training.DeviceTrainer(flatbuffer), []
+    runs.append(
+      (trainer.train_epochs(x, y, epochs=2, batch_size=4, seed=3, step_losses=losses), losses)
+    )
+  (dynamic, dynamic_losses), (padded, padded_losses) = runs
+  assert len(padded_losses) == 6
+  # Padding adds exact zeros to the gradients' sums, in another summation order.
+  np.testing.assert_allclose(padded_losses, dynamic_losses, rtol=1e-6)
+  assert (padded.num_examples, padded.accuracy) == (dynamic.num_examples, dynamic.accuracy)
+  assert_weights_close(padded.weights, dynamic.weights, atol=1e-7)
+  interpreter = tf.lite.Interpreter(model_content=static)
+  details = interpreter.get_signature_runner("train").get_input_details()
+  assert {k: list(d["shape_signature"]) for k, d in details.items()} == {
+    "x": [4, *INPUT_SHAPE],
+    "y": [4],
+    "mask": [4],
+  }
+  with pytest.raises(ValueError, match=r"^static_batch must be a positive number of examples"):
+    trainable.convert_trainable(MODELS["leaf_like"](), learning_rate=0.1, static_batch=0)
+
+
 # Runs two federated rounds in the device process from the same server weights: set_weights,
 # train_epochs (2 epochs of 7 examples in batches of 4, the order drawn from seed 0).
 DEVICE_ROUNDS = """

@@ -8,11 +8,8 @@ server is read-only and serves only the page, LiteRT.js (installed by `npm ci` i
 export/web/) and the named files (`server`); every other path is 404. Ctrl-C stops it.
 """
 
-import http.server
-import ipaddress
 import json
 import os
-import socket
 import sys
 
 from absl import app
@@ -24,7 +21,6 @@ from export.web import files
 from export.web import server
 
 FLAGS = flags.FLAGS
-LOOPBACK = "127.0.0.1"
 SUMMARY_KEYS = (
   "test_accuracy",
   "personalized_accuracy",
@@ -39,7 +35,7 @@ def define_flags():
   flags.DEFINE_integer("port", 8000, "The port (0: any free one).")
   flags.DEFINE_string(
     "host",
-    LOOPBACK,
+    server.LOOPBACK,
     "The address to listen on: 127.0.0.1 (this machine only) or, for a phone on the same "
     "network, 0.0.0.0; the page needs the URL's token either way.",
   )
@@ -63,44 +59,6 @@ def config(run: runs.Run, paths: list[str]) -> tuple[bytes, dict[str, str]]:
   return body, dict(zip(names, paths))
 
 
-def listen(host: str, port: int, token: str, table) -> http.server.ThreadingHTTPServer:
-  try:
-    address = ipaddress.ip_address(host)
-  except ValueError:
-    raise ExportError(f"--host={host} is not an IP address: use 127.0.0.1 or 0.0.0.0") from None
-
-  class Server(http.server.ThreadingHTTPServer):
-    address_family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
-    daemon_threads = True
-
-  try:
-    return Server((host, port), server.handler(token, table))
-  except OSError as e:
-    raise ExportError(
-      f"cannot listen on {host}:{port} ({e.strerror}): pass another --port (0: any free one)"
-    ) from None
-
-
-def page_urls(host: str, port: int, token: str) -> list[str]:
-  """The URLs to open: the loopback's, and with a wildcard host this machine's address on
-  the network it routes through (found without sending anything)."""
-  hosts = [host] if host not in ("0.0.0.0", "::") else [LOOPBACK]
-  if host in ("0.0.0.0", "::"):
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-      try:
-        probe.connect(("10.255.255.255", 1))  # UDP: sets a route, sends no packet.
-        hosts.append(probe.getsockname()[0])
-      except OSError:
-        pass
-  return [f"http://{h if ':' not in h else f'[{h}]'}:{port}/{token}/" for h in hosts]
-
-
-def print_qr(url: str):
-  import segno
-
-  segno.make(url, error="m").terminal(compact=True)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -110,7 +68,8 @@ def main(argv):
     run = runs.load_run(FLAGS.run_dir)
     body, tflite_files = config(run, FLAGS.tflite)
     token = server.new_token()
-    httpd = listen(FLAGS.host, FLAGS.port, token, server.resources(body, tflite_files))
+    table = server.resources(body, tflite_files)
+    httpd = server.listen(FLAGS.host, FLAGS.port, server.handler(token, table))
   except ExportError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -118,12 +77,12 @@ def main(argv):
   for entry in json.loads(body)["files"]:
     if entry["problem"]:
       print(f"warning: {entry['problem']}", file=sys.stderr)
-  urls = page_urls(FLAGS.host, port, token)
+  urls = server.page_urls(FLAGS.host, port, token)
   print(f"serving {len(tflite_files)} file(s) of {os.path.abspath(FLAGS.run_dir)}; open")
   for url in urls:
     print(f"  {url}")
-  if not urls[-1].startswith(f"http://{LOOPBACK}:"):  # A URL for another machine: a phone's.
-    print_qr(urls[-1])
+  if not urls[-1].startswith(f"http://{server.LOOPBACK}:"):  # A URL for another machine: a phone's.
+    server.print_qr(urls[-1])
   print("only these URLs open the page (the token is new at each launch); Ctrl-C stops", flush=True)
   try:
     httpd.serve_forever()

@@ -173,9 +173,12 @@ def result_dataset(trained: list[np.ndarray], loss: float, correct: float, num_e
   )
 
 
-def write_trainable_file(run: experiment.Run, output_dir: str) -> str:
+def write_trainable_file(
+  run: "experiment.Run", output_dir: str, static_batch: int | None = None
+) -> str:
   """The run's model as a `--format=trainable` file (`export.trainable`) with its client
-  learning rate and momentum, for `--client_runtime=litert`, in `output_dir`; its path.
+  learning rate and momentum (and `static_batch`), for `--client_runtime=litert`, in
+  `output_dir`; its path.
 
   Raises:
     UsageError: the model does not convert (the message names the layer).
@@ -183,10 +186,13 @@ def write_trainable_file(run: experiment.Run, output_dir: str) -> str:
   model = run.task.build_model(run.model.name, seed=run.model.seed, norm=run.model.norm)
   try:
     flatbuffer = trainable.convert_trainable(
-      model, learning_rate=run.local.learning_rate, momentum=run.local.momentum
+      model,
+      learning_rate=run.local.learning_rate,
+      momentum=run.local.momentum,
+      static_batch=static_batch,
     )
   except ValueError as e:
-    raise experiment.UsageError(f"--client_runtime=litert: {e}") from None
+    raise experiment.UsageError(f"--client_runtime={run.devices.runtime}: {e}") from None
   path = os.path.join(output_dir, TRAINABLE_FILE)
   with open(f"{path}.tmp", "wb") as f:
     f.write(flatbuffer)

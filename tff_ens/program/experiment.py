@@ -21,6 +21,7 @@ from tff_ens import settings
 from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.execution import tls
 from tff_ens.program import active_learning
+from tff_ens.program import browser_clients
 from tff_ens.program import run_settings
 from tff_ens.templates import client_work
 from tff_ens.templates import privacy
@@ -76,6 +77,7 @@ RESUME_FREE_KEYS = (
   "worker_credentials",
   "local_worker",
   "device_processes",
+  "browser_clients",
   "distill_curve_every",
   "stop_grace_seconds",
 )
@@ -122,6 +124,11 @@ class _Run:
   def on_devices(self) -> bool:
     """`--client_runtime` trains the clients on devices (`device_clients`)."""
     return run_settings.on_devices(self.client_runtime)
+
+  @property
+  def in_browsers(self) -> bool:
+    """`--client_runtime`'s devices are browser pages (`browser_clients`)."""
+    return run_settings.in_browsers(self.client_runtime)
 
   @property
   def transport(self) -> transport_lib.Transport:
@@ -336,7 +343,11 @@ def _program_parts(config) -> dict:
       max_concurrent_clients=config.max_concurrent_clients,
       clients_per_chunk=config.clients_per_chunk,
     ),
-    devices=run_settings.Devices(config.device_processes) if config.on_devices else None,
+    devices=(
+      run_settings.Devices(config.device_processes, config.client_runtime, config.browser_clients)
+      if config.on_devices
+      else None
+    ),
     transport=config.transport,
     server_data=config.server_data,
     recalibrate_batch_norm=config.recalibrate_batch_norm,
@@ -426,6 +437,7 @@ def _check_run(config, run: Run) -> None:
     )
   if config.on_devices:
     _check_litert_clients(config, run)
+  _check_browser_clients(config)
   for name in ("aggregate_first", "nan_clients_per_round"):
     if getattr(config, name) > config.clients_per_round:
       raise UsageError(
@@ -469,6 +481,19 @@ def _check_workers(config, run: Run) -> None:
     raise UsageError("--local_worker is for runs without --workers (drop the flag)")
 
 
+def _check_browser_clients(config) -> None:
+  """--browser_clients is headless or HOST:PORT, for browser clients, which this machine runs."""
+  if config.browser_clients != browser_clients.HEADLESS and not config.in_browsers:
+    raise UsageError("--browser_clients is for --client_runtime=browser (drop the flag)")
+  try:
+    browser_clients.address(config.browser_clients)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  problem = config.in_browsers and browser_clients.missing(config.browser_clients)
+  if problem:
+    raise UsageError(problem)
+
+
 def _check_litert_clients(config, run: Run) -> None:
   """What `--client_runtime=litert` runs: FedAvg's local SGD as `export.trainable` has it."""
   for name, value, plain in (
@@ -479,12 +504,12 @@ def _check_litert_clients(config, run: Run) -> None:
   ):
     if value != plain:
       raise UsageError(
-        f"--client_runtime=litert: the device file trains with plain SGD(M) on all its "
-        f"examples, so --{name}={value} is not supported there: use --{name}={plain} or "
+        f"--client_runtime={config.client_runtime}: the device file trains with plain SGD(M) "
+        f"on all its examples, so --{name}={value} is not supported there: use --{name}={plain} or "
         "--client_runtime=tff"
       )
   if run.task.TRAIN_AUGMENTATION is not None:
     raise UsageError(
-      f"--client_runtime=litert: task {config.task} augments its training images, which the "
-      "device file does not: use --client_runtime=tff"
+      f"--client_runtime={config.client_runtime}: task {config.task} augments its training "
+      "images, which the device file does not: use --client_runtime=tff"
     )

@@ -34,6 +34,7 @@ _UNSHOWN_FLAGS = (
   "resume",
   "server_device",
   "device_processes",
+  "browser_clients",
   "stop_grace_seconds",
   "seed",
   "rounds",

@@ -19,6 +19,7 @@ from tff_ens.algorithms import algorithm as algorithm_lib
 from tff_ens.execution import client_values
 from tff_ens.execution import resident_state
 from tff_ens.program import active_learning
+from tff_ens.program import browser_clients
 from tff_ens.program import client_states as client_states_lib
 from tff_ens.program import device_clients
 from tff_ens.program import experiment
@@ -332,12 +333,18 @@ def _train_on_devices(devices, clients, train, plan, held, algorithm, key_state)
 
 @contextlib.contextmanager
 def _devices(run, outputs):
-  """The run's `device_clients.DevicePool` with `--client_runtime=litert`, else None."""
-  if run.devices is None:
+  """The run's `device_clients.DevicePool` with `--client_runtime=litert`, its
+  `browser_clients.BrowserPool` with `--client_runtime=browser`, else None."""
+  devices = run.devices
+  if devices is None:
     yield None
     return
-  path = device_clients.write_trainable_file(run, outputs.dir)
-  pool = device_clients.DevicePool(path, run.devices.processes)
+  if devices.in_browsers:  # LiteRT.js runs a fixed batch.
+    path = device_clients.write_trainable_file(run, outputs.dir, run.clients.batch_size)
+    pool = browser_clients.BrowserPool(path, devices.processes, devices.browser_clients)
+  else:
+    path = device_clients.write_trainable_file(run, outputs.dir)
+    pool = device_clients.DevicePool(path, devices.processes)
   try:
     yield pool
   finally:

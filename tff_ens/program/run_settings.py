@@ -18,15 +18,22 @@ from tff_ens.execution import tls
 from tff_ens.execution import worker_process
 from tff_ens.settings import setting
 
-# --client_runtime: TFF's runtime, or devices' (LiteRT) for the clients' local training.
-TFF_RUNTIME, DEVICE_RUNTIME = "tff", "litert"
+# --client_runtime: TFF's runtime, or devices' (LiteRT in Python, or LiteRT.js in browsers)
+# for the clients' local training.
+TFF_RUNTIME, DEVICE_RUNTIME, BROWSER_RUNTIME = "tff", "litert", "browser"
 # --client_transport: clients' states and collected updates as files or values.
 FILES, VALUES = "files", "values"
 
 
 def on_devices(client_runtime: str) -> bool:
-  """Whether `--client_runtime` trains the clients on devices (`device_clients`)."""
-  return client_runtime == DEVICE_RUNTIME
+  """Whether `--client_runtime` trains the clients on devices (`device_clients`, or
+  `browser_clients` in browsers)."""
+  return client_runtime in (DEVICE_RUNTIME, BROWSER_RUNTIME)
+
+
+def in_browsers(client_runtime: str) -> bool:
+  """Whether `--client_runtime`'s devices are browser pages (`browser_clients`)."""
+  return client_runtime == BROWSER_RUNTIME
 
 
 ALGORITHM_HELP = (
@@ -197,14 +204,24 @@ class RunSettings:
     TFF_RUNTIME,
     "Where clients train: tff (TFF's runtime), or litert: each sampled client's local epochs "
     "run in LiteRT, as on a phone, in processes of the device environment (`uv sync --locked "
-    "--project device`), from a --format=trainable file of the run's model; "
-    f"{', '.join(algorithms.having('on_device'))} only (tff_ens/program/device_clients.py).",
-    choices=(TFF_RUNTIME, DEVICE_RUNTIME),
+    "--project device`), from a --format=trainable file of the run's model; or browser: the "
+    "same in LiteRT.js, in browser pages (--browser_clients); "
+    f"{', '.join(algorithms.having('on_device'))} only (tff_ens/program/device_clients.py, "
+    "browser_clients.py).",
+    choices=(TFF_RUNTIME, DEVICE_RUNTIME, BROWSER_RUNTIME),
   )
   device_processes: int = setting(
     2,
-    "--client_runtime=litert: device processes (phones) training clients at once.",
+    "--client_runtime=litert: device processes (phones) training clients at once; "
+    "--client_runtime=browser: browser pages.",
     above=0,
+  )
+  browser_clients: str = setting(
+    "headless",
+    "--client_runtime=browser: headless (--device_processes pages of this machine's "
+    "headless Chromium), or HOST:PORT: listen there (0.0.0.0:PORT for phones on this "
+    "network), print the page's URL with the run's secret token and a QR code, and wait "
+    "until --device_processes browsers have opened it (docs/export.md).",
   )
   resume: bool = setting(False, "Continue the run in --output_dir from its last checkpoint.")
   stop_grace_seconds: float = setting(
@@ -258,9 +275,16 @@ class Execution:
 
 @dataclasses.dataclass(frozen=True)
 class Devices:
-  """Clients trained on devices (`device_clients`): how many at once."""
+  """Clients trained on devices (`device_clients`, `browser_clients`): how many at once, in
+  which `--client_runtime`, and where browsers connect (`--browser_clients`)."""
 
   processes: int
+  runtime: str
+  browser_clients: str
+
+  @property
+  def in_browsers(self) -> bool:
+    return in_browsers(self.runtime)
 
 
 @dataclasses.dataclass(frozen=True)

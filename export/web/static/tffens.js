@@ -176,23 +176,8 @@ export class TffEnsModel {
     return out;
   }
 
-  tensor(data, shape) {
-    return new Tensor(data, shape);
-  }
-
-  async run(runner, named) {
-    const inputs = Object.fromEntries(Object.entries(named).map(([k, [data, shape]]) => [k, this.tensor(data, shape)]));
-    try {
-      const outputs = await runner.run(inputs);
-      const arrays = {};
-      for (const [key, tensor] of Object.entries(outputs)) {
-        arrays[key] = tensor.toTypedArray().slice();
-        tensor.delete();
-      }
-      return arrays;
-    } finally {
-      for (const tensor of Object.values(inputs)) tensor.delete();
-    }
+  run(runner, named) {
+    return runSignature(runner, named);
   }
 
   // {probabilities [n][classes], member_probabilities [n][K][classes], entropy [n],
@@ -269,6 +254,23 @@ export class TffEnsModel {
       const sum = e.reduce((s, v) => s + v, 0);
       return e.map((v) => v / sum);
     });
+  }
+}
+
+// The signature `runner` on named [data, shape] inputs; its outputs as typed arrays (copies),
+// every tensor deleted after.
+export async function runSignature(runner, named) {
+  const inputs = Object.fromEntries(Object.entries(named).map(([k, [data, shape]]) => [k, new Tensor(data, shape)]));
+  try {
+    const outputs = await runner.run(inputs);
+    const arrays = {};
+    for (const [key, tensor] of Object.entries(outputs)) {
+      arrays[key] = tensor.toTypedArray().slice();
+      tensor.delete();
+    }
+    return arrays;
+  } finally {
+    for (const tensor of Object.values(inputs)) tensor.delete();
   }
 }
 

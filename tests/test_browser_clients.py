@@ -110,8 +110,9 @@ def test_browser_pages_train_as_litert_python(files, pool):
 
 def test_a_page_closed_mid_task_is_a_dropout_and_the_next_tasks_go_on(pool, caplog):
   models = server_models(1)
-  # 2 epochs of 3000 examples: 1500 steps, seconds in a page.
+  # 2 epochs of 3000 examples one at a time: 6000 steps, seconds in a page.
   long, short = requests_of([3000, 5])
+  long["batch_size"] = 1
   task_of = {}
 
   def close_the_long_tasks_page():

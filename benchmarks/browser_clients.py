@@ -133,7 +133,7 @@ def main(argv):
     f"(1 epoch, batch {FLAGS.batch_size}, learning rate 0.05, seed 0), the three runs one after "
     "the other in one benchmark run, the same but for `--client_runtime` (LiteRT and browser: "
     "two device processes or headless Chromium pages, `--device_processes=2`); round 1 "
-    "includes writing the trainable file and starting the devices.",
+    "(the first calls, compiling) apart.",
     "",
     *report.run_facts(started, "benchmarks/browser_clients.py"),
     "",

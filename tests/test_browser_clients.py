@@ -16,6 +16,7 @@ import pytest
 from export import device_training
 from export import trainable
 from export.web import client_server
+from export.web import drive
 from tests.chromium import needs_browser
 from tests.exported_runs import DATA_DIR
 from tests.exported_runs import REPO_ROOT
@@ -110,8 +111,9 @@ def test_browser_pages_train_as_litert_python(files, pool):
 
 def test_a_page_closed_mid_task_is_a_dropout_and_the_next_tasks_go_on(pool, caplog):
   models = server_models(1)
-  # 2 epochs of 3000 examples: 1500 steps, seconds in a page.
+  # 2 epochs of 3000 examples one at a time: 6000 steps, seconds in a page.
   long, short = requests_of([3000, 5])
+  long["batch_size"] = 1
   task_of = {}
 
   def close_the_long_tasks_page():
@@ -192,6 +194,40 @@ def test_the_client_server_answers_only_its_token(files):
     assert posted.status == 204 and task.done.is_set() and len(task.result) == 6
   finally:
     server.close()
+
+
+def test_a_browser_that_opens_the_printed_url_joins_and_trains(files, pool, capsys):
+  # --browser_clients=HOST:PORT: the run prints the URL and a QR code, and waits for a page.
+  joined = {}
+  starting = threading.Thread(
+    target=lambda: joined.update(
+      pool=browser_clients.BrowserPool(files["static"], 1, "127.0.0.1:0")
+    )
+  )
+  starting.start()
+  printed = ""
+  deadline = time.monotonic() + 30
+  while "http://" not in printed and time.monotonic() < deadline:
+    time.sleep(0.1)
+    printed += capsys.readouterr().out
+  (url,) = [w for w in printed.split() if w.startswith("http://127.0.0.1:")]
+  assert "\u2580" in printed or "\u2584" in printed or "\u2588" in printed  # The QR code.
+  with drive.browser() as chromium:
+    page = chromium.new_page()
+    page.goto(url + "?name=phone")
+    starting.join(timeout=60)
+    phone = joined["pool"]
+    try:
+      models, requests = server_models(1), requests_of([6])
+      (result,) = phone.train(models, requests, ["writer"])
+      page.locator("#step", has_text="3/3").wait_for(timeout=10000)
+      assert "phone#1" in page.inner_text("#name")
+    finally:
+      phone.close()
+  (headless,) = pool.train(models, requests, ["writer"])
+  assert result[1:] == headless[1:]
+  for a, b in zip(result[0], headless[0]):
+    np.testing.assert_array_equal(a, b)
 
 
 CLI = [

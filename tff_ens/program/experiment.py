@@ -83,20 +83,6 @@ RESUME_FREE_KEYS = (
 )
 
 
-def fixed_rounds_reason(config) -> str | None:
-  """Why `--rounds` must stay as the run started it on `--resume`, or None.
-
-  Client sampling, data order and every algorithm's state depend on the seed and the
-  round only, so a resumed run may end at another round (a finished run continues to more
-  rounds) unless a schedule spans the rounds.
-  """
-  if config.lr_schedule != "constant":
-    return f"--lr_schedule={config.lr_schedule} spans them"
-  if config.active_learning_rounds:
-    return "--active_learning_rounds divides them into phases"
-  return None
-
-
 class UsageError(ValueError):
   """A bad flag value or output directory; the message names the fix."""
 
@@ -285,7 +271,7 @@ def resolve(config) -> Run:
       task_config=(
         settings.resolve(TASK_GROUPS[config.task], config) if config.task in TASK_GROUPS else None
       ),
-      **_program_parts(config),
+      **run_settings.parts_of(config),
     )
     _check_capabilities(config, spec)
     if spec.validate is not None:
@@ -310,65 +296,6 @@ def _facts(config, run: Run) -> algorithm_lib.RunFacts:
     client_runtime=config.client_runtime,
     on_devices=config.on_devices,
     recalibrate_batch_norm=config.recalibrate_batch_norm,
-  )
-
-
-def _program_parts(config) -> dict:
-  """The parts of `RunSettings` each program module reads (`Run`'s attributes)."""
-  return dict(
-    data_dir=config.data_dir,
-    model=run_settings.Model(config.model, config.norm, config.seed),
-    schedule=run_settings.Schedule(
-      rounds=config.rounds,
-      clients_per_round=config.clients_per_round,
-      seed=config.seed,
-      eval_every=config.eval_every,
-      checkpoint_every=config.checkpoint_every,
-      stop_grace_seconds=config.stop_grace_seconds,
-      worker_growth_mib=config.worker_growth_mib,
-    ),
-    clients=run_settings.ClientRounds(
-      epochs=config.client_epochs,
-      batch_size=config.batch_size,
-      max_steps=config.client_steps,
-      dropout_rate=config.dropout_rate,
-      straggler_rate=config.straggler_rate,
-      aggregate_first=config.aggregate_first,
-      nan_clients=config.nan_clients_per_round,
-    ),
-    execution=run_settings.Execution(
-      workers=tuple(config.worker_addresses()),
-      credentials_dir=config.worker_credentials or None,
-      local_worker=config.local_worker,
-      max_concurrent_clients=config.max_concurrent_clients,
-      clients_per_chunk=config.clients_per_chunk,
-    ),
-    devices=(
-      run_settings.Devices(config.device_processes, config.client_runtime, config.browser_clients)
-      if config.on_devices
-      else None
-    ),
-    transport=config.transport,
-    server_data=config.server_data,
-    recalibrate_batch_norm=config.recalibrate_batch_norm,
-    evaluation=run_settings.Evaluation(
-      personalization_samples=config.personalization_samples,
-      personalization_temperature=config.personalization_temperature,
-      seed=config.seed,
-      title=(
-        f"{config.algorithm}, {config.task} ({config.classes} classes), "
-        f"seed {config.seed}, {config.rounds} rounds"
-      ),
-    ),
-    outputs=run_settings.Outputs(
-      directory=config.output_dir,
-      resume=config.resume,
-      rounds=config.rounds,
-      flags=dataclasses.asdict(config),
-      fixed_rounds_reason=fixed_rounds_reason(config),
-      algorithm=config.algorithm,
-      model=config.model,
-    ),
   )
 
 

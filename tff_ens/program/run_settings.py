@@ -318,3 +318,78 @@ class Outputs:
   fixed_rounds_reason: str | None
   algorithm: str
   model: str
+
+
+def fixed_rounds_reason(config) -> str | None:
+  """Why `--rounds` must stay as the run started it on `--resume`, or None.
+
+  Client sampling, data order and every algorithm's state depend on the seed and the
+  round only, so a resumed run may end at another round (a finished run continues to more
+  rounds) unless a schedule spans the rounds.
+  """
+  if config.lr_schedule != "constant":
+    return f"--lr_schedule={config.lr_schedule} spans them"
+  if config.active_learning_rounds:
+    return "--active_learning_rounds divides them into phases"
+  return None
+
+
+def parts_of(config) -> dict:
+  """The parts of `RunSettings` each program module reads, from the flat config (`config`,
+  an `experiment.ExperimentConfig`): `experiment.Run`'s attributes, built by
+  `experiment.resolve` alone."""
+  return dict(
+    data_dir=config.data_dir,
+    model=Model(config.model, config.norm, config.seed),
+    schedule=Schedule(
+      rounds=config.rounds,
+      clients_per_round=config.clients_per_round,
+      seed=config.seed,
+      eval_every=config.eval_every,
+      checkpoint_every=config.checkpoint_every,
+      stop_grace_seconds=config.stop_grace_seconds,
+      worker_growth_mib=config.worker_growth_mib,
+    ),
+    clients=ClientRounds(
+      epochs=config.client_epochs,
+      batch_size=config.batch_size,
+      max_steps=config.client_steps,
+      dropout_rate=config.dropout_rate,
+      straggler_rate=config.straggler_rate,
+      aggregate_first=config.aggregate_first,
+      nan_clients=config.nan_clients_per_round,
+    ),
+    execution=Execution(
+      workers=tuple(config.worker_addresses()),
+      credentials_dir=config.worker_credentials or None,
+      local_worker=config.local_worker,
+      max_concurrent_clients=config.max_concurrent_clients,
+      clients_per_chunk=config.clients_per_chunk,
+    ),
+    devices=(
+      Devices(config.device_processes, config.client_runtime, config.browser_clients)
+      if config.on_devices
+      else None
+    ),
+    transport=config.transport,
+    server_data=config.server_data,
+    recalibrate_batch_norm=config.recalibrate_batch_norm,
+    evaluation=Evaluation(
+      personalization_samples=config.personalization_samples,
+      personalization_temperature=config.personalization_temperature,
+      seed=config.seed,
+      title=(
+        f"{config.algorithm}, {config.task} ({config.classes} classes), "
+        f"seed {config.seed}, {config.rounds} rounds"
+      ),
+    ),
+    outputs=Outputs(
+      directory=config.output_dir,
+      resume=config.resume,
+      rounds=config.rounds,
+      flags=dataclasses.asdict(config),
+      fixed_rounds_reason=fixed_rounds_reason(config),
+      algorithm=config.algorithm,
+      model=config.model,
+    ),
+  )

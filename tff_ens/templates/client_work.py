@@ -93,17 +93,12 @@ class LocalTrainingConfig:
         "momentum", self.momentum, "must be 0 with the adam optimizer, which keeps its own moments"
       )
     if self.lr_schedule != "constant" and self.total_rounds is None:
-      raise settings.SettingError(
-        "total_rounds", None, f"lr_schedule={self.lr_schedule} spans them: give total_rounds"
-      )
+      raise settings.SettingError("total_rounds", None, "a step schedule spans them: give them")
 
 
 def learning_rate_at(round_num: tf.Tensor, config: LocalTrainingConfig):
-  """Client learning rate of round `round_num` (0-based).
-
-  Step schedule of FedBE (Chen & Chao, ICLR 2021, Sec. 5 "Implementation"):
-  the rate is multiplied by 0.1 at 30% and at 60% of the rounds.
-  """
+  """Client learning rate of round `round_num` (0-based): FedBE's step schedule (Chen & Chao,
+  ICLR 2021, Sec. 5 "Implementation") multiplies it by 0.1 at 30% and 60% of the rounds."""
   base = tf.constant(config.learning_rate, tf.float32)
   if config.lr_schedule == "constant":
     return base

@@ -2,6 +2,7 @@
 on device results, one client's update against TFF's own client in the same data order, the
 device processes (a killed one is a dropout), the CLI run and its bad inputs."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -290,3 +291,29 @@ def test_cli_litert_run_killed_after_round_1_resumes_to_the_same_model(tmp_path)
   first = dict(zip(rows[0].split(","), rows[1].split(",")))
   assert float(first["clients_used"]) == 3 and float(first["num_examples"]) > 0
   assert 0 < float(first["train_accuracy"]) < 1
+
+
+@needs_device_env
+def test_a_litert_round_of_the_program_trains_as_tff_clients_do(tmp_path):
+  # One round of the program's own loop with its clients in LiteRT processes, against the
+  # same round with TFF clients: the same clients and examples, and the model within the
+  # kernels' float differences (benchmarks/RESULTS.md: LiteRT against TFF clients).
+  from tests.femnist_runs import QUICK
+  from tests.femnist_runs import read_metrics
+  from tff_ens.program import training
+
+  rows = {}
+  for runtime_name in ("tff", "litert"):
+    config = dataclasses.replace(
+      QUICK,
+      rounds=1,
+      clients_per_round=2,
+      client_runtime=runtime_name,
+      output_dir=str(tmp_path / runtime_name),
+    )
+    summary = training.run_experiment(config)
+    rows[runtime_name] = (read_metrics(tmp_path / runtime_name)[0], summary)
+  (tff_row, tff_summary), (litert_row, litert_summary) = rows["tff"], rows["litert"]
+  assert litert_row["num_examples"] == tff_row["num_examples"]
+  assert float(litert_row["train_loss"]) == pytest.approx(float(tff_row["train_loss"]), rel=1e-3)
+  assert litert_summary["test_loss"] == pytest.approx(tff_summary["test_loss"], rel=1e-3)

@@ -298,10 +298,10 @@ def _end_phase(run, data, algorithm, held, evaluator, pool, train, row, round_nu
   return active_learning.labeled(data.train, pool, sizes)
 
 
-def _train_on_devices(devices, clients, train, plan, held, algorithm, key_state):
+def _train_on_devices(devices, rounds, train, plan, held, algorithm, key_state):
   """The round's reporting clients trained on devices (`device_clients`), each from the
-  model it is assigned: the reports left after device failures, and their results as the
-  clients' datasets."""
+  model it is assigned, as `rounds` (`run_settings.ClientRounds`) says: the reports left
+  after device failures, and their results as the clients' datasets."""
   models = [[np.asarray(w) for w in m.trainable] for m in algorithm.models_fn(held.value)]
   clients = np.flatnonzero(plan.reports)
   names = [train.client_ids[plan.cohort[k]] for k in clients]
@@ -315,13 +315,13 @@ def _train_on_devices(devices, clients, train, plan, held, algorithm, key_state)
         "y": train.y[name],
         "order": simulation.client_order(
           len(x),
-          epochs=clients.epochs,
-          batch_size=clients.batch_size,
+          epochs=rounds.epochs,
+          batch_size=rounds.batch_size,
           seed=int(plan.seeds[k]),
           work=float(plan.work[k]),
-          max_steps=clients.max_steps,
+          max_steps=rounds.max_steps,
         ),
-        "batch_size": clients.batch_size,
+        "batch_size": rounds.batch_size,
         "model": model,
       }
     )

@@ -116,23 +116,23 @@ class ClientArrays:
   def at_most(self, limit: int, seed: tuple[int, ...]) -> "ClientArrays":
     """At most `limit` (0: all) examples of each client (`subsample`); the images of
     examples on disk are subsampled when they are read."""
-    y = {c: subsample(self.y[c], self.y[c], limit, seed, c)[1] for c in self.client_ids}
+    kept = {c: kept_examples(len(self.y[c]), limit, seed, c) for c in self.client_ids}
+    y = {c: _taken(self.y[c], kept[c]) for c in self.client_ids}
     if isinstance(self.x, ExamplesOnDisk):
-      x = _Subsampled(self.x, self.y, limit, seed)
+      x = _Subsampled(self.x, kept)
     else:
-      x = {c: subsample(self.x[c], self.y[c], limit, seed, c)[0] for c in self.client_ids}
+      x = {c: _taken(self.x[c], kept[c]) for c in self.client_ids}
     return ClientArrays(self.client_ids, x, y, self.input_shape)
 
 
 class _Subsampled(Mapping):
-  """client id -> `subsample` of its images, read when asked for."""
+  """client id -> its kept images (`kept_examples`), read when asked for."""
 
-  def __init__(self, x: ExamplesOnDisk, y: Mapping, limit: int, seed: tuple[int, ...]):
-    self._x, self._y, self._limit, self._seed = x, y, limit, seed
+  def __init__(self, x: ExamplesOnDisk, kept: Mapping[str, np.ndarray | None]):
+    self._x, self._kept = x, kept
 
   def __getitem__(self, client_id: str) -> np.ndarray:
-    x, y = self._x[client_id], self._y[client_id]
-    return subsample(x, y, self._limit, self._seed, client_id)[0]
+    return _taken(self._x[client_id], self._kept[client_id])
 
   def __iter__(self):
     return iter(self._x)
@@ -141,13 +141,24 @@ class _Subsampled(Mapping):
     return len(self._x)
 
 
-def subsample(x, y, limit: int, seed: tuple[int, ...], client: str):
-  """At most `limit` (0: all) of a client's examples, in order, drawn by `seed` and `client`."""
-  if not limit or len(y) <= limit:
-    return x, y
+def kept_examples(n: int, limit: int, seed: tuple[int, ...], client: str) -> np.ndarray | None:
+  """Which of a client's `n` examples `subsample` keeps: at most `limit` (0: all), in order,
+  drawn by `seed` and `client`; None for all of them."""
+  if not limit or n <= limit:
+    return None
   rng = np.random.default_rng([*seed, zlib.crc32(client.encode())])
-  keep = np.sort(rng.choice(len(y), limit, replace=False))
-  return x[keep], y[keep]
+  return np.sort(rng.choice(n, limit, replace=False))
+
+
+def subsample(x, y, limit: int, seed: tuple[int, ...], client: str):
+  """At most `limit` (0: all) of a client's examples (`kept_examples`)."""
+  keep = kept_examples(len(y), limit, seed, client)
+  return _taken(x, keep), _taken(y, keep)
+
+
+def _taken(array: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+  """`array`'s rows `keep`, or `array` itself for None (all)."""
+  return array if keep is None else array[keep]
 
 
 @dataclasses.dataclass(frozen=True)

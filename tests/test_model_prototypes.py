@@ -40,7 +40,7 @@ def _config(drop_worst=True, keep_initial_student=False):
         distill_patience=10, distill_eval_every=5, distill_keep_initial=keep_initial_student
       ),
     ),
-    drop_worst=drop_worst_lib.DropWorst(enabled=drop_worst),
+    keep_clients=drop_worst_lib.client_filter(drop_worst_lib.DropWorst(enabled=drop_worst)),
     seed=3,
   )
 

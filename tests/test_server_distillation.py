@@ -168,7 +168,7 @@ def test_feddf_drops_clients_at_chance_and_averages_the_others():
   config = sd.ServerDistillationConfig(
     targets="avg_logits",
     distill=_feddf(20, patience=10, eval_every=5),
-    drop_worst=drop_worst.DropWorst(),
+    keep_clients=drop_worst.client_filter(drop_worst.DropWorst()),
   )
   stack, weights, average, dropped, informative = sd.teachers(
     model, good, _collected(updates, [2.0, 5.0]), tf.constant([1, 2], tf.int64), config, validation
@@ -217,7 +217,7 @@ def test_drop_worst_rule_decides_which_clients_feddf_keeps():
     config = sd.ServerDistillationConfig(
       targets="avg_logits",
       distill=_feddf(20, eval_every=5),
-      drop_worst=drop_worst.DropWorst(rule=rule),
+      keep_clients=drop_worst.client_filter(drop_worst.DropWorst(rule=rule)),
     )
     _, weights, _, dropped, informative = sd.teachers(
       model, good, collected, tf.constant([1, 2], tf.int64), config, validation

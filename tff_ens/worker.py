@@ -59,7 +59,7 @@ def define_flags():
   )
   flags.DEFINE_integer(
     "max_concurrent_clients",
-    0,
+    worker_process.NO_CLIENT_LIMIT,
     "Clients this worker trains at once (<= 0: no limit; see benchmarks/RESULTS.md).",
   )
   flags.DEFINE_string("log_file", None, "Append the worker's own output here (default: discard).")

@@ -105,7 +105,7 @@ def build(context: algorithm.BuildContext) -> algorithm.FederatedAlgorithm:
     shared,
     distillation_config(shared, own),
     targets="avg_logits",
-    drop_worst=context.group(drop_worst.DropWorst),
+    keep_clients=drop_worst.client_filter(context.group(drop_worst.DropWorst)),
     seed=context.seed,
   )
   names = own.prototype_names()

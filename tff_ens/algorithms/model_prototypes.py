@@ -41,7 +41,6 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import run_files
-from tff_ens.math import drop_worst
 from tff_ens.server import distillation
 from tff_ens.server import server_data as server_data_lib
 from tff_ens.server import student as student_lib
@@ -105,7 +104,7 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
 
   Returns `(clients, client_weights, keep, informative, received)`:
   per prototype p, `clients[p]` its clients' models (stacked `ModelWeights`),
-  their example counts and 0/1 `keep` weights (`drop_worst.drop_worst_mask`
+  their example counts and 0/1 `keep` weights (the config's `keep_clients`
   over the whole cohort); whether any client is kept (if none is, all are
   and the round is a FedAvg step per prototype, as
   `server_distillation.teachers`); and which of the collected slots hold a
@@ -115,7 +114,7 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
   weights = tf.cast(weights, tf.float32)
   received = weights > 0
   val_x, val_y = validation
-  dropping = config.drop_worst is not None and config.drop_worst.enabled
+  dropping = config.keep_clients is not None
   clients, client_weights, accuracies = [], [], []
   for p, (model, global_p) in enumerate(zip(models, global_prototypes)):
     mine = tf.where(tf.logical_and(received, tf.equal(keys, p)))[:, 0]
@@ -126,8 +125,8 @@ def _prototype_teachers(models, global_prototypes, collected, validation, config
     if dropping:
       accuracies.append(distillation.member_accuracies(model, clients[p], val_x, val_y))
   if dropping:  # Over the whole cohort.
-    kept, informative = drop_worst.drop_worst_mask(
-      config.drop_worst.rule, tf.concat(accuracies, 0), val_y, models[0].output_shape[-1]
+    kept, informative = config.keep_clients(
+      tf.concat(accuracies, 0), val_y, models[0].output_shape[-1]
     )
     sizes = tf.stack([tf.shape(w)[0] for w in client_weights])
     keep = [tf.cast(k, tf.float32) for k in tf.split(kept, sizes)]

@@ -66,6 +66,8 @@ def worker_binary_path() -> str:
 
 # How a local worker is reachable (`start_worker`).
 ISOLATIONS = ("isolated", "open")
+# worker_binary's --max_concurrent_computation_calls: any nonpositive value is no limit.
+NO_CLIENT_LIMIT = 0
 # The port the worker listens on inside its own network namespace, where no other
 # process has one.
 _PRIVATE_PORT = 8000
@@ -150,7 +152,7 @@ def start_worker(
   *,
   isolation: str = "isolated",
   port: Optional[int] = None,
-  max_concurrent_computation_calls: int = -1,
+  max_concurrent_computation_calls: int = NO_CLIENT_LIMIT,
   log_path: Optional[str] = None,
 ) -> LocalWorker:
   """Starts a TFF C++ worker; stop it with `stop_worker`.

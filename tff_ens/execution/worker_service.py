@@ -33,7 +33,7 @@ class WorkerService:
     credentials_dir: Optional[str],
     *,
     host: Optional[str] = None,
-    max_concurrent_computation_calls: int = -1,
+    max_concurrent_computation_calls: int = worker_process.NO_CLIENT_LIMIT,
     log_path: Optional[str] = None,
   ):
     """Starts the worker and its door on `host` (default: every interface with TLS,

@@ -7,6 +7,7 @@ The validation accuracies come from `distillation.member_accuracies`.
 """
 
 import dataclasses
+import functools
 
 import tensorflow as tf
 
@@ -45,6 +46,12 @@ class DropWorst:
 
   def __post_init__(self):
     settings.check(self)
+
+
+def client_filter(options: DropWorst):
+  """`drop_worst_mask` with these options' rule, or None when drop-worst is off: the
+  server step's `keep_clients`."""
+  return functools.partial(drop_worst_mask, options.rule) if options.enabled else None
 
 
 def chance_accuracy(y, num_classes: int):

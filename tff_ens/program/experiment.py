@@ -164,6 +164,23 @@ ALL_GROUPS = tuple(
 
 ExperimentConfig.__doc__ = """Everything that defines a run (written to `config.json`): one
 field per flag of every settings group (`COMMON_GROUPS` and the algorithms')."""
+# Every flag's default, in `ExperimentConfig`'s order.
+FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
+
+
+def flag_defaults(task, classes) -> dict:
+  """Every flag's default for a run of `task` with `classes` (its model the task's first);
+  `FLAG_DEFAULTS` for a task or classes this version does not know."""
+  try:
+    return dataclasses.asdict(ExperimentConfig(task=task, classes=classes))
+  except (TypeError, ValueError):
+    return FLAG_DEFAULTS
+
+
+def config_of(saved: dict) -> ExperimentConfig:
+  """A saved run's flags (`saved_config`) as a config; a flag unknown to this version is left
+  out."""
+  return ExperimentConfig(**{k: v for k, v in saved.items() if k in FLAG_DEFAULTS})
 
 
 @dataclasses.dataclass(frozen=True)

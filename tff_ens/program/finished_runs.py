@@ -39,18 +39,6 @@ _UNSHOWN_FLAGS = (
   "seed",
   "rounds",
 )
-_FIELDS = {f.name: f for f in dataclasses.fields(experiment.ExperimentConfig)}
-_DEFAULTS = {name: field.default for name, field in _FIELDS.items()}
-
-
-def _defaults_of(task, classes) -> dict:
-  """Every flag's default for a run of `task` with `classes` (its model the task's first)."""
-  try:
-    return dataclasses.asdict(experiment.ExperimentConfig(task=task, classes=classes))
-  except (TypeError, ValueError):
-    return _DEFAULTS
-
-
 # What every run's summary.json holds (`config` with its algorithm).
 _SUMMARY_KEYS = ("config", "seed", "rounds", "test_accuracy")
 
@@ -81,9 +69,9 @@ class Run:
   def config(self) -> dict:
     return experiment.saved_config(self.summary["config"])
 
-  def experiment_config(self) -> experiment.ExperimentConfig:
-    """The run's flags; a flag unknown to this version is left out."""
-    return experiment.ExperimentConfig(**{k: v for k, v in self.config.items() if k in _DEFAULTS})
+  def experiment_config(self):
+    """The run's flags (`experiment.config_of`)."""
+    return experiment.config_of(self.config)
 
   def key_flags(self) -> str:
     """ "k=v ..." of the flags that define the run beyond its algorithm, seed
@@ -93,17 +81,18 @@ class Run:
     spec = algorithms.REGISTRY.get(algorithm)
     variant = spec.variant_flags if spec is not None else ()
     # A flag this version does not know, or of an algorithm it does not know, is shown.
-    read = experiment.flags_read(algorithm, self.config.get("task")) if spec else set(_FIELDS)
+    known = experiment.FLAG_DEFAULTS
+    read = experiment.flags_read(algorithm, self.config.get("task")) if spec else set(known)
     # In the order of `ExperimentConfig`, then flags it does not know.
-    order = list(_DEFAULTS) + sorted(set(self.config) - set(_DEFAULTS))
-    defaults = _defaults_of(self.config.get("task"), self.config.get("classes"))
+    order = list(known) + sorted(set(self.config) - set(known))
+    defaults = experiment.flag_defaults(self.config.get("task"), self.config.get("classes"))
     return " ".join(
       f"{k}={self.config[k]}"
       for k in order
       if k in self.config
       and k not in _UNSHOWN_FLAGS
       and k != "algorithm"
-      and (k in read or k not in _FIELDS)
+      and (k in read or k not in known)
       and (k in variant or k not in defaults or self.config[k] != defaults[k])
     )
 

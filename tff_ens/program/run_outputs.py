@@ -9,7 +9,6 @@ the final model(s) in Keras format. File names are in `run_files`.
 
 import asyncio
 import csv
-import dataclasses
 import gc
 import json
 import logging
@@ -73,8 +72,7 @@ class RunOutputs:
       saved = {k: v for k, v in experiment.saved_config(saved).items() if k not in free}
       if saved:
         # A flag added after the run started takes its default there.
-        defaults = {f.name: f.default for f in dataclasses.fields(experiment.ExperimentConfig)}
-        saved = {**{k: defaults[k] for k in wanted}, **saved}
+        saved = {**{k: experiment.FLAG_DEFAULTS[k] for k in wanted}, **saved}
       if saved != wanted:
         changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
         why = f"; --rounds stays: {fixed_rounds}" if "rounds" in changed else ""

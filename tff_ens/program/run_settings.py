@@ -150,7 +150,7 @@ class RunSettings:
   eval_every: int = setting(10, "Evaluate on test data every N rounds.", above=0)
   checkpoint_every: int = setting(10, "Checkpoint every N rounds.", above=0)
   max_concurrent_clients: int = setting(
-    0,
+    worker_process.NO_CLIENT_LIMIT,
     "Clients trained at once by the TFF runtime (<= 0: no limit; see benchmarks/RESULTS.md).",
   )
   clients_per_chunk: int = setting(

@@ -42,7 +42,6 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_ens import settings
-from tff_ens.math import drop_worst as drop_worst_lib
 from tff_ens.math import weight_posterior
 from tff_ens.server import distillation
 from tff_ens.server import server_data as server_data_lib
@@ -121,7 +120,10 @@ class ServerDistillationConfig:
       them).
     posterior: the distribution of teachers="posterior" (`weight_posterior.WeightPosterior`).
     sharpen_temperature: T > 0 of targets="probabilities".
-    drop_worst: FedDF's drop-worst (`drop_worst.DropWorst`), or None to keep every client.
+    keep_clients: which received clients the teachers and the average keep, from their
+      accuracies on the server's validation data: `keep_clients(accuracies, labels,
+      num_classes, members=received)` returns `(keep, informative)` (FedDF's drop-worst,
+      `drop_worst.client_filter`); None keeps every client.
     distill_student: False leaves the student out: the round's model is the clients' weight
       average, and the teachers only predict (FedBE's `--fedbe_distill=False`).
     teacher_labels: which unlabeled images the teachers label each round, one of
@@ -140,7 +142,7 @@ class ServerDistillationConfig:
   targets: str = setting("probabilities", choices=TARGETS)
   posterior: weight_posterior.WeightPosterior = weight_posterior.WeightPosterior()
   sharpen_temperature: float = setting(1.0, above=0)
-  drop_worst: drop_worst_lib.DropWorst | None = None
+  keep_clients: Callable | None = None
   distill_student: bool = True
   teacher_labels: str = setting("read", choices=TEACHER_LABELS)
   device: str = "/CPU:0"
@@ -160,7 +162,7 @@ class ServerDistillationConfig:
   ) -> "ServerDistillationConfig":
     """The config with the `shared` settings' targets and device, `--sharpen_temperature`
     or else the algorithm's `paper_temperature` (if any), and `fields` (the teachers,
-    targets and seed, FedBE's posterior, FedDF's drop-worst)."""
+    targets and seed, FedBE's posterior, FedDF's `keep_clients`)."""
     temperature = shared.sharpen_temperature
     if temperature is None:
       temperature = paper_temperature
@@ -200,11 +202,11 @@ def teachers(
   Returns `(teacher_stack, teacher_weights, average, num_dropped,
   informative)`; the teacher weights are 0 for teachers to leave out
   (rejected or dropped clients). The average is over the clients kept.
-  `informative` is False when drop-worst drops every client: there is then
+  `informative` is False when `keep_clients` drops every client: there is then
   nothing to distill from, and the round's model is the average of
   all received clients (a FedAvg step), as in the first rounds of training.
   With `recalibration = (a model, server images)` every model (each client before
-  drop-worst evaluates it, the average, each sample) carries the batch-norm statistics
+  `keep_clients` evaluates it, the average, each sample) carries the batch-norm statistics
   it measures on those images instead of its own
   (`server_optimizer.each_with_batch_norm_statistics`).
   """
@@ -217,11 +219,11 @@ def teachers(
   received = weights > 0
   keep = received
   informative = tf.constant(True)
-  if config.drop_worst is not None and config.drop_worst.enabled:
+  if config.keep_clients is not None:
     val_x, val_y = validation
     accuracies = distillation.member_accuracies(model, clients, val_x, val_y)
-    keep, informative = drop_worst_lib.drop_worst_mask(
-      config.drop_worst.rule, accuracies, val_y, model.output_shape[-1], members=received
+    keep, informative = config.keep_clients(
+      accuracies, val_y, model.output_shape[-1], members=received
     )
   weights = weights * tf.cast(keep, tf.float32)
   num_dropped = tf.reduce_sum(tf.cast(received, tf.int32)) - tf.reduce_sum(tf.cast(keep, tf.int32))

@@ -4,6 +4,8 @@ so `tff_ens`'s layers, `tasks` and `export` form no import cycle."""
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -156,3 +158,49 @@ def test_the_program_names_no_algorithm_nor_a_flag_only_one_reads():
     for path in PROGRAM_FILES
   }
   assert {path: names for path, names in named.items() if names} == {}
+
+
+_WITHOUT_DITTO = """
+import sys
+from absl import flags
+from tff_ens import algorithms, main  # noqa: F401  (main defines the flags)
+from tff_ens.program import experiment
+assert algorithms.__file__.startswith(sys.argv[1]), algorithms.__file__
+assert "ditto" not in algorithms.REGISTRY
+assert not [f for f in flags.FLAGS if f.startswith("ditto")]
+for name in algorithms.ALGORITHMS:
+  experiment.resolve(experiment.ExperimentConfig(algorithm=name, data_dir=sys.argv[2]))
+print(" ".join(algorithms.ALGORITHMS))
+"""
+
+
+def test_an_algorithm_removed_with_its_registry_lines_leaves_the_program_whole(tmp_path):
+  """Ditto's module and its two registry lines deleted from a copy of the packages: the
+  command line still imports, defines every other flag and resolves every other algorithm."""
+  import shutil
+
+  from tests import femnist_runs
+
+  for package in ("tff_ens", "tasks", "export"):
+    shutil.copytree(
+      ROOT / package,
+      tmp_path / package,
+      ignore=shutil.ignore_patterns("node_modules", "__pycache__", "*.tflite"),
+    )
+  (tmp_path / "tff_ens/algorithms/ditto.py").unlink()
+  registry = tmp_path / "tff_ens/algorithms/__init__.py"
+  lines = registry.read_text().splitlines(keepends=True)
+  kept = [line for line in lines if "ditto" not in line]
+  assert len(lines) - len(kept) == 2, "the registry names Ditto in other than two lines"
+  registry.write_text("".join(kept))
+  run = subprocess.run(
+    [sys.executable, "-c", _WITHOUT_DITTO, str(tmp_path), femnist_runs.DATA_DIR],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  from tff_ens import algorithms
+
+  assert run.stdout.split() == [a for a in algorithms.ALGORITHMS if a != "ditto"]

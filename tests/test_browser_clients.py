@@ -196,6 +196,32 @@ def test_the_client_server_answers_only_its_token(files):
     server.close()
 
 
+def test_a_page_that_keeps_its_task_past_the_deadline_is_a_dropout_and_is_replaced(
+  files, caplog
+):
+  slow = browser_clients.BrowserPool(files["static"], 1, task_seconds=1)
+  try:
+    models = server_models(1)
+    # 2 epochs of 20,000 examples one at a time: 40,000 steps, far more than a second.
+    (long,) = requests_of([20_000])
+    long["batch_size"] = 1
+    (stuck,) = slow.server.clients
+    started = time.monotonic()
+    with caplog.at_level("WARNING"):
+      assert slow.train(models, [long], ["writer_slow"]) == [None]
+    assert time.monotonic() - started < 20
+    assert (
+      f"browser client {stuck.name} did not return its task in 1 s: client writer_slow dropped"
+      in caplog.text
+    )
+    # The stuck page was closed and another opened: the next round trains on it.
+    (result,) = slow.train(models, requests_of([5]), ["writer_next"])
+    assert result[3] == 10 and slow.headless.pages == 2  # 2 epochs of 5.
+    assert stuck.gone.is_set() and [c for c in slow.server.clients if not c.gone.is_set()] != []
+  finally:
+    slow.close()
+
+
 def test_a_browser_that_opens_the_printed_url_joins_and_trains(files, pool, capsys):
   # --browser_clients=HOST:PORT: the run prints the URL and a QR code, and waits for a page.
   joined = {}

@@ -14,7 +14,8 @@ the file (`trainable.tflite`) and these paths:
   correct predictions, float32, exactly that many bytes.
 
 A page is a `Client`; the driver (`tff_ens.program.browser_clients`) hands tasks to idle
-clients with `Client.run`, which returns the result or None if the page went away.
+clients with `Client.run`, which returns the result, or None if the page went away or kept
+the task past its deadline.
 """
 
 import dataclasses
@@ -23,6 +24,7 @@ import json
 import queue
 import re
 import threading
+import time
 
 import numpy as np
 
@@ -80,19 +82,28 @@ class Client:
     self.name = name
     self.task: Task | None = None
     self.gone = threading.Event()
+    self.why_gone = ""
+    self.late = False  # Left for keeping a task past its deadline.
     self._sends = queue.Queue()
 
-  def run(self, task: Task) -> np.ndarray | None:
-    """`task` trained by this page: its result, or None if the page went away."""
+  def run(self, task: Task, seconds: float | None = None) -> np.ndarray | None:
+    """`task` trained by this page: its result, or None if the page went away or did not
+    return it within `seconds` of receiving it (then it leaves: no more tasks go to it)."""
     self.task = task
     self._sends.put(task)
+    deadline = None if seconds is None else time.monotonic() + seconds
     while not task.done.wait(PING_SECONDS):
+      if deadline is not None and time.monotonic() >= deadline:
+        self.late = True
+        self.leave(f"did not return its task in {seconds:g} s")
       if self.gone.is_set():
         return None
     self.task = None
     return task.result
 
-  def leave(self):
+  def leave(self, why: str = "went away"):
+    if not self.gone.is_set():
+      self.why_gone = why
     self.gone.set()
     self._sends.put(None)
 

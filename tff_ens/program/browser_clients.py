@@ -32,6 +32,7 @@ from export.web import server
 from tff_ens.program import device_clients
 
 HEADLESS = "headless"
+_PAGE_NAME = "headless-"  # A headless page's name: this, then its opening index.
 # How long headless pages may take to load LiteRT.js and the file and connect.
 HEADLESS_START_SECONDS = 120.0
 
@@ -96,7 +97,7 @@ class _Headless:
       try:
         if kind == "open":
           page = chromium.new_context().new_page()
-          page.goto(f"{self._url}?name=headless-{len(pages)}")
+          page.goto(f"{self._url}?name={_PAGE_NAME}{len(pages)}")
           pages.append(page)
         else:
           pages[index].context.close()
@@ -125,12 +126,20 @@ class BrowserPool:
   """`num_clients` browser pages serving a run's clients (module docstring); the contract
   of `device_clients.DevicePool`."""
 
-  def __init__(self, trainable_path: str, num_clients: int, browser_clients: str = HEADLESS):
+  def __init__(
+    self,
+    trainable_path: str,
+    num_clients: int,
+    browser_clients: str = HEADLESS,
+    task_seconds: float | None = None,
+  ):
+    """`task_seconds`: how long a page may keep a client's task (None: no limit)."""
     where = address(browser_clients)
     host, port = where or (server.LOOPBACK, 0)
     self.server = client_server.ClientServer(trainable_path, host, port)
     self.headless = None
     self._num_clients = num_clients
+    self._task_seconds = task_seconds
     self.step_losses: list[list[float] | None] = []  # The last `train`'s, per client.
     try:
       if where is None:
@@ -207,12 +216,17 @@ class BrowserPool:
       client = self.server.joined.get()
       if not client.gone.is_set():
         break
-    result = client.run(task)
+    result = client.run(task, self._task_seconds)
     if result is None:
       logging.warning(
-        "browser client %s went away: client %s dropped from this round", client.name, name
+        "browser client %s %s: client %s dropped from this round",
+        client.name,
+        client.why_gone,
+        name,
       )
       if self.headless is not None:
+        if client.late:  # Still open, but stuck: closed in place of being left running.
+          self.headless.close_page(_page_index(client.name))
         self.headless.open()
       return None
     self.server.joined.put(client)
@@ -229,6 +243,11 @@ class BrowserPool:
     if self.headless is not None:
       self.headless.close()
     self.server.close()
+
+
+def _page_index(client_name: str) -> int:
+  """The opening index of a headless page from its client's name ("headless-3#7": 3)."""
+  return int(client_name.split("#")[0].removeprefix(_PAGE_NAME))
 
 
 def _announce(urls: list[str], count: int):

@@ -341,7 +341,9 @@ def _devices(run, outputs):
     return
   if devices.in_browsers:  # LiteRT.js runs a fixed batch.
     path = device_clients.write_trainable_file(run, outputs.dir, run.clients.batch_size)
-    pool = browser_clients.BrowserPool(path, devices.processes, devices.browser_clients)
+    pool = browser_clients.BrowserPool(
+      path, devices.processes, devices.browser_clients, devices.task_seconds
+    )
   else:
     path = device_clients.write_trainable_file(run, outputs.dir)
     pool = device_clients.DevicePool(path, devices.processes)

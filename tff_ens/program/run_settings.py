@@ -223,6 +223,12 @@ class RunSettings:
     "network), print the page's URL with the run's secret token and a QR code, and wait "
     "until --device_processes browsers have opened it (docs/export.md).",
   )
+  browser_task_seconds: float = setting(
+    600.0,
+    "--client_runtime=browser: a page that has not returned its client's training this many "
+    "seconds after receiving it is dropped from the round, as a closed page is (0: no limit).",
+    at_least=0,
+  )
   resume: bool = setting(False, "Continue the run in --output_dir from its last checkpoint.")
   stop_grace_seconds: float = setting(
     0.0,
@@ -281,6 +287,7 @@ class Devices:
   processes: int
   runtime: str
   browser_clients: str
+  task_seconds: float | None  # A browser page's deadline for a task; None: no limit.
 
   @property
   def in_browsers(self) -> bool:
@@ -367,7 +374,12 @@ def parts_of(config) -> dict:
       clients_per_chunk=config.clients_per_chunk,
     ),
     devices=(
-      Devices(config.device_processes, config.client_runtime, config.browser_clients)
+      Devices(
+        config.device_processes,
+        config.client_runtime,
+        config.browser_clients,
+        config.browser_task_seconds or None,
+      )
       if config.on_devices
       else None
     ),

@@ -87,7 +87,8 @@ def define_flags():
     None,
     "Every signature takes exactly this many inputs (personalize: up to it, with a mask), "
     "for runtimes that run only declared shapes: LiteRT.js, the web page of `python -m "
-    "export.web`. int8 keeps float32 input and output, LSTMs are unrolled, and the metadata "
+    "export.web`, or browser clients (trainable: `train` takes a mask of the padding). int8 "
+    "keeps float32 input and output, LSTMs are unrolled, and a predicting file's metadata "
     "gets the run's 'not sure' threshold (reads the run's test data).",
   )
   flags.DEFINE_string(

@@ -21,8 +21,9 @@
   with its members quantized (`--quantization=dynamic|int8`, `ensemble_module.QUANTIZATIONS`).
 
 `static_batch` (`--static_batch=N`, for LiteRT.js on the web) fixes every signature's batch
-to N (an ensemble's `personalize` takes a mask of the real examples), keeps an int8 file's
-input and output float32, unrolls LSTMs, and adds the `not_sure` threshold to the metadata.
+to N (an ensemble's `personalize` and a trainable file's `train` take a mask of the real
+examples), keeps an int8 file's input and output float32, unrolls LSTMs, and adds the
+`not_sure` threshold to a predicting file's metadata.
 
 Every file carries its description (`metadata`): class labels, the input's dtype and
 preprocessing, the outputs; and TFLite's standard metadata (`standard_metadata`). An
@@ -62,8 +63,6 @@ UNSET_LICENSE = "not set (python -m export --license=...)"
 # The formats --static_batch (a fixed batch, for LiteRT.js) does not make, and why.
 STATIC_REFUSED = {
   "lce": "lce files run only in LCE's interpreter, which LiteRT.js is not: use --format=binary",
-  "trainable": "the trainable file's signatures take any batch (a phone's local epochs); "
-  "export --format=float or --format=ensemble for the web",
 }
 # What `finalize` adds to the metadata of a file with variable tensors (an LSTM's state).
 RESET_VARIABLES = (
@@ -237,8 +236,11 @@ def _interface(run, output_format, shape, quantized_io, quantization, static_bat
       learning_rate=run.config.get("client_lr"),
       momentum=run.config.get("client_momentum", 0.0),
       signatures={
-        "train": f"x {shape}, y [n] int32 -> loss [], correct [] (one SGD step "
-        "on the batch's mean cross-entropy; its loss and correct predictions before it)",
+        "train": f"x {shape}, y [n] int32"
+        + (", mask [n] float32 (1: an example, 0: padding)" if static_batch else "")
+        + " -> loss [], correct [] (one SGD step on the batch's mean cross-entropy"
+        + (" over its examples" if static_batch else "")
+        + "; its loss and correct predictions before it)",
         "infer": f"x {shape} -> logits [n, classes]",
         "get_weights": "-> w0, w1, ... (the trainable weights, Keras order)",
         "set_weights": "w0, w1, ... -> num_weights [] (also restarts the momentum)",
@@ -391,6 +393,7 @@ def export_run(
         models[0],
         learning_rate=run.config["client_lr"],
         momentum=run.config.get("client_momentum", 0.0),
+        static_batch=static_batch,
       )
     except ValueError as e:
       raise ExportError(f"--format=trainable: {e}") from None
@@ -414,7 +417,7 @@ def export_run(
     static_batch=static_batch,
     license=license,
   )
-  if static_batch:
+  if static_batch and output_format != "trainable":  # A file that predicts: its threshold.
     exported = on_device.load_bytes(finalize(flatbuffer, description))
     description["not_sure"] = not_sure.threshold(
       exported,

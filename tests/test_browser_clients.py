@@ -196,9 +196,7 @@ def test_the_client_server_answers_only_its_token(files):
     server.close()
 
 
-def test_a_page_that_keeps_its_task_past_the_deadline_is_a_dropout_and_is_replaced(
-  files, caplog
-):
+def test_a_page_that_keeps_its_task_past_the_deadline_is_a_dropout_and_is_replaced(files, caplog):
   slow = browser_clients.BrowserPool(files["static"], 1, task_seconds=1)
   try:
     models = server_models(1)

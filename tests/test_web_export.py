@@ -140,7 +140,6 @@ def test_chosen_score_follows_the_runs_auroc():
 @pytest.mark.parametrize(
   "output_format, static_batch, message",
   [
-    ("trainable", 1, "--static_batch: the trainable file's signatures take any batch"),
     ("float", 0, "--static_batch must be a positive number of examples, got 0"),
   ],
 )
@@ -149,6 +148,32 @@ def test_static_batch_refusals_are_one_line(output_format, static_batch, message
   with pytest.raises(ExportError) as error:
     convert.check_format(run, output_format, static_batch=static_batch)
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_a_static_trainable_export_trains_as_the_dynamic_export(tmp_path):
+  """`python -m export --format=trainable --static_batch=4`, the browser clients' file: 2
+  epochs of 11 examples (the last batch of each padded and masked) step as the dynamic
+  export's."""
+  from export import device_training
+
+  run = write_run(tmp_path / "run", [small_femnist_model(0)], {"client_lr": 0.1})
+  rng = np.random.default_rng(0)
+  x = rng.random((11, 28, 28, 1), dtype=np.float32)
+  y = rng.integers(0, 62, 11).astype(np.int32)
+  results = []
+  for static_batch in (None, 4):
+    flatbuffer = convert.export_run(run, "trainable", static_batch=static_batch)
+    trainer, losses = device_training.DeviceTrainer(flatbuffer), []
+    trained = trainer.train_epochs(x, y, epochs=2, batch_size=4, seed=1, step_losses=losses)
+    results.append((trained, losses, metadata.read(flatbuffer)))
+  (dynamic, dynamic_losses, _), (static, static_losses, description) = results
+  assert len(static_losses) == 6
+  np.testing.assert_allclose(static_losses, dynamic_losses, rtol=1e-6)
+  for a, b in zip(static.weights, dynamic.weights):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert not np.allclose(static.weights[0], small_femnist_model(0).get_weights()[0], atol=1e-4)
+  assert description["input"]["shape"] == [4, 28, 28, 1]
+  assert "mask [n] float32" in description["signatures"]["train"]
 
 
 def test_static_batch_refuses_lce(tmp_path):

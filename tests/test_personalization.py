@@ -9,6 +9,7 @@ import tensorflow_federated as tff
 
 from tasks.data import ClientArrays
 from tasks.data import ExamplesOnDisk
+from tff_ens import run_files
 from tff_ens.math import ensemble_math
 from tff_ens.math import personalization
 from tff_ens.program import reporting
@@ -215,3 +216,38 @@ def test_an_evaluation_in_groups_of_clients_is_the_evaluation_of_the_whole_split
   for c in split.client_ids:
     np.testing.assert_allclose(grouped[c], whole[c], rtol=1e-6)
     assert grouped[c].shape == (2, split.num_examples(c), 3)
+
+
+def test_a_given_temperature_weights_only_the_evaluated_clients_training_examples():
+  # c2 trains but has no test examples: with tau given, its training examples are not
+  # predicted; each evaluated client's alpha = softmax(-mean NLL / tau), by hand in NumPy.
+  data = types.SimpleNamespace(train=_clients([30, 40, 50], seed=1), test=_clients([6, 8], 2))
+  evaluator = reporting.Evaluator(tiny_model)
+  models = [tff.learning.models.ModelWeights.from_model(tiny_model(s)) for s in (0, 5, 9)]
+  member_test = evaluator.member_probabilities(models, data.test)
+  member_train = evaluator.member_probabilities(models, data.train)
+  predicted, predict, summaries = [], evaluator.member_probabilities, {}
+
+  def recorded(models, split):
+    predicted.append(tuple(split.client_ids))
+    return predict(models, split)
+
+  evaluator.member_probabilities = recorded
+  for temperature, clients in ((0.3, ("c0", "c1")), (0.0, ("c0", "c1", "c2"))):
+    config = types.SimpleNamespace(
+      personalization_samples=0, personalization_temperature=temperature, seed=7
+    )
+    predicted.clear()
+    summaries[temperature] = evaluator.ensemble_summary(models, data, member_test, config)
+    assert predicted == [clients]
+  accuracies, losses = {}, []
+  for c in ("c0", "c1"):
+    y, y_test = data.train.y[c], data.test.y[c]
+    nll = -np.log(member_train[c][:, np.arange(len(y)), y]).mean(1)
+    alpha = np.exp(-nll / 0.3) / np.exp(-nll / 0.3).sum()
+    mixed = np.tensordot(alpha, member_test[c], 1)
+    accuracies[c] = np.mean(mixed.argmax(-1) == y_test)
+    losses.append(-np.log(mixed[np.arange(len(y_test)), y_test]).mean())
+  personalized = summaries[0.3]
+  assert personalized["personalized_test_loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+  assert personalized[run_files.PERSONALIZED_PER_CLIENT] == pytest.approx(accuracies)

@@ -81,11 +81,14 @@ class Evaluator:
   ) -> dict:
     """Fed-ensemble's metrics: members, personalized weights, uncertainty."""
     clients = [c for c in data.test.client_ids if c in data.train.x]
+    temperature = config.personalization_temperature
+    # tau is chosen on every training client's examples; a given tau needs only the
+    # evaluated clients' (the same subsamples: each is drawn by its client).
+    weighting = data.train.subset(clients) if temperature else data.train
     train = personalization.weighting_examples(
-      data.train, config.personalization_samples, config.seed
+      weighting, config.personalization_samples, config.seed
     )
     member_train = self.member_probabilities(models, train)
-    temperature = config.personalization_temperature
     if not temperature:
       temperature = personalization.choose_temperature(member_train, train.y, seed=config.seed)
     all_members = np.concatenate([member_test[c] for c in clients], axis=1)

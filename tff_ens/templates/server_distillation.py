@@ -120,10 +120,9 @@ class ServerDistillationConfig:
       them).
     posterior: the distribution of teachers="posterior" (`weight_posterior.WeightPosterior`).
     sharpen_temperature: T > 0 of targets="probabilities".
-    keep_clients: which received clients the teachers and the average keep, from their
-      accuracies on the server's validation data: `keep_clients(accuracies, labels,
-      num_classes, members=received)` returns `(keep, informative)` (FedDF's drop-worst,
-      `drop_worst.client_filter`); None keeps every client.
+    keep_clients: `(accuracies on server validation, labels, num_classes, members=received)
+      -> (keep, informative)`: which clients the teachers and the average keep (FedDF's
+      drop-worst, `drop_worst.client_filter`); None keeps every client.
     distill_student: False leaves the student out: the round's model is the clients' weight
       average, and the teachers only predict (FedBE's `--fedbe_distill=False`).
     teacher_labels: which unlabeled images the teachers label each round, one of

@@ -160,6 +160,29 @@ def test_the_program_names_no_algorithm_nor_a_flag_only_one_reads():
   assert {path: names for path, names in named.items() if names} == {}
 
 
+LIBRARY_FILES = sorted(
+  path
+  for package in ("tff_ens", "tasks", "export")
+  for path in (ROOT / package).rglob("*.py")
+  if "node_modules" not in path.parts
+)
+
+
+def test_no_module_is_over_500_lines_nor_a_function_over_80():
+  long_modules, long_functions = {}, {}
+  for path in LIBRARY_FILES:
+    text = path.read_text()
+    name = str(path.relative_to(ROOT))
+    if text.count("\n") > 500:
+      long_modules[name] = text.count("\n")
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = node.end_lineno - node.lineno + 1
+        if lines > 80:
+          long_functions[f"{name}:{node.name}"] = lines
+  assert (long_modules, long_functions) == ({}, {})
+
+
 _WITHOUT_DITTO = """
 import sys
 from absl import flags

@@ -33,6 +33,7 @@ from export.web import server
 CLIENT_FILES = ("client.html", "client.js", "trainer.js", "tffens.js", "style.css")
 OCTETS = "application/octet-stream"
 PING_SECONDS = 1.0
+LATE = "did not return its task in"  # Why a page that kept its task too long left.
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")
 _TASK_PATH = re.compile(r"tasks/(\d+)/(weights|x|y|order|result)")
 
@@ -83,7 +84,6 @@ class Client:
     self.task: Task | None = None
     self.gone = threading.Event()
     self.why_gone = ""
-    self.late = False  # Left for keeping a task past its deadline.
     self._sends = queue.Queue()
 
   def run(self, task: Task, seconds: float | None = None) -> np.ndarray | None:
@@ -94,12 +94,16 @@ class Client:
     deadline = None if seconds is None else time.monotonic() + seconds
     while not task.done.wait(PING_SECONDS):
       if deadline is not None and time.monotonic() >= deadline:
-        self.late = True
-        self.leave(f"did not return its task in {seconds:g} s")
+        self.leave(f"{LATE} {seconds:g} s")
       if self.gone.is_set():
         return None
     self.task = None
     return task.result
+
+  @property
+  def late(self) -> bool:
+    """Whether it left for keeping a task past its deadline."""
+    return self.why_gone.startswith(LATE)
 
   def leave(self, why: str = "went away"):
     if not self.gone.is_set():

@@ -82,7 +82,7 @@ def main(argv):
   for url in urls:
     print(f"  {url}")
   if not urls[-1].startswith(f"http://{server.LOOPBACK}:"):  # A URL for another machine: a phone's.
-    server.print_qr(urls[-1])
+    print(server.qr_text(urls[-1]), end="")
   print("only these URLs open the page (the token is new at each launch); Ctrl-C stops", flush=True)
   try:
     httpd.serve_forever()

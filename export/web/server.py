@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import hmac
 import http.server
+import io
 import ipaddress
 import os
 import re
@@ -224,7 +225,10 @@ def page_urls(host: str, port: int, token: str) -> list[str]:
   return [f"http://{h if ':' not in h else f'[{h}]'}:{port}/{token}/" for h in hosts]
 
 
-def print_qr(url: str):
+def qr_text(url: str) -> str:
+  """`url` as a QR code drawn with terminal block characters."""
   import segno
 
-  segno.make(url, error="m").terminal(compact=True)
+  drawn = io.StringIO()
+  segno.make(url, error="m").terminal(out=drawn, compact=True)
+  return drawn.getvalue()

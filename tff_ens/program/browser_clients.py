@@ -252,9 +252,8 @@ def _page_index(client_name: str) -> int:
 
 def _announce(urls: list[str], count: int):
   """The page's URLs and a QR code of the last one, for `count` browsers to open."""
-  print(
-    f"open this URL in {count} browser(s) (phones: scan the QR code); its token is the run's key:"
-  )
-  for url in urls:
-    print(f"  {url}")
-  server.print_qr(urls[-1])
+  lines = [
+    f"open this URL in {count} browser(s) (phones: scan the QR code); its token is the run's key:",
+    *(f"  {url}" for url in urls),
+  ]
+  print("\n".join(lines) + "\n" + server.qr_text(urls[-1]), end="", flush=True)

@@ -4,6 +4,7 @@ import csv
 import os
 import pathlib
 
+from tests import numpy_references
 from tff_ens import run_files
 from tff_ens.program import experiment
 
@@ -55,7 +56,45 @@ def reference_test_metrics(models, x, y) -> tuple[float, float]:
   NumPy, float64."""
   import numpy as np
 
-  logits = np.stack([m(x, training=False).numpy() for m in models]).astype(np.float64)
-  exp = np.exp(logits - logits.max(-1, keepdims=True))
-  probs = (exp / exp.sum(-1, keepdims=True)).mean(0)
-  return float(np.mean(probs.argmax(-1) == y)), float(-np.mean(np.log(probs[np.arange(len(y)), y])))
+  probs = numpy_references.member_probabilities(models, x).mean(0)
+  return numpy_references.accuracy(probs, y), float(-np.mean(np.log(probs[np.arange(len(y)), y])))
+
+
+def record_teachers(monkeypatch, step_class) -> list:
+  """Records, for each call of a server step's `_teachers` (`step_class`:
+  `server_distillation.DistillationStep` or `model_prototypes.PrototypeStep`), what it
+  returned, as NumPy (`returned`), and the step's `validation` (x, y)."""
+  import numpy as np
+  import tensorflow as tf
+
+  calls = []
+  teachers = step_class._teachers
+
+  def recording(self, *args):
+    returned = teachers.__get__(self, step_class)(*args)
+    calls.append(
+      dict(
+        returned=tf.nest.map_structure(np.asarray, returned),
+        validation=(self.data.validation_x, self.data.validation_y),
+      )
+    )
+    return returned
+
+  monkeypatch.setattr(step_class, "_teachers", recording)
+  return calls
+
+
+def logits_of(model, weights, x):
+  """`model`'s logits on `x` with `weights` (a `ModelWeights` of arrays) assigned."""
+  import tensorflow_federated as tff
+
+  tff.learning.models.ModelWeights(*weights).assign_weights_to(model)
+  return model(x, training=False).numpy()
+
+
+def stacked_logits(model, stack, x):
+  """[M, n, classes]: the logits of each of a stack's M teachers on `x`."""
+  import tensorflow as tf
+
+  members = len(tf.nest.flatten(stack)[0])
+  return [logits_of(model, tf.nest.map_structure(lambda w: w[m], stack), x) for m in range(members)]

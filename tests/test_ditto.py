@@ -18,6 +18,7 @@ from export import convert
 from export import on_device
 from export import runs
 import tasks
+from tests import numpy_references
 from tests.femnist_runs import QUICK
 from tff_ens import algorithms
 from tff_ens import run_files
@@ -402,11 +403,22 @@ def test_a_run_evaluates_each_writer_with_its_own_model_and_resumes(tmp_path):
   # Each client that trained holds the lambda its validation examples chose.
   assert set(summary["ditto_lambda_clients"]) <= {"0.1", "1", "2"}
   assert sum(summary["ditto_lambda_clients"].values()) == len(sampled)
-  assert 0 <= summary["personalized_accuracy"] <= 1
-  # Each writer's personal accuracy is in its own file; the summary has their mean.
+  # Each writer's personal accuracy is in its own file, that of its saved model (the global
+  # one for a writer that never trained), predicted here; the summary has their mean.
   with open(tmp_path / "run" / run_files.PERSONALIZED_PER_CLIENT_ACCURACY_FILE) as f:
     per_writer = json.load(f)
-  assert 0 < len(per_writer) <= 105
+  test = tasks.femnist.load_data(QUICK.data_dir).test
+  assert sorted(per_writer) == sorted(c for c in test.client_ids if len(test.y[c]))
+  (global_model,) = numpy_references.saved_models(tmp_path / "run")
+  own = tmp_path / "run" / run_files.CLIENTS_DIR
+  assert len(os.listdir(own)) == summary["clients_with_own_model"]
+  for writer, accuracy in per_writer.items():
+    path = own / f"{writer}.keras"
+    model = tf.keras.models.load_model(path, compile=False) if path.exists() else global_model
+    expected = numpy_references.accuracy(
+      numpy_references.member_probabilities([model], test.x[writer])[0], test.y[writer]
+    )
+    assert accuracy == pytest.approx(expected, abs=1e-9), writer
   assert np.mean(list(per_writer.values())) == pytest.approx(summary["personalized_accuracy"])
   assert "personalized_per_client_accuracy" not in summary
   # Resumed from round 1, the run ends where the uninterrupted one did.

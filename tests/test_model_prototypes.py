@@ -7,6 +7,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import numpy_references
+from tests.femnist_runs import logits_of
 from tff_ens import algorithms
 from tff_ens.algorithms import fedbe
 from tff_ens.algorithms import feddf
@@ -96,6 +98,23 @@ def test_a_client_trains_its_own_prototype_as_fedavg_would():
   assert result.update_weight == expected.update_weight == 3
 
 
+def _validation_accuracy(logits) -> float:
+  return numpy_references.accuracy(numpy_references.softmax(logits), SERVER.validation_y)
+
+
+def _client_models(prototypes, datasets) -> list:
+  """(prototype, trained weights, examples) of each client, client i training prototype
+  i mod P from `prototypes` as FedAvg's client work does."""
+  trained = []
+  for i, data in enumerate(datasets):
+    p = i % len(MODEL_FNS)
+    start = ModelWeights(*tf.nest.map_structure(np.asarray, tuple(prototypes[p])))
+    work = client_work.build_client_work(MODEL_FNS[p], SPEC, LOCAL)
+    result, _ = work.client_update(start, data, LOCAL.learning_rate)
+    trained.append((p, result.update, int(result.update_weight)))
+  return trained
+
+
 def test_one_round_distills_every_prototype_from_all_clients():
   built = _build(drop_worst=False)
   process = built.process
@@ -104,14 +123,28 @@ def test_one_round_distills_every_prototype_from_all_clients():
   new_state, metrics, _ = process.next(state, datasets, [0, 1, 2])
   assert metrics["aggregator"]["clients_collected"] == 3
   finalizer = metrics["finalizer"]
-  for name in NAMES:
-    assert 0.0 <= finalizer[f"student_validation_accuracy_{name}"] <= 1.0
+  # Each student's accuracy is its new prototype's, predicted here in NumPy.
+  for name, model_fn, weights in zip(NAMES, MODEL_FNS, new_state["model"]):
+    expected = _validation_accuracy(logits_of(model_fn(), weights, SERVER.validation_x))
+    assert finalizer[f"student_validation_accuracy_{name}"] == pytest.approx(expected), name
   assert finalizer["student_validation_accuracy"] == finalizer["student_validation_accuracy_dense"]
   assert finalizer["dropped_clients"] == 0
   assert finalizer["distill_steps"] >= 2
-  # What the first prototype's student competes with, measured as FedDF's single-model step.
-  assert 0.0 <= finalizer["average_validation_accuracy"] <= 1.0
-  assert 0.0 <= finalizer["teachers_validation_accuracy"] <= 1.0
+  # What the first prototype's student competes with, recomputed from the clients' models
+  # trained apart from the round: their weight average, and all clients' mean logits.
+  clients = _client_models(state["model"], datasets)
+  first = [(weights, n) for p, weights, n in clients if p == 0]
+  average = tf.nest.map_structure(
+    lambda *w: np.average(w, axis=0, weights=[n for _, n in first]), *[w for w, _ in first]
+  )
+  expected = _validation_accuracy(logits_of(MODEL_FNS[0](), average, SERVER.validation_x))
+  assert finalizer["average_validation_accuracy"] == pytest.approx(expected)
+  mean_logits = np.mean(
+    [logits_of(MODEL_FNS[p](), w, SERVER.validation_x) for p, w, _ in clients], axis=0
+  )
+  assert finalizer["teachers_validation_accuracy"] == pytest.approx(
+    _validation_accuracy(mean_logits)
+  )
   for before, after in zip(state["model"], new_state["model"]):
     assert any(
       not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before))

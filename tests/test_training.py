@@ -16,12 +16,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import numpy_references
 from tests.femnist_runs import DATA_DIR
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
 from tests.femnist_runs import client_state_values
+from tests.femnist_runs import logits_of
 from tests.femnist_runs import read_metrics
+from tests.femnist_runs import record_teachers
 from tests.femnist_runs import reference_test_metrics
+from tests.femnist_runs import stacked_logits
 from tff_ens import run_files
 from tff_ens import settings
 from tff_ens.algorithms import algorithm as algorithm_lib
@@ -30,6 +34,7 @@ from tff_ens.program import experiment
 from tff_ens.program import run_outputs
 from tff_ens.program import simulation
 from tff_ens.program import training
+from tff_ens.templates import server_distillation
 
 
 def run_cli(*args, timeout=600):
@@ -154,8 +159,21 @@ def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
 
   data = femnist.DIGITS.load_data(DATA_DIR)
   assert sum(summary["reliability"]["count"]) == data.test.num_examples()
-  for key in ("ood_auroc_entropy", "ood_auroc_mutual_information", "shift_accuracy", "shift_ece"):
-    assert 0.0 <= summary[key] <= 1.0, key
+  # Recomputed from the saved members: float64 NumPy, scikit-learn's AUROC.
+  models = numpy_references.saved_models(tmp_path)
+  assert len(models) == 2
+  test, ood, shift = (
+    numpy_references.mixture(numpy_references.member_probabilities(models, split.concatenated()[0]))
+    for split in (data.test, data.ood, data.shift)
+  )
+  for score in ("entropy", "mutual_information"):
+    expected = numpy_references.ood_auroc(test[score], ood[score])
+    assert summary[f"ood_auroc_{score}"] == pytest.approx(expected, abs=1e-3), score
+  shift_y = data.shift.concatenated()[1]
+  expected = numpy_references.accuracy(shift["probabilities"], shift_y)
+  assert summary["shift_accuracy"] == pytest.approx(expected, abs=1e-9)
+  expected = numpy_references.calibration_error(shift["probabilities"], shift_y)
+  assert summary["shift_ece"] == pytest.approx(expected, abs=1e-4)
   assert summary["shift_accuracy"] == summary["new_client_accuracy"]
   with open(tmp_path / "uncertainty.png", "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -163,12 +181,13 @@ def test_digits_run_reports_ood_shift_and_draws_them(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedbe", "feddf"])
-def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path):
+def test_server_distillation_run_reports_teacher_and_server(algorithm, monkeypatch, tmp_path):
   # A small unlabeled set (test-only writers' images) keeps the server fast.
   from tasks import femnist
 
   unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:96]
   np.savez(tmp_path / "server.npz", x=unlabeled)
+  recorded = record_teachers(monkeypatch, server_distillation.DistillationStep)
   summary = training.run_experiment(
     dataclasses.replace(
       QUICK,
@@ -190,22 +209,40 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
   )
   # The student is one model; the teachers are an ensemble.
   assert summary["ood_auroc_mutual_information"] is None
-  for key in (
-    "ood_auroc_entropy",
-    "teacher_ood_auroc_entropy",
-    "teacher_ood_auroc_mutual_information",
-    "teacher_shift_accuracy",
-  ):
-    assert 0.0 <= summary[key] <= 1.0, key
   assert sum(summary["teacher_reliability"]["count"]) == sum(summary["reliability"]["count"])
+  # The last round's teachers, recomputed in NumPy from the models they are made of.
+  stack, weights, average, *_ = recorded[-1]["returned"]
+  (student,) = numpy_references.saved_models(tmp_path / "out")
+  teacher_model = tf.keras.models.clone_model(student)
+  data = femnist.DIGITS.load_data(DATA_DIR)
+  targets = "avg_logits" if algorithm == "feddf" else "probabilities"
+  test, ood, shift = (
+    numpy_references.teacher_ensemble(
+      stacked_logits(teacher_model, stack, split.concatenated()[0]),
+      weights,
+      targets,
+    )
+    for split in (data.test, data.ood, data.shift)
+  )
+  for score in ("entropy", "mutual_information"):
+    expected = numpy_references.ood_auroc(test[score], ood[score])
+    assert summary[f"teacher_ood_auroc_{score}"] == pytest.approx(expected, abs=1e-3), score
+  expected = numpy_references.accuracy(shift["probabilities"], data.shift.concatenated()[1])
+  assert summary["teacher_shift_accuracy"] == pytest.approx(expected, abs=1e-9)
   assert summary["server_device"] == "/CPU:0"
   assert summary["server_seconds_per_round"] > 0
   assert summary["distill_examples_per_second"] > 0
   rows = read_metrics(tmp_path / "out")
   assert all(float(r["distill_steps"]) >= 1 for r in rows)
-  assert all(0 <= float(r["student_validation_accuracy"]) <= 1 for r in rows)
-  # Each evaluation measures the round's teachers and the clients' average on the test split.
-  assert all(0 <= float(r["average_test_accuracy"]) <= 1 for r in rows)
+  # The last student is the saved model; the last evaluation's average is the teachers'.
+  validation_x, validation_y = recorded[-1]["validation"]
+  student_probabilities = numpy_references.softmax(student(validation_x, training=False))
+  expected = numpy_references.accuracy(student_probabilities, validation_y)
+  assert float(rows[-1]["student_validation_accuracy"]) == pytest.approx(expected, abs=1e-6)
+  test_x, test_y = data.test.concatenated()
+  average_logits = logits_of(teacher_model, average, test_x)
+  expected = numpy_references.accuracy(numpy_references.softmax(average_logits), test_y)
+  assert float(rows[-1]["average_test_accuracy"]) == pytest.approx(expected, abs=1e-6)
   # The student's curve: from step 0, which is the clients' average.
   curves = json.loads((tmp_path / "out" / run_files.CURVES_FILE).read_text())
   assert sorted(curves) == ["1", "2"]
@@ -216,11 +253,13 @@ def test_server_distillation_run_reports_teacher_and_server(algorithm, tmp_path)
 
 
 @pytest.mark.slow
-def test_feddf_over_two_prototypes_reports_each(tmp_path):
+def test_feddf_over_two_prototypes_reports_each(monkeypatch, tmp_path):
   from tasks import femnist
+  from tff_ens.algorithms import model_prototypes
 
   unlabeled = femnist.load_data(DATA_DIR).new_clients.concatenated()[0][:64]
   np.savez(tmp_path / "server.npz", x=unlabeled)
+  recorded = record_teachers(monkeypatch, model_prototypes.PrototypeStep)
   summary = training.run_experiment(
     dataclasses.replace(
       QUICK,
@@ -239,15 +278,31 @@ def test_feddf_over_two_prototypes_reports_each(tmp_path):
   assert sorted(accuracies) == ["cnn", "resnet8"]
   # Each prototype's accuracy is its saved model's, predicted apart from the evaluator.
   x, y = femnist.load_data(DATA_DIR).test.concatenated()
+  saved = {}
   for name, accuracy in accuracies.items():
     path = tmp_path / "out" / "prototypes" / f"{name}.keras"
-    saved = tf.keras.models.load_model(path, compile=False)
-    assert accuracy == pytest.approx(reference_test_metrics([saved], x, y)[0], abs=1e-12)
-  # The teachers: both clients' models, one of each architecture.
-  assert 0.0 <= summary["ensemble_test_accuracy"] <= 1.0
+    saved[name] = tf.keras.models.load_model(path, compile=False)
+    assert accuracy == pytest.approx(reference_test_metrics([saved[name]], x, y)[0], abs=1e-12)
   assert sorted(os.listdir(tmp_path / "out" / "prototypes")) == ["cnn.keras", "resnet8.keras"]
+  # The teachers: both clients' models, one of each architecture, their logits averaged
+  # (AVGLOGITS), recomputed in NumPy from the models the last round kept.
+  clients, _, keep, *_ = recorded[-1]["returned"]
+  members = [
+    stacked_logits(tf.keras.models.clone_model(saved[name]), stack, x)
+    for name, stack in zip(("cnn", "resnet8"), clients)
+  ]
+  assert [int(k.sum()) for k in keep] == [1, 1]
+  teachers = numpy_references.teacher_ensemble(
+    np.concatenate(members), np.concatenate(keep), "avg_logits"
+  )
+  expected = numpy_references.accuracy(teachers["probabilities"], y)
+  assert summary["ensemble_test_accuracy"] == pytest.approx(expected, abs=1e-9)
+  # The round's resnet8 student is the saved resnet8, on the server's validation images.
   (row,) = read_metrics(tmp_path / "out")
-  assert 0 <= float(row["student_validation_accuracy_resnet8"]) <= 1
+  validation_x, validation_y = recorded[-1]["validation"]
+  logits = saved["resnet8"](validation_x, training=False)
+  expected = numpy_references.accuracy(numpy_references.softmax(logits), validation_y)
+  assert float(row["student_validation_accuracy_resnet8"]) == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -218,6 +218,11 @@ def test_bad_client_runtime_settings_are_usage_errors(flags, message):
 
 def test_browser_clients_without_chromium_or_litert_js_are_one_line(monkeypatch, tmp_path):
   config = experiment.ExperimentConfig(data_dir=DATA_DIR, client_runtime="browser")
+  # LiteRT.js's entry file in place (whether or not `npm ci` ran here), Chromium missing.
+  installed = tmp_path / "litertjs"
+  (installed / "core" / "dist").mkdir(parents=True)
+  (installed / "core" / "dist" / "index.js").touch()
+  monkeypatch.setattr(browser_clients.server, "LITERT_DIR", str(installed))
   monkeypatch.setattr(browser_clients.drive, "CHROMIUM", str(tmp_path / "chromium"))
   with pytest.raises(
     experiment.UsageError,
@@ -227,7 +232,7 @@ def test_browser_clients_without_chromium_or_litert_js_are_one_line(monkeypatch,
     config.validate()
   # Phones need no Chromium here, but the page needs LiteRT.js.
   assert browser_clients.missing("0.0.0.0:8765") is None
-  monkeypatch.setattr(browser_clients.server, "LITERT_DIR", str(tmp_path))
+  monkeypatch.setattr(browser_clients.server, "LITERT_DIR", str(tmp_path / "none"))
   assert browser_clients.missing("0.0.0.0:8765") == (
     "--client_runtime=browser needs LiteRT.js: run `npm ci --prefix export/web`"
   )

@@ -38,6 +38,7 @@ from tensorflow_federated.python.core.impl.execution_contexts import (
 )
 from tensorflow_federated.python.core.impl.executors import cardinalities_utils
 
+from tff_ens.execution import local_merge
 from tff_ens.execution import tls
 from tff_ens.execution import worker_process
 
@@ -256,22 +257,26 @@ class _ChunkedContext(tff.framework.SyncContext):
     if chunks <= len(self._factories):
       return self._whole.invoke(comp, arg)
     if id(comp) not in self._forms:
-      self._forms[id(comp)] = (comp, _compile_to_mergeable_form(comp))
-    form = self._forms[id(comp)][1]
+      form = _compile_to_mergeable_form(comp)
+      self._forms[id(comp)] = (comp, form, local_merge.LocalMerge(form.merge))
+    _, form, merge = self._forms[id(comp)]
     parts = mergeable_lib._split_value_into_subrounds(  # noqa: SLF001 (TFF's own split)
       arg, form.up_to_merge.type_signature.parameter, chunks
     )
-    result = self._runner.run_coro_and_return_result(_merged_chunks(form, parts, self._contexts))
+    result = self._runner.run_coro_and_return_result(
+      _merged_chunks(form, merge, parts, self._contexts)
+    )
     return tff.tensorflow.transform_result(
       tff.types.type_to_py_container(result, form.after_merge.type_signature.result)
     )
 
 
-async def _merged_chunks(form, parts: list, contexts: list):
+async def _merged_chunks(form, merge, parts: list, contexts: list):
   """`form.after_merge` of the first chunk's argument and the merge of every chunk's
   `up_to_merge`: each chunk on the next free context, its partial aggregate merged into the
-  running one as soon as it finishes, none kept once merged (TFF 0.87's pool keeps every
-  finished chunk's until the call ends: the cohort's worth of partial aggregates)."""
+  running one here (`merge`, a `local_merge.LocalMerge` of `form.merge`) as soon as it
+  finishes, none kept once merged (TFF 0.87's pool keeps every finished chunk's until the
+  call ends: the cohort's worth of partial aggregates)."""
   remaining = iter(parts)
   running = {}
 
@@ -291,7 +296,7 @@ async def _merged_chunks(form, parts: list, contexts: list):
       if merged is None:
         merged = partial
       else:
-        merged = await context.invoke(form.merge, tff.structure.Struct.unnamed(merged, partial))
+        merged = merge(merged, partial)
       del partial
       start(context)
     del done

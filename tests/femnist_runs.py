@@ -44,6 +44,14 @@ def client_state_values(output_dir) -> dict:
   }
 
 
+# The keys of metrics.csv and summary.json that time the run, and differ between equal runs.
+TIMINGS = ("seconds", "seconds_per_round", "server_seconds", "server_seconds_per_round")
+
+
+def without_timings(row: dict) -> dict:
+  return {k: v for k, v in row.items() if k not in TIMINGS}
+
+
 def read_metrics(output_dir):
   """The rows of a run's metrics.csv."""
   with open(os.path.join(output_dir, run_files.METRICS_FILE)) as f:

@@ -19,8 +19,10 @@ import tensorflow as tf
 
 from tests.femnist_runs import QUICK
 from tests.femnist_runs import ROOT
+from tests.femnist_runs import TIMINGS
 from tests.femnist_runs import client_state_values
 from tests.femnist_runs import read_metrics
+from tests.femnist_runs import without_timings
 from tff_ens import run_files
 from tff_ens.program import training
 
@@ -34,10 +36,9 @@ TINY = dataclasses.replace(
   eval_every=3,
   checkpoint_every=2,
 )
+
+
 # What measures time, and the flags that differ between the two runs by design.
-_TIMES = ("seconds", "seconds_per_round", "server_seconds", "server_seconds_per_round")
-
-
 def _flags(config) -> list[str]:
   return [
     f"--{k}={v}"
@@ -79,10 +80,6 @@ def _checkpoint(output_dir, round_num: int) -> dict[str, np.ndarray]:
   return {name: reader.get_tensor(name) for name in names}
 
 
-def _without_times(row: dict) -> dict:
-  return {k: v for k, v in row.items() if k not in _TIMES}
-
-
 @pytest.mark.timeout_seconds(900)
 @pytest.mark.parametrize(
   "algorithm, flags",
@@ -115,12 +112,12 @@ def test_a_killed_run_resumes_to_the_uninterrupted_state_bit_for_bit(algorithm, 
     lambdas = {float(s[-2]) for s in got_states.values() if s[-1] == 1.0}
     assert lambdas and lambdas <= {float(np.float32(lam)) for lam in (0.1, 1.0, 2.0)}
   rows, want_rows = read_metrics(tmp_path / "killed"), read_metrics(tmp_path / "uninterrupted")
-  assert [_without_times(r) for r in rows] == [_without_times(r) for r in want_rows]
+  assert [without_timings(r) for r in rows] == [without_timings(r) for r in want_rows]
   summary, got_summary = (
     json.loads((tmp_path / d / run_files.SUMMARY_FILE).read_text())
     for d in ("uninterrupted", "killed")
   )
   assert sorted(got_summary) == sorted(summary)
   for key, value in summary.items():
-    if key not in _TIMES and key != "config":
+    if key not in TIMINGS and key != "config":
       assert got_summary[key] == value, key

@@ -4,6 +4,8 @@ import csv
 import os
 import pathlib
 
+import numpy as np
+
 from tests import numpy_references
 from tff_ens import run_files
 from tff_ens.program import experiment
@@ -62,8 +64,6 @@ def reference_test_metrics(models, x, y) -> tuple[float, float]:
   """(accuracy, mean negative log-likelihood) of the Keras `models`' uniform mixture on
   `(x, y)`, computed apart from the program's evaluator: logits softmaxed and averaged in
   NumPy, float64."""
-  import numpy as np
-
   probs = numpy_references.member_probabilities(models, x).mean(0)
   return numpy_references.accuracy(probs, y), float(-np.mean(np.log(probs[np.arange(len(y)), y])))
 
@@ -72,7 +72,6 @@ def record_teachers(monkeypatch, step_class) -> list:
   """Records, for each call of a server step's `_teachers` (`step_class`:
   `server_distillation.DistillationStep` or `model_prototypes.PrototypeStep`), what it
   returned, as NumPy (`returned`), and the step's `validation` (x, y)."""
-  import numpy as np
   import tensorflow as tf
 
   calls = []

@@ -29,29 +29,33 @@ def entropy(probabilities) -> np.ndarray:
   return -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), -1)
 
 
-def mixture(member_probs) -> dict[str, np.ndarray]:
-  """A uniform mixture's `probabilities`, `entropy` and `mutual_information` (the entropy of
-  the mean minus the members' mean entropy)."""
-  mean = member_probs.mean(0)
+def _normalized(weights, k: int) -> np.ndarray:
+  weights = np.ones(k) if weights is None else np.asarray(weights, np.float64)
+  return weights / weights.sum()
+
+
+def mixture(member_probs, weights=None) -> dict[str, np.ndarray]:
+  """A weighted (uniform by default) mixture's `probabilities`, `entropy` and
+  `mutual_information` (the entropy of the mean minus the members' mean entropy)."""
+  weights = _normalized(weights, len(member_probs))
+  mean = np.tensordot(weights, member_probs, 1)
   return {
     "probabilities": mean,
     "entropy": entropy(mean),
-    "mutual_information": entropy(mean) - entropy(member_probs).mean(0),
+    "mutual_information": entropy(mean) - np.tensordot(weights, entropy(member_probs), 1),
   }
 
 
 def teacher_ensemble(member_logits, weights, targets: str) -> dict[str, np.ndarray]:
-  """Weighted teachers' `probabilities` (the softmax of their mean logits for FedDF's
-  "avg_logits", else their mean probabilities), its `entropy`, and `mutual_information`: that
-  entropy minus the teachers' mean entropy."""
-  weights = np.asarray(weights, np.float64) / np.sum(weights)
+  """Weighted teachers as `mixture` gives them, or for FedDF's "avg_logits" with the softmax
+  of their mean logits as the prediction (its mutual information against the same members'
+  mean entropy)."""
   logits = np.asarray(member_logits, np.float64)
-  members = softmax(logits)
-  if targets == "avg_logits":
-    probabilities = softmax(np.tensordot(weights, logits, 1))
-  else:
-    probabilities = np.tensordot(weights, members, 1)
-  mean_entropy = np.tensordot(weights, entropy(members), 1)
+  ensemble = mixture(softmax(logits), weights)
+  if targets != "avg_logits":
+    return ensemble
+  mean_entropy = ensemble["entropy"] - ensemble["mutual_information"]
+  probabilities = softmax(np.tensordot(_normalized(weights, len(logits)), logits, 1))
   return {
     "probabilities": probabilities,
     "entropy": entropy(probabilities),

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import numpy_references
+from tests.femnist_runs import logits_of
 from tff_ens import algorithms
 from tff_ens.algorithms import fedbe
 from tff_ens.algorithms import feddf
@@ -463,9 +464,7 @@ def test_one_round_distills_from_the_cohort(method):
   before = process.get_model_weights(state)
   after = process.get_model_weights(state_after)
   # The student's accuracy is the new model's on the validation images, predicted here.
-  model = tiny_model()
-  after.assign_weights_to(model)
-  logits = model(SERVER.validation_x, training=False).numpy()
+  logits = logits_of(tiny_model(), after, SERVER.validation_x)
   expected = numpy_references.accuracy(numpy_references.softmax(logits), SERVER.validation_y)
   assert finalizer["student_validation_accuracy"] == pytest.approx(expected)
   assert any(not np.allclose(a, b) for a, b in zip(tf.nest.flatten(after), tf.nest.flatten(before)))

@@ -10,6 +10,9 @@ r"""Browser clients against LiteRT and TFF clients: round time, and one training
    (`browser_clients.BrowserPool`, a headless page): a task of 1 + `--steps` steps less one
    of 1 step on the same data, divided by `--steps`, the best of 3 pairs, so that moving
    the data and the weights cancels out.
+3. A page's upload of a result as large as the LEAF CNN's weights: the POST that
+   `static/client.js` sends, its body a Blob (what it sends) or the Float32Array itself, in
+   one page one after the other, the best of 3 each.
 
 Writes the section "## Browser clients" of `--results`.
 """
@@ -26,6 +29,8 @@ from absl import flags
 import numpy as np
 
 from export import trainable
+from export.web import client_server
+from export.web import drive
 import report
 from tasks import femnist
 
@@ -119,13 +124,53 @@ def step_times(work: str) -> list[tuple[str, float]]:
   return rows
 
 
+UPLOAD_JS = """async ([id, size, kind]) => {
+  const body = new Float32Array(size);
+  const start = performance.now();
+  const sent = kind === "Blob" ? new Blob([body]) : body;
+  const response = await fetch(`tasks/${id}/result`, {method: "POST", body: sent});
+  if (response.status !== 204) throw new Error(`HTTP ${response.status}`);
+  return performance.now() - start;
+}"""
+
+
+def upload_times(path: str, size: int) -> list[tuple[str, float]]:
+  """ms to POST `size` float32 values from a page, as a Blob and as the typed array."""
+  server = client_server.ClientServer(path)
+  try:
+    with drive.browser() as chromium:
+      page = chromium.new_context().new_page()
+      page.goto(server.urls()[0])
+      times = {"Blob": [], "Float32Array": []}
+      for _ in range(3):
+        for kind, measured in times.items():
+          task = server.task(
+            model=0,
+            batch_size=1,
+            weights=bytes(4 * size),
+            x=b"",
+            y=b"",
+            order=b"",
+            num_examples=0,
+            num_weights=size,
+          )
+          measured.append(page.evaluate(UPLOAD_JS, [task.id, size, kind]))
+          server.finish(task)
+  finally:
+    server.close()
+  return [(kind, min(measured)) for kind, measured in times.items()]
+
+
 def main(argv):
   started = report.start(argv)
+  size = femnist.build_model("cnn", seed=0).count_params()
   with tempfile.TemporaryDirectory() as work:
     steps = step_times(work)
+    uploads = upload_times(os.path.join(work, "static.tflite"), size)
     rounds = round_times(work)
   tff_median = rounds[0][2]
   litert_ms = steps[1][1]
+  blob_ms = uploads[0][1]
   lines = [
     SECTION,
     "",
@@ -147,6 +192,13 @@ def main(argv):
     "| runtime | ms per step | / LiteRT Python (static) |",
     "| --- | ---: | ---: |",
     *[f"| {name} | {ms:.1f} | {ms / litert_ms:.2f} |" for name, ms in steps],
+    "",
+    f"A page's POST of a result of {size:,} float32 values ({4 * size / 1e6:.1f} MB, the LEAF "
+    "CNN's weights) to the run's server, in one page, best of 3.",
+    "",
+    "| body | ms per upload | / Blob |",
+    "| --- | ---: | ---: |",
+    *[f"| {kind} | {ms:.0f} | {ms / blob_ms:.2f} |" for kind, ms in uploads],
   ]
   report.publish(SECTION, lines)
 

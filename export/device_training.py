@@ -46,8 +46,17 @@ class LocalTraining(NamedTuple):
 class DeviceTrainer:
   """A trainable file in the standalone interpreter: set_weights, train_epochs, get_weights."""
 
-  def __init__(self, flatbuffer: bytes, num_threads: int = 1):
-    interpreter = on_device.tflite.Interpreter(model_content=flatbuffer, num_threads=num_threads)
+  def __init__(self, flatbuffer: bytes, num_threads: int = 1, op_resolver: str = "AUTO"):
+    """`op_resolver`: the interpreter's kernels, an `OpResolverType` name (AUTO: its builtin
+    kernels with XNNPack; BUILTIN_WITHOUT_DEFAULT_DELEGATES; BUILTIN_REF, the reference ones)."""
+    kernels = on_device.tflite.OpResolverType.__members__
+    if op_resolver not in kernels:
+      raise ExportError(f"op_resolver={op_resolver} is not one of {', '.join(kernels)}")
+    interpreter = on_device.tflite.Interpreter(
+      model_content=flatbuffer,
+      num_threads=num_threads,
+      experimental_op_resolver_type=kernels[op_resolver],
+    )
     missing = [s for s in SIGNATURES if s not in interpreter.get_signature_list()]
     if missing:
       raise ExportError(

@@ -14,6 +14,7 @@ import tensorflow as tf
 from tensorflow.lite.python import schema_py_generated as schema
 from tensorflow.lite.tools import flatbuffer_utils
 
+from export import ExportError
 from export import device_training
 from export import trainable
 from tasks import femnist
@@ -350,9 +351,11 @@ def test_example_order_and_batches_follow_repeat_then_batch():
   np.testing.assert_array_equal(order, device_training.example_order(5, 3, seed=7))
 
 
-def test_device_trainer_matches_keras_in_this_environment():
+# AUTO is what LiteRT clients use; the reference kernels are LiteRT's other correct answer.
+@pytest.mark.parametrize("op_resolver", ["AUTO", "BUILTIN_REF"])
+def test_device_trainer_matches_keras_in_this_environment(op_resolver):
   flatbuffer = trainable_file("leaf_like", 0.9)
-  trainer = device_training.DeviceTrainer(flatbuffer)
+  trainer = device_training.DeviceTrainer(flatbuffer, op_resolver=op_resolver)
   x, y = batch(7, seed=4)
   order = device_training.example_order(len(x), epochs=2, seed=0)
   weights, num_examples, mean_loss, accuracy = trainer.train_epochs(
@@ -378,6 +381,11 @@ def test_device_trainer_matches_keras_in_this_environment():
     trainer.set_weights(weights[:-1])
   with pytest.raises(ValueError, match=r"y must be 7 class indices in 0..9"):
     trainer.train_epochs(x, y + 5, epochs=1, batch_size=4)
+
+
+def test_device_trainer_names_an_unknown_kernel_set():
+  with pytest.raises(ExportError, match="op_resolver=FAST is not one of AUTO, BUILTIN"):
+    device_training.DeviceTrainer(trainable_file("leaf_like", 0.9), op_resolver="FAST")
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

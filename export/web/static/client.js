@@ -36,7 +36,8 @@ async function runTask(trainer, task) {
   body.set(result.weights);
   body.set(result.losses, result.weights.length);
   body.set(result.correct, result.weights.length + result.losses.length);
-  const response = await fetch(base + "result", {method: "POST", body, headers: {"Content-Type": "application/octet-stream"}});
+  // A Blob, not the typed array: Chromium uploads a 26 MB typed array 8x slower.
+  const response = await fetch(base + "result", {method: "POST", body: new Blob([body]), headers: {"Content-Type": "application/octet-stream"}});
   if (!response.ok) throw new Problem(`the run refused task ${task.id}'s result (HTTP ${response.status})`);
   $("done").textContent = String(Number($("done").textContent) + 1);
   show("waiting for the next task");

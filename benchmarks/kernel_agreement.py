@@ -10,7 +10,8 @@ the run's browser client) and in LiteRT Python (the device environment,
 AUTO (what LiteRT clients use: builtin kernels with XNNPack), BUILTIN_WITHOUT_DEFAULT_DELEGATES
 and BUILTIN_REF. For each pair: the largest weight difference after the steps, the share of
 weights that are bit-equal, and the largest step-loss difference. Writes the section
-"## Kernel agreement" of `--results`.
+"## Kernel agreement: LiteRT.js against LiteRT Python's kernel sets (issue 65)" of
+`--results`.
 """
 
 import itertools

@@ -3,8 +3,9 @@ each kernel set (`OpResolverType`), NumPy and LiteRT only.
 
   device/.venv/bin/python benchmarks/device_kernels.py WORK
 
-reads WORK/static.tflite and WORK/inputs.npz (weights, x, y, order, batch_size) and writes
-WORK/RESOLVER.npz (the weights after the steps, flat, and each step's loss).
+reads WORK/static.tflite and WORK/inputs.npz (the weights w0, w1, ... as in
+`export.device_client`'s requests; x, y, order, batch_size) and writes WORK/RESOLVER.npz (the
+weights after the steps, flat, and each step's loss).
 """
 
 import os
@@ -25,9 +26,8 @@ def main(work: str) -> None:
     flatbuffer = f.read()
   for resolver in RESOLVERS:
     trainer = device_training.DeviceTrainer(flatbuffer, op_resolver=resolver)
-    shapes, flat = trainer.weight_shapes, inputs["weights"]
-    offsets = np.cumsum([0, *(int(np.prod(s)) for s in shapes)])
-    trainer.set_weights([flat[a:b].reshape(s) for a, b, s in zip(offsets, offsets[1:], shapes)])
+    names = map(device_training.weight_name, range(len(trainer.weight_shapes)))
+    trainer.set_weights([inputs[name] for name in names])
     losses = []
     trained = trainer.train_epochs(
       inputs["x"],

@@ -24,6 +24,7 @@ from absl import flags
 import device_kernels
 import numpy as np
 
+from export import device_training
 from export import trainable
 import report
 from tasks import femnist
@@ -67,12 +68,12 @@ def measured(settings) -> tuple[int, dict[str, dict]]:
   request.update(batch_size=batch, model=0)
   model = femnist.build_model("cnn", seed=0)
   weights = [w.numpy() for w in model.trainable_variables]
-  flat = np.concatenate([w.ravel() for w in weights])
+  named = {device_training.weight_name(i): w for i, w in enumerate(weights)}
   with tempfile.TemporaryDirectory() as work:
     path = os.path.join(work, "static.tflite")
     with open(path, "wb") as f:
       f.write(trainable.convert_trainable(model, learning_rate=0.05, static_batch=batch))
-    np.savez(os.path.join(work, "inputs.npz"), weights=flat, **request)
+    np.savez(os.path.join(work, "inputs.npz"), **named, **request)
     subprocess.run(
       [device_clients.DEVICE_PYTHON, device_kernels.__file__, work],
       cwd=report.REPO_ROOT,
@@ -83,7 +84,7 @@ def measured(settings) -> tuple[int, dict[str, dict]]:
       with np.load(os.path.join(work, f"{resolver}.npz")) as saved:
         runs[f"LiteRT Python {resolver}"] = dict(saved)
     runs["LiteRT.js (headless Chromium)"] = browser_steps(path, weights, request)
-  return flat.size, runs
+  return model.count_params(), runs
 
 
 def main(argv):
